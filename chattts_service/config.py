@@ -1,0 +1,130 @@
+"""One settings object, read once from the environment and passed to whoever needs it.
+
+Every field here is documented in the README's settings table; an unknown ``CHATTTS_*``
+variable is reported at start-up so a typo does not silently fall back to a default.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Mapping
+
+log = logging.getLogger(__name__)
+
+PREFIX = "CHATTTS_"
+
+
+class SettingsError(ValueError):
+    """An environment variable holds a value the service cannot use."""
+
+
+def available_cpus() -> int:
+    """CPUs this process may run on: honours a container's cpuset and ``numactl``."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except (AttributeError, OSError):  # pragma: no cover - not Linux
+        return max(1, os.cpu_count() or 1)
+
+
+def _env_field(name: str, default, help_text: str):
+    return field(default=default, metadata={"env": PREFIX + name, "help": help_text})
+
+
+@dataclass(frozen=True)
+class Settings:
+    model_dir: Path = _env_field("MODEL_DIR", Path("models/chattts"),
+                                 "directory holding the model in ChatTTS's layout (asset/...)")
+    verify_model: bool = _env_field("VERIFY_MODEL", True,
+                                    "check every model file against ChatTTS's sha256 list at start")
+    host: str = _env_field("HOST", "0.0.0.0", "address to listen on")
+    port: int = _env_field("PORT", 8090, "port to listen on")
+    threads: int = _env_field("THREADS", 0,
+                              "torch compute threads; 0 = the CPUs this process may run on")
+    http_threads: int = _env_field("HTTP_THREADS", 16,
+                                   "gunicorn threads accepting requests (inference is serialised)")
+    worker_timeout: int = _env_field("WORKER_TIMEOUT", 300,
+                                     "seconds gunicorn waits on a silent worker before restarting it")
+    cache_size: int = _env_field("CACHE_SIZE", 256, "entries in the LRU audio cache; 0 disables it")
+    max_chars: int = _env_field("MAX_CHARS", 200, "longest text accepted, in characters")
+    max_new_tokens: int = _env_field("MAX_NEW_TOKENS", 2048,
+                                     "cap on GPT steps per request (46.9 steps = 1 s of audio)")
+    refine_text: bool = _env_field("REFINE_TEXT", False,
+                                   "default for the per-request refine_text option")
+    default_seed: int = _env_field("DEFAULT_SEED", 1234, "voice and sampling seed when a request gives none")
+    warmup: bool = _env_field("WARMUP", True, "run warm-up texts through the model before ready")
+    log_level: str = _env_field("LOG_LEVEL", "INFO", "Python logging level")
+
+    @property
+    def torch_threads(self) -> int:
+        return self.threads if self.threads > 0 else available_cpus()
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None, **overrides) -> "Settings":
+        environ = os.environ if environ is None else environ
+        values = {}
+        known = set()
+        for item in fields(cls):
+            name = item.metadata["env"]
+            known.add(name)
+            if name in environ and item.name not in overrides:
+                values[item.name] = _parse(name, environ[name], item.default)
+        unknown = sorted(k for k in environ if k.startswith(PREFIX) and k not in known)
+        for name in unknown:
+            log.warning("ignoring unknown setting %s (see the README's settings table)", name)
+        settings = cls(**{**values, **overrides})
+        settings.validate()
+        return settings
+
+    def validate(self) -> None:
+        checks = [
+            (1 <= self.port <= 65535, "CHATTTS_PORT must be between 1 and 65535"),
+            (self.threads >= 0, "CHATTTS_THREADS must be 0 (auto) or positive"),
+            (self.http_threads >= 1, "CHATTTS_HTTP_THREADS must be at least 1"),
+            (self.worker_timeout >= 10, "CHATTTS_WORKER_TIMEOUT must be at least 10 seconds"),
+            (self.cache_size >= 0, "CHATTTS_CACHE_SIZE must be 0 or positive"),
+            (self.max_chars >= 1, "CHATTTS_MAX_CHARS must be at least 1"),
+            (1 <= self.max_new_tokens <= 4096, "CHATTTS_MAX_NEW_TOKENS must be between 1 and 4096"),
+            (0 <= self.default_seed < 2**31, "CHATTTS_DEFAULT_SEED must be in [0, 2^31)"),
+            (self.log_level.upper() in logging.getLevelNamesMapping(),
+             "CHATTTS_LOG_LEVEL must be a Python logging level"),
+        ]
+        for ok, message in checks:
+            if not ok:
+                raise SettingsError(message)
+
+    @classmethod
+    def documentation(cls) -> list[tuple[str, str, str]]:
+        """(variable, default, meaning) for every setting: the README table is built from it."""
+        rows = []
+        for item in fields(cls):
+            default = item.default
+            if isinstance(default, bool):
+                default = "1" if default else "0"
+            rows.append((item.metadata["env"], str(default), item.metadata["help"]))
+        return rows
+
+
+_TRUE = {"1", "true", "yes", "on"}
+_FALSE = {"0", "false", "no", "off"}
+
+
+def _parse(name: str, raw: str, default):
+    text = raw.strip()
+    try:
+        if isinstance(default, bool):
+            lowered = text.lower()
+            if lowered in _TRUE:
+                return True
+            if lowered in _FALSE:
+                return False
+            raise ValueError("expected 1/0, true/false, yes/no or on/off")
+        if isinstance(default, int):
+            return int(text)
+        if isinstance(default, Path):
+            return Path(text)
+        return text
+    except ValueError as error:
+        raise SettingsError(f"{name}={raw!r}: {error}") from error
