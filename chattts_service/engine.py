@@ -72,6 +72,7 @@ class Engine:
         """Verify (unless disabled) and load the model files; raise ModelFilesError when bad."""
         import torch
 
+        _quiet_library_chatter()
         started = time.perf_counter()
         model_dir = Path(self.settings.model_dir)
         paths = model_files.check_present(model_dir)
@@ -180,6 +181,18 @@ class Engine:
         elapsed = time.perf_counter() - started
         log.info("warm-up of %d texts took %.2fs", len(texts), elapsed)
         return elapsed
+
+
+def _quiet_library_chatter() -> None:
+    """transformers warns on every forward pass about ChatTTS's use of ``past_key_values`` and
+    draws progress bars while loading; neither tells an operator anything."""
+    import warnings
+
+    from transformers.utils import logging as transformers_logging
+
+    warnings.filterwarnings("ignore", message=".*past_key_values.*", category=FutureWarning)
+    transformers_logging.set_verbosity_error()
+    transformers_logging.disable_progress_bar()
 
 
 def _speakable(text: str) -> bool:

@@ -1,0 +1,58 @@
+"""The Flask application factory: nothing heavy happens at import time."""
+
+from __future__ import annotations
+
+import logging
+import time
+
+from flask import Flask, g, request
+
+from .cache import AudioCache
+from .config import Settings
+from .engine import Engine
+from .errors import register_error_handlers
+from .metrics import Metrics
+from .routes import health, synthesis
+from .state import ServiceState
+
+log = logging.getLogger("chattts_service.access")
+
+MAX_BODY_BYTES = 64 * 1024
+
+
+def create_app(settings: Settings | None = None, *, engine: Engine | None = None,
+               start_loading: bool = True, exit_on_load_failure: bool = False) -> Flask:
+    settings = settings or Settings.from_env()
+    app = Flask(__name__)
+    app.config["MAX_CONTENT_LENGTH"] = MAX_BODY_BYTES
+    app.json.ensure_ascii = False
+
+    state = ServiceState(settings=settings, engine=engine or Engine(settings),
+                         cache=AudioCache(settings.cache_size), metrics=Metrics())
+    app.extensions["chattts"] = state
+
+    register_error_handlers(app)
+    app.register_blueprint(health.blueprint)
+    app.register_blueprint(synthesis.blueprint)
+
+    @app.before_request
+    def remember_start():
+        g.started = time.perf_counter()
+
+    @app.after_request
+    def log_request(response):
+        duration = time.perf_counter() - g.get("started", time.perf_counter())
+        if request.path in ("/healthz", "/readyz", "/metrics") and response.status_code < 400:
+            return response  # probes and scrapes would drown the log
+        log.info("%s %s %d %.3fs audio=%.2fs cache=%s", request.method, request.path,
+                 response.status_code, duration, g.get("audio_seconds", 0.0),
+                 g.get("cache", "-"))
+        return response
+
+    if start_loading:
+        state.start(exit_on_failure=exit_on_load_failure)
+    return app
+
+
+def service_state(app: Flask) -> ServiceState:
+    return app.extensions["chattts"]

@@ -1,0 +1,70 @@
+"""Prometheus metrics, one registry per app so tests can build as many apps as they like."""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from .config import available_cpus
+
+LATENCY_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2, 4, 8, 15, 30, 60, 120)
+
+
+class CpuSampler:
+    """Process CPU use since the previous reading, as a percentage of the CPUs it may use."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._last_wall = time.monotonic()
+        self._last_cpu = self._cpu_seconds()
+        self._last_percent = 0.0
+
+    @staticmethod
+    def _cpu_seconds() -> float:
+        times = os.times()
+        return times.user + times.system
+
+    def percent(self) -> float:
+        with self._lock:
+            wall, cpu = time.monotonic(), self._cpu_seconds()
+            elapsed = wall - self._last_wall
+            if elapsed >= 0.5:  # shorter intervals are too noisy to mean anything
+                used = (cpu - self._last_cpu) / elapsed / available_cpus() * 100.0
+                self._last_percent = max(0.0, min(100.0, used))
+                self._last_wall, self._last_cpu = wall, cpu
+            return self._last_percent
+
+
+class Metrics:
+    def __init__(self):
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.infer_total = Counter("chatts_infer", "Inferences run (cache misses that reached the model)",
+                                   ["outcome"], registry=r)
+        self.infer_duration = Histogram("chatts_infer_duration_seconds", "Model time per inference",
+                                        buckets=LATENCY_BUCKETS, registry=r)
+        self.request_duration = Histogram("chatts_request_duration_seconds",
+                                          "Time to answer a /synthesize request",
+                                          buckets=LATENCY_BUCKETS, registry=r)
+        self.requests_total = Counter("chatts_requests", "Answered /synthesize requests",
+                                      ["status"], registry=r)
+        self.cache_hits = Counter("chatts_cache_hits", "Requests answered from the audio cache",
+                                  registry=r)
+        self.cache_misses = Counter("chatts_cache_misses", "Requests the cache could not answer",
+                                    registry=r)
+        self.audio_seconds = Counter("chatts_audio_seconds", "Seconds of audio served", registry=r)
+        self.queue_depth = Gauge("chatts_queue_depth",
+                                 "Requests waiting for or running inference", registry=r)
+        self.cache_entries = Gauge("chatts_cache_entries", "Entries in the audio cache", registry=r)
+        self.ready = Gauge("chatts_ready", "1 once the model is loaded and warmed up", registry=r)
+        self.cpu_percent = Gauge("chatts_cpu_percent",
+                                 "Process CPU use since the previous scrape, % of its CPUs",
+                                 registry=r)
+        self._cpu = CpuSampler()
+        self.cpu_percent.set_function(self._cpu.percent)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

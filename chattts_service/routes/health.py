@@ -1,0 +1,35 @@
+"""Liveness, readiness and metrics: what orchestrators and Prometheus call."""
+
+from __future__ import annotations
+
+from flask import Blueprint, Response, current_app, jsonify
+
+blueprint = Blueprint("health", __name__)
+
+RETRY_AFTER_SECONDS = "5"
+
+
+@blueprint.get("/healthz")
+def healthz():
+    return jsonify(status="alive")
+
+
+@blueprint.get("/readyz")
+def readyz():
+    state = current_app.extensions["chattts"]
+    if state.ready:
+        return jsonify(status="ready", model=state.engine.model_name)
+    body = {"status": state.phase}
+    if state.failure:
+        body["error"] = state.failure
+    response = jsonify(body)
+    response.status_code = 503
+    response.headers["Retry-After"] = RETRY_AFTER_SECONDS
+    return response
+
+
+@blueprint.get("/metrics")
+def metrics():
+    state = current_app.extensions["chattts"]
+    state.metrics.cache_entries.set(len(state.cache))
+    return Response(state.metrics.render(), mimetype="text/plain; version=0.0.4")

@@ -1,0 +1,78 @@
+"""POST /synthesize: text in, WAV out.
+
+The path of one request, top to bottom: validation -> cache lookup -> engine -> WAV encoding
+-> response (and the cache filled on the way back).
+"""
+
+from __future__ import annotations
+
+import time
+
+from flask import Blueprint, Response, current_app, g, request
+
+from .. import validation
+from ..audio import to_wav
+from ..cache import cache_key
+from ..engine import EngineError, NothingToSay
+from ..errors import ApiError, NotReady, Unprocessable
+from .health import RETRY_AFTER_SECONDS
+
+blueprint = Blueprint("synthesis", __name__)
+
+
+@blueprint.post("/synthesize")
+def synthesize():
+    state = current_app.extensions["chattts"]
+    metrics = state.metrics
+    started = time.perf_counter()
+    status = 500
+    try:
+        if not state.ready:
+            raise NotReady(f"model is not ready ({state.phase})",
+                           headers={"Retry-After": RETRY_AFTER_SECONDS})
+        body = validation.json_body(request.mimetype, request.get_data(cache=False))
+        synthesis_request = validation.synthesize_request(body, state.settings)
+
+        key = cache_key(synthesis_request, state.engine.model_name)
+        cached = state.cache.get(key)
+        if cached is not None:
+            metrics.cache_hits.inc()
+            wav, seconds, cache_status = cached[0], cached[1], "HIT"
+        else:
+            metrics.cache_misses.inc()
+            wav, seconds = _infer(state, synthesis_request)
+            state.cache.put(key, (wav, seconds))
+            cache_status = "MISS"
+
+        metrics.audio_seconds.inc(seconds)
+        g.audio_seconds, g.cache = seconds, cache_status
+        status = 200
+        response = Response(wav, mimetype="audio/wav")
+        response.headers["X-Cache"] = cache_status
+        response.headers["X-Audio-Seconds"] = f"{seconds:.3f}"
+        return response
+    except ApiError as error:
+        status = error.status
+        raise
+    finally:
+        metrics.requests_total.labels(status=str(status)).inc()
+        metrics.request_duration.observe(time.perf_counter() - started)
+
+
+def _infer(state, synthesis_request):
+    metrics = state.metrics
+    metrics.queue_depth.inc()
+    started = time.perf_counter()
+    try:
+        result = state.engine.synthesize(synthesis_request)
+    except NothingToSay as error:
+        metrics.infer_total.labels(outcome="nothing_to_say").inc()
+        raise Unprocessable(str(error)) from None
+    except EngineError as error:
+        metrics.infer_total.labels(outcome="error").inc()
+        raise ApiError(f"synthesis failed: {error}", status=500) from None
+    finally:
+        metrics.queue_depth.dec()
+    metrics.infer_total.labels(outcome="ok").inc()
+    metrics.infer_duration.observe(time.perf_counter() - started)
+    return to_wav(result.audio, result.sample_rate), result.seconds

@@ -1,0 +1,65 @@
+"""What one running service holds: settings, engine, cache, metrics and its readiness."""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from dataclasses import dataclass, field
+
+from .cache import AudioCache
+from .config import Settings
+from .engine import Engine
+from .metrics import Metrics
+from .model_files import ModelFilesError
+
+log = logging.getLogger(__name__)
+
+# gunicorn's exit status for "the worker failed to boot": the arbiter then stops for good
+# instead of restarting a worker that can never load its model.
+WORKER_BOOT_ERROR = 3
+
+
+@dataclass
+class ServiceState:
+    settings: Settings
+    engine: Engine
+    cache: AudioCache
+    metrics: Metrics
+    started_at: float = field(default_factory=time.monotonic)
+    ready_event: threading.Event = field(default_factory=threading.Event)
+    phase: str = "starting"  # starting -> loading -> warming -> ready | failed
+    failure: str | None = None
+
+    @property
+    def ready(self) -> bool:
+        return self.ready_event.is_set()
+
+    def start(self, exit_on_failure: bool) -> threading.Thread:
+        thread = threading.Thread(target=self._load_and_warm, args=(exit_on_failure,),
+                                  name="model-loader", daemon=True)
+        thread.start()
+        return thread
+
+    def _load_and_warm(self, exit_on_failure: bool) -> None:
+        try:
+            self.phase = "loading"
+            self.engine.load()
+            if self.settings.warmup:
+                self.phase = "warming"
+                self.engine.warm_up()
+        except Exception as error:  # any failure here is fatal to serving
+            self.phase, self.failure = "failed", str(error)
+            if isinstance(error, ModelFilesError):
+                log.error("cannot start: %s", error)
+            else:
+                log.exception("cannot start: loading the model failed")
+            if exit_on_failure:
+                logging.shutdown()
+                os._exit(WORKER_BOOT_ERROR)
+            return
+        self.phase = "ready"
+        self.metrics.ready.set(1)
+        self.ready_event.set()
+        log.info("ready %.2fs after start", time.monotonic() - self.started_at)
