@@ -1,0 +1,8 @@
+"""Load check for a running service: latency percentiles, throughput, errors. See README."""
+
+import sys
+
+from chattts_service.loadtest import main
+
+if __name__ == "__main__":
+    sys.exit(main())

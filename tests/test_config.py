@@ -1,0 +1,53 @@
+import logging
+from pathlib import Path
+
+import pytest
+
+from chattts_service.config import Settings, SettingsError, available_cpus
+
+
+def test_defaults_without_environment():
+    settings = Settings.from_env({})
+    assert settings.port == 8090
+    assert settings.host == "0.0.0.0"
+    assert settings.cache_size == 256
+    assert settings.verify_model is True
+    assert settings.refine_text is False
+    assert settings.torch_threads == available_cpus()
+
+
+def test_values_are_parsed_from_the_environment():
+    settings = Settings.from_env({
+        "CHATTTS_PORT": "9000", "CHATTTS_VERIFY_MODEL": "0", "CHATTTS_REFINE_TEXT": "true",
+        "CHATTTS_MODEL_DIR": "/m", "CHATTTS_THREADS": "3", "CHATTTS_CACHE_SIZE": "0",
+    })
+    assert settings.port == 9000
+    assert settings.verify_model is False
+    assert settings.refine_text is True
+    assert settings.model_dir == Path("/m")
+    assert settings.torch_threads == 3
+    assert settings.cache_size == 0
+
+
+@pytest.mark.parametrize("name,value", [
+    ("CHATTTS_PORT", "eighty"), ("CHATTTS_PORT", "70000"), ("CHATTTS_VERIFY_MODEL", "maybe"),
+    ("CHATTTS_MAX_CHARS", "0"), ("CHATTTS_THREADS", "-1"), ("CHATTTS_LOG_LEVEL", "LOUD"),
+    ("CHATTTS_MAX_NEW_TOKENS", "0"),
+])
+def test_bad_values_are_refused_with_the_variable_named(name, value):
+    with pytest.raises(SettingsError, match=name):
+        Settings.from_env({name: value})
+
+
+def test_unknown_setting_is_reported(caplog):
+    with caplog.at_level(logging.WARNING):
+        Settings.from_env({"CHATTTS_CACHE_SIZES": "5"})
+    assert "CHATTTS_CACHE_SIZES" in caplog.text
+
+
+def test_readme_documents_every_setting_with_its_default():
+    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text(encoding="utf-8")
+    for variable, default, _ in Settings.documentation():
+        row = next((line for line in readme.splitlines() if line.startswith(f"| `{variable}`")), None)
+        assert row is not None, f"{variable} missing from the README settings table"
+        assert f"`{default}`" in row, f"{variable}: README default differs from {default}"
