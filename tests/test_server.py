@@ -1,0 +1,232 @@
+"""The real server (``python server.py``: gunicorn + the app) on loopback, over real HTTP."""
+
+from __future__ import annotations
+
+import io
+import json
+import subprocess
+import sys
+import time
+import wave
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import requests
+from prometheus_client.parser import text_string_to_metric_families
+
+from conftest import REPO
+
+MAX_STEPS = 200
+
+
+@pytest.fixture(scope="module")
+def startup(start_server):
+    """Start a server and record what clients saw before it became ready."""
+    server = start_server(CHATTTS_MAX_CHARS="50", CHATTTS_MAX_NEW_TOKENS=str(MAX_STEPS))
+    server.wait_listening()
+    seen = {"readyz": [], "synthesize": []}
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        ready = requests.get(server.url + "/readyz", timeout=5)
+        seen["readyz"].append((ready.status_code, ready.headers.get("Retry-After"), ready.json()))
+        if ready.status_code == 200:
+            break
+        early = requests.post(server.url + "/synthesize", json={"text": "你好"}, timeout=5)
+        seen["synthesize"].append((early.status_code, early.headers.get("Retry-After"), early.json()))
+        time.sleep(0.05)
+    return server, seen
+
+
+@pytest.fixture(scope="module")
+def server(startup):
+    return startup[0]
+
+
+def synthesize(server, body, **kwargs):
+    return requests.post(server.url + "/synthesize", json=body, timeout=60, **kwargs)
+
+
+def read_wav(payload: bytes):
+    with wave.open(io.BytesIO(payload)) as reader:
+        return reader.getframerate(), reader.getnchannels(), reader.getsampwidth(), reader.getnframes()
+
+
+def scrape(server) -> dict[str, float]:
+    text = requests.get(server.url + "/metrics", timeout=10).text
+    values = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            labels = ",".join(f"{k}={v}" for k, v in sorted(sample.labels.items()))
+            values[sample.name + (f"{{{labels}}}" if labels else "")] = sample.value
+    return values
+
+
+def test_not_ready_until_loaded_and_warmed(startup):
+    _, seen = startup
+    statuses = [status for status, _, _ in seen["readyz"]]
+    assert statuses[-1] == 200, "server never became ready"
+    assert statuses[0] == 503, "readyz answered 200 before warm-up could have finished"
+    assert all(status == 503 for status in statuses[:-1])
+    assert all(retry == "5" for status, retry, _ in seen["readyz"] if status == 503)
+    phases = {body["status"] for status, _, body in seen["readyz"] if status == 503}
+    assert phases <= {"starting", "loading", "warming"}
+    assert seen["synthesize"], "no synthesis attempt happened before ready"
+    for status, retry, body in seen["synthesize"]:
+        assert status == 503 and retry == "5" and "not ready" in body["error"]
+
+
+def test_health_endpoints(server):
+    assert requests.get(server.url + "/healthz", timeout=5).json() == {"status": "alive"}
+    ready = requests.get(server.url + "/readyz", timeout=5)
+    assert ready.status_code == 200 and ready.json()["model"] == "tiny-random"
+
+
+def test_synthesize_returns_a_24khz_mono_16bit_wav(server):
+    response = synthesize(server, {"text": "你好，欢迎使用。", "seed": 101})
+    assert response.status_code == 200
+    assert response.headers["Content-Type"] == "audio/wav"
+    assert response.headers["X-Cache"] == "MISS"
+    rate, channels, width, frames = read_wav(response.content)
+    assert (rate, channels, width) == (24000, 1, 2)
+    # between one GPT step and the step cap, in (2 * steps - 1) hops of 256 samples
+    assert 256 <= frames <= (2 * MAX_STEPS - 1) * 256
+    assert (frames // 256) % 2 == 1
+    assert float(response.headers["X-Audio-Seconds"]) == pytest.approx(frames / 24000, abs=1e-3)
+
+
+def test_repeat_is_a_cache_hit_with_identical_bytes_other_seed_is_a_miss(server):
+    first = synthesize(server, {"text": "缓存测试", "seed": 7})
+    again = synthesize(server, {"text": "缓存测试", "seed": 7})
+    # same text after whitespace normalisation is the same request
+    spaced = synthesize(server, {"text": "  缓存测试 ", "seed": 7})
+    other = synthesize(server, {"text": "缓存测试", "seed": 8})
+    refined = synthesize(server, {"text": "缓存测试", "seed": 7, "refine_text": True})
+    assert [r.status_code for r in (first, again, spaced, other, refined)] == [200] * 5
+    assert first.headers["X-Cache"] == "MISS"
+    assert again.headers["X-Cache"] == "HIT" and again.content == first.content
+    assert spaced.headers["X-Cache"] == "HIT" and spaced.content == first.content
+    assert other.headers["X-Cache"] == "MISS" and other.content != first.content
+    assert refined.headers["X-Cache"] == "MISS"
+
+
+def test_omitted_seed_uses_the_default_so_the_same_request_gives_the_same_audio(server):
+    first = synthesize(server, {"text": "默认种子"})
+    explicit = synthesize(server, {"text": "默认种子", "seed": 1234})
+    assert first.status_code == explicit.status_code == 200
+    assert explicit.headers["X-Cache"] == "HIT" and explicit.content == first.content
+
+
+@pytest.mark.parametrize("body,status,fragment", [
+    ({}, 400, "'text' is required"),
+    ({"text": ""}, 400, "must not be empty"),
+    ({"text": 12}, 400, "must be a string"),
+    ({"text": None}, 400, "must be a string"),
+    ({"text": "hi", "seed": "x"}, 400, "'seed' must be an integer"),
+    ({"text": "hi", "seed": -5}, 400, "between 0 and"),
+    ({"text": "hi", "refine_text": 1}, 400, "'refine_text'"),
+    ({"text": "hi", "voice": "alloy"}, 400, "unknown fields: voice"),
+    ({"text": "长" * 51}, 413, "the limit is 50"),
+    ({"text": "1+1=2"}, 422, "nothing speakable"),
+])
+def test_errors_are_json_with_the_right_status(server, body, status, fragment):
+    response = synthesize(server, body)
+    assert response.status_code == status
+    assert response.headers["Content-Type"] == "application/json"
+    assert fragment in response.json()["error"]
+
+
+def test_malformed_requests(server):
+    url = server.url + "/synthesize"
+    bad_json = requests.post(url, data=b'{"text": "hi"', timeout=10,
+                             headers={"Content-Type": "application/json"})
+    assert bad_json.status_code == 400 and "not valid JSON" in bad_json.json()["error"]
+    not_json = requests.post(url, data="text=hi", timeout=10,
+                             headers={"Content-Type": "application/x-www-form-urlencoded"})
+    assert not_json.status_code == 415 and "application/json" in not_json.json()["error"]
+    no_type = requests.post(url, data=b'{"text": "hi"}', timeout=10)
+    assert no_type.status_code == 415
+    huge = requests.post(url, data=b'{"text": "' + b"a" * 200_000 + b'"}', timeout=10,
+                         headers={"Content-Type": "application/json"})
+    assert huge.status_code == 413 and "error" in huge.json()
+    wrong_method = requests.get(url, timeout=10)
+    assert wrong_method.status_code == 405 and "error" in wrong_method.json()
+    missing = requests.get(server.url + "/nope", timeout=10)
+    assert missing.status_code == 404 and "error" in missing.json()
+
+
+def test_metrics_move_by_the_right_amounts(server):
+    before = scrape(server)
+    miss = synthesize(server, {"text": "指标测试", "seed": 55})
+    hit = synthesize(server, {"text": "指标测试", "seed": 55})
+    bad = synthesize(server, {"text": ""})
+    after = scrape(server)
+    seconds = float(miss.headers["X-Audio-Seconds"])
+
+    def moved(name):
+        return after.get(name, 0.0) - before.get(name, 0.0)
+
+    assert (miss.status_code, hit.status_code, bad.status_code) == (200, 200, 400)
+    assert moved("chatts_cache_misses_total") == 1
+    assert moved("chatts_cache_hits_total") == 1
+    assert moved("chatts_infer_total{outcome=ok}") == 1
+    assert moved("chatts_infer_duration_seconds_count") == 1
+    assert moved("chatts_audio_seconds_total") == pytest.approx(2 * seconds, abs=2e-3)
+    assert moved("chatts_requests_total{status=200}") == 2
+    assert moved("chatts_requests_total{status=400}") == 1
+    assert after["chatts_queue_depth"] == 0
+    assert after["chatts_ready"] == 1
+    assert 0 <= after["chatts_cpu_percent"] <= 100
+    assert after["chatts_cache_entries"] >= 1
+
+
+def test_concurrent_requests_all_get_their_own_audio(server):
+    bodies = [{"text": "并发请求测试", "seed": 300 + i} for i in range(5)]
+    with ThreadPoolExecutor(max_workers=5) as pool:
+        responses = list(pool.map(lambda b: synthesize(server, b), bodies))
+    assert [r.status_code for r in responses] == [200] * 5
+    # each seed's audio matches what the same request gives alone (now from the cache)
+    for body, response in zip(bodies, responses):
+        alone = synthesize(server, body)
+        assert alone.headers["X-Cache"] == "HIT" and alone.content == response.content
+    assert len({r.content for r in responses}) == 5
+
+
+def test_request_log_has_one_line_per_request(server):
+    synthesize(server, {"text": "日志测试", "seed": 9})
+    lines = [line for line in server.log().splitlines() if "POST /synthesize 200" in line]
+    assert lines and "audio=" in lines[-1] and "cache=MISS" in lines[-1]
+    assert "Traceback" not in server.log()
+
+
+def test_bench_runs_against_the_server(server):
+    result = subprocess.run(
+        [sys.executable, "bench.py", "--url", server.url, "--concurrency", "2", "--requests", "4",
+         "--json", "--max-seconds", "60"],
+        cwd=REPO, capture_output=True, text=True, timeout=120,
+    )
+    assert result.returncode == 0, result.stderr
+    report = json.loads(result.stdout)
+    assert report["requests_ok"] == 4 and report["errors"] == {}
+    assert report["latency_p50"] > 0 and report["audio_seconds_per_wall_second"] > 0
+    human = subprocess.run(
+        [sys.executable, "bench.py", "--url", server.url, "--requests", "2", "--repeat-seed"],
+        cwd=REPO, capture_output=True, text=True, timeout=120,
+    )
+    assert human.returncode == 0 and "latency       p50" in human.stdout
+    assert "(1 cache hits)" in human.stdout or "(2 cache hits)" in human.stdout
+
+
+def test_warmup_script_against_the_server(server):
+    result = subprocess.run([sys.executable, "warmup.py", "--url", server.url],
+                            cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.startswith("warmed " + server.url)
+
+
+def test_bad_model_stops_the_server_with_the_file_named(start_server):
+    # the tiny model does not match ChatTTS's checksums: with verification on, start-up fails
+    failing = start_server(CHATTTS_VERIFY_MODEL="1")
+    failing.process.wait(timeout=120)
+    assert failing.process.returncode != 0
+    log = failing.log()
+    assert "cannot start" in log and "asset/Vocos.safetensors" in log
