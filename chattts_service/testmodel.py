@@ -193,6 +193,9 @@ def build(out_dir: Path, size: str = "tiny", seed: int = 0) -> Path:
         json.dumps({**architecture, "seed": seed}, ensure_ascii=False, indent=1, sort_keys=True),
         encoding="utf-8",
     )
+    # safetensors writes 0600 files; a container's non-root user must be able to read them
+    for path in staging.rglob("*"):
+        path.chmod(0o755 if path.is_dir() else 0o644)
     shutil.rmtree(out_dir, ignore_errors=True)
     staging.rename(out_dir)
     return out_dir

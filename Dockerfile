@@ -1,0 +1,55 @@
+# ChatTTS speech service for CPU boxes.
+#   docker compose up -d --build
+# Build arguments:
+#   BASE_IMAGE       Python 3.11 base image (default python:3.11-slim)
+#   TORCH_INDEX_URL  where the CPU builds of torch/torchaudio come from (override where only
+#                    PyPI is reachable: https://pypi.org/simple gives the larger CUDA builds)
+#   DOWNLOAD_MODEL   1 = bake the real weights into the image at build time (needs the hub)
+#   HF_ENDPOINT      hub mirror for DOWNLOAD_MODEL=1
+ARG BASE_IMAGE=python:3.11-slim
+
+FROM ${BASE_IMAGE} AS build
+ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu
+ARG DOWNLOAD_MODEL=0
+ARG HF_ENDPOINT=https://huggingface.co
+ENV PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1 PYTHONDONTWRITEBYTECODE=1
+# A venv works the same on the official image and on a Debian python3 (PEP 668) base.
+RUN python3 -m venv /opt/venv
+COPY requirements.txt /tmp/requirements.txt
+RUN /opt/venv/bin/pip install --index-url "${TORCH_INDEX_URL}" \
+        $(grep -E '^(torch|torchaudio)==' /tmp/requirements.txt) \
+ && /opt/venv/bin/pip install -r /tmp/requirements.txt \
+ && find /opt/venv -name '__pycache__' -prune -exec rm -rf {} +
+COPY chattts_service /app/chattts_service
+RUN mkdir -p /models/chattts \
+ && if [ "${DOWNLOAD_MODEL}" = "1" ]; then \
+        cd /app && HF_ENDPOINT="${HF_ENDPOINT}" \
+        /opt/venv/bin/python -m chattts_service.model_files download /models/chattts ; \
+    fi
+
+FROM ${BASE_IMAGE} AS runtime
+# libgomp1: OpenMP runtime torch uses on CPU; numactl: CPU/memory node pinning.
+# hadolint ignore=DL3008
+RUN apt-get update \
+ && apt-get install -y --no-install-recommends libgomp1 numactl \
+ && rm -rf /var/lib/apt/lists/* \
+ && useradd --system --uid 10001 --create-home --home-dir /home/chattts chattts
+COPY --from=build /opt/venv /opt/venv
+COPY --from=build --chown=chattts:chattts /models /models
+WORKDIR /app
+COPY chattts_service ./chattts_service
+COPY server.py warmup.py bench.py ./
+COPY docker/entrypoint.sh /usr/local/bin/chattts-entrypoint
+ENV PATH=/opt/venv/bin:$PATH \
+    PYTHONUNBUFFERED=1 \
+    PYTHONDONTWRITEBYTECODE=1 \
+    NUMBA_CACHE_DIR=/tmp/numba_cache \
+    HF_HUB_DISABLE_TELEMETRY=1 \
+    CHATTTS_MODEL_DIR=/models/chattts \
+    CHATTTS_PORT=8090
+USER chattts
+EXPOSE 8090
+HEALTHCHECK --interval=15s --timeout=5s --start-period=180s --retries=3 \
+    CMD ["python", "-c", "import os, sys, urllib.request; sys.exit(0 if urllib.request.urlopen('http://127.0.0.1:%s/readyz' % os.environ.get('CHATTTS_PORT', '8090'), timeout=4).status == 200 else 1)"]
+ENTRYPOINT ["chattts-entrypoint"]
+CMD ["python", "server.py"]
