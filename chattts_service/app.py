@@ -42,7 +42,7 @@ def create_app(settings: Settings | None = None, *, engine: Engine | None = None
     @app.after_request
     def log_request(response):
         duration = time.perf_counter() - g.get("started", time.perf_counter())
-        if request.path in ("/healthz", "/readyz", "/metrics") and response.status_code < 400:
+        if request.path in ("/healthz", "/readyz", "/metrics"):
             return response  # probes and scrapes would drown the log
         log.info("%s %s %d %.3fs audio=%.2fs cache=%s", request.method, request.path,
                  response.status_code, duration, g.get("audio_seconds", 0.0),
