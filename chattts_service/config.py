@@ -43,14 +43,24 @@ class Settings:
     port: int = _env_field("PORT", 8090, "port to listen on")
     threads: int = _env_field("THREADS", 0,
                               "torch compute threads; 0 = the CPUs this process may run on")
-    http_threads: int = _env_field("HTTP_THREADS", 16,
-                                   "gunicorn threads accepting requests (inference is serialised)")
+    http_threads: int = _env_field("HTTP_THREADS", 32,
+                                   "gunicorn threads accepting requests (each waits on the scheduler)")
     worker_timeout: int = _env_field("WORKER_TIMEOUT", 300,
                                      "seconds gunicorn waits on a silent worker before restarting it")
     cache_size: int = _env_field("CACHE_SIZE", 256, "entries in the LRU audio cache; 0 disables it")
     max_chars: int = _env_field("MAX_CHARS", 200, "longest text accepted, in characters")
     max_new_tokens: int = _env_field("MAX_NEW_TOKENS", 2048,
                                      "cap on GPT steps per request (46.9 steps = 1 s of audio)")
+    max_steps_per_char: int = _env_field(
+        "MAX_STEPS_PER_CHAR", 25,
+        "per-request step cap of 150 + this many steps per character (stops runaway speech)")
+    quantize: str = _env_field("QUANTIZE", "int8", "GPT linear layers: int8 (per-row activation scales) or none (fp32)")
+    max_batch: int = _env_field("MAX_BATCH", 8, "requests generated together in one batch")
+    batch_wait_ms: int = _env_field("BATCH_WAIT_MS", 50,
+                                    "how long an idle scheduler waits for more requests to batch")
+    max_queue: int = _env_field("MAX_QUEUE", 64, "requests that may wait for the model; more get 503")
+    kv_cache_mb: int = _env_field("KV_CACHE_MB", 1024,
+                                  "KV-cache budget; requests wait rather than exceed it")
     refine_text: bool = _env_field("REFINE_TEXT", False,
                                    "default for the per-request refine_text option")
     default_seed: int = _env_field("DEFAULT_SEED", 1234, "voice and sampling seed when a request gives none")
@@ -87,6 +97,12 @@ class Settings:
             (self.cache_size >= 0, "CHATTTS_CACHE_SIZE must be 0 or positive"),
             (self.max_chars >= 1, "CHATTTS_MAX_CHARS must be at least 1"),
             (1 <= self.max_new_tokens <= 4096, "CHATTTS_MAX_NEW_TOKENS must be between 1 and 4096"),
+            (self.max_steps_per_char >= 1, "CHATTTS_MAX_STEPS_PER_CHAR must be at least 1"),
+            (self.quantize in ("int8", "none"), "CHATTTS_QUANTIZE must be int8 or none"),
+            (1 <= self.max_batch <= 64, "CHATTTS_MAX_BATCH must be between 1 and 64"),
+            (0 <= self.batch_wait_ms <= 10_000, "CHATTTS_BATCH_WAIT_MS must be between 0 and 10000"),
+            (self.max_queue >= 1, "CHATTTS_MAX_QUEUE must be at least 1"),
+            (self.kv_cache_mb >= 64, "CHATTTS_KV_CACHE_MB must be at least 64"),
             (0 <= self.default_seed < 2**31, "CHATTTS_DEFAULT_SEED must be in [0, 2^31)"),
             (self.log_level.upper() in logging.getLevelNamesMapping(),
              "CHATTTS_LOG_LEVEL must be a Python logging level"),

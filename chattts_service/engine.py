@@ -1,9 +1,11 @@
-"""The model: loaded once per process, one inference at a time, no HTTP in sight.
+"""The model: loaded once per process, requests batched by one scheduler thread, no HTTP here.
 
-ChatTTS's ``Chat.infer`` is not called: it mutates the parameter objects it is given, splits and
-re-synthesises text, deletes quiet samples from the output, and its ``source="local"`` loader
-runs a downloaded binary. The engine drives ChatTTS's own modules instead (normaliser, optional
-text refinement, code generation, decoder, vocoder) with fresh parameters for every request.
+ChatTTS's ``Chat.infer`` is not called: it mutates the parameter objects it is given, takes one
+speaker and seed per call, splits and re-synthesises text, deletes quiet samples from the output,
+and its ``source="local"`` loader runs a downloaded binary. The engine loads ChatTTS's modules
+through ``Chat._load`` and drives them itself: ChatTTS's normaliser, tokenizer, embeddings and
+speaker code build the prompt; a lean int8 decode loop (``transformer``, ``generation``,
+``scheduler``) generates for many requests at once; ChatTTS's decoder and vocoder make audio.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -24,6 +27,9 @@ log = logging.getLogger(__name__)
 
 SAMPLE_RATE = 24_000
 STEPS_PER_SECOND = SAMPLE_RATE / 512  # one GPT step -> 2 mel frames of hop 256
+CODE_PROMPT = "[speed_5]"             # ChatTTS's default speech prompt
+BASE_STEPS = 150                      # headroom of the per-request step cap
+REFINE_MAX_STEPS = 384                # ChatTTS's default for text refinement
 
 WARMUP_TEXTS = ("你好，欢迎使用语音合成服务。", "Hello, this is a warm-up sentence.")
 WARMUP_MAX_STEPS = 24
@@ -35,6 +41,10 @@ class EngineError(Exception):
 
 class NothingToSay(EngineError):
     """After text normalisation nothing speakable is left."""
+
+
+class Overloaded(EngineError):
+    """The request queue is full."""
 
 
 @dataclass(frozen=True)
@@ -58,13 +68,39 @@ class Synthesis:
         return len(self.audio) / self.sample_rate
 
 
+class _SynthesisJob:
+    """One request inside the scheduler: optional text refinement, then speech codes."""
+
+    def __init__(self, engine: "Engine", text: str, seed: int, refine: bool,
+                 fixed_steps: int | None):
+        self.engine, self.text, self.seed, self.fixed_steps = engine, text, seed, fixed_steps
+        self.future: Future = Future()
+        self.first = (engine._text_sequence(text, seed) if refine
+                      else engine._code_sequence(text, seed, fixed_steps))
+
+    def start(self):
+        return self.first
+
+    def advance(self, finished):
+        if finished.kind == "text":
+            self.text = self.engine._refined_text(finished)
+            if not _speakable(self.text):
+                raise NothingToSay("text has nothing speakable after refinement")
+            return self.engine._code_sequence(self.text, self.seed, self.fixed_steps)
+        self.future.set_result((finished.result_hiddens().clone(), self.text))
+        return None
+
+
 class Engine:
     def __init__(self, settings: Settings):
         self.settings = settings
-        self._lock = threading.Lock()
         self._chat = None
+        self._heads = None
+        self.scheduler = None
+        self._decode_lock = threading.Lock()
         self.model_name = "unloaded"
         self.load_seconds: float | None = None
+        self.gpt_linear_bytes = 0
 
     # -- loading -------------------------------------------------------------------------------
 
@@ -107,16 +143,37 @@ class Engine:
                 f"the model expects {chat.config.gpt.num_text_tokens}"
             )
         self._chat = chat
+        self._build_decode_loop()
         self.model_name = (architecture or {}).get("name", "chattts")
         self.load_seconds = time.perf_counter() - started
-        log.info("model %s loaded from %s in %.2fs (%d torch threads)", self.model_name,
-                 model_dir, self.load_seconds, self.settings.torch_threads)
+        log.info("model %s loaded from %s in %.2fs (%s GPT linears, %.0f MB; %d torch threads)",
+                 self.model_name, model_dir, self.load_seconds, self.settings.quantize,
+                 self.gpt_linear_bytes / 1e6, self.settings.torch_threads)
+
+    def _build_decode_loop(self) -> None:
+        from .generation import Batch, Heads
+        from .scheduler import Scheduler
+        from .transformer import Transformer
+
+        chat, settings = self._chat, self.settings
+        transformer = Transformer(chat.gpt.gpt, settings.quantize, max_rows=settings.max_batch)
+        self.gpt_linear_bytes = transformer.linear_bytes
+        self._heads = Heads(chat.embed)
+        # What the engine never uses again: the transformers GPT (its fp32 weights now live in
+        # the lean transformer), the weight-normalised heads (folded into Heads) and the DVAE
+        # encoder (only needed to clone a voice from audio).
+        del chat.gpt, chat.dvae, chat.embed.head_text, chat.embed.head_code
+        kv_positions = settings.kv_cache_mb * 2**20 // transformer.cache.bytes_per_position()
+        self.scheduler = Scheduler(Batch(transformer, settings.max_batch), settings.max_batch,
+                                   settings.batch_wait_ms / 1000.0, settings.max_queue,
+                                   kv_positions)
+        self.scheduler.start()
 
     @property
     def loaded(self) -> bool:
         return self._chat is not None
 
-    # -- inference -----------------------------------------------------------------------------
+    # -- prompts and sequences (called from request threads and the scheduler) ----------------
 
     def speaker_embedding(self, seed: int):
         """A reproducible voice for ``seed``, drawn without touching the global RNG."""
@@ -127,60 +184,107 @@ class Engine:
         noise = torch.randn(speaker.dim, generator=generator, dtype=torch.float32)
         return noise * speaker.std.float() + speaker.mean.float()
 
-    def synthesize(self, request: SynthesisRequest, max_steps: int | None = None) -> Synthesis:
-        if self._chat is None:
-            raise EngineError("model is not loaded")
-        with self._lock:
-            return self._synthesize_locked(request, max_steps or self.settings.max_new_tokens)
+    def max_steps_for(self, text: str) -> int:
+        """Step cap for a text: speech far longer than its text is a runaway generation."""
+        by_length = BASE_STEPS + self.settings.max_steps_per_char * len(text)
+        return min(self.settings.max_new_tokens, by_length)
 
-    def _synthesize_locked(self, request: SynthesisRequest, max_steps: int) -> Synthesis:
+    def _prompt(self, decorated: str):
         import torch
 
         chat = self._chat
-        text = chat.normalizer(request.text, do_text_normalization=True,
-                               do_homophone_replacement=True)
-        if not _speakable(text):
-            raise NothingToSay("text has nothing speakable after normalisation")
-
         with torch.inference_mode():
-            if request.refine_text:
-                text = self._refine(text, request.seed)
-                if not _speakable(text):
-                    raise NothingToSay("text has nothing speakable after refinement")
+            input_ids, _, text_mask = chat.tokenizer.encode([decorated], chat.config.gpt.num_vq)
+            embeddings = chat.embed(input_ids, text_mask)
+        return input_ids, embeddings
 
-            params = chat.InferCodeParams(
-                spk_emb=self.speaker_embedding(request.seed),
-                manual_seed=request.seed,
-                max_new_token=max_steps,
-                show_tqdm=False,
-            )
-            result = next(chat._infer_code([text], False, chat.device, True, params))
-            hiddens = result.hiddens
-            steps = int(hiddens[0].shape[0]) if hiddens else 0
-            if steps == 0:
-                raise EngineError("the model ended speech before producing any audio")
-            wavs = chat._decode_to_wavs(hiddens, True)
-        audio = np.clip(np.asarray(wavs[0], dtype=np.float32), -1.0, 1.0)
-        return Synthesis(audio=audio, sample_rate=SAMPLE_RATE, steps=steps, spoken_text=text)
+    def _code_sequence(self, text: str, seed: int, fixed_steps: int | None = None):
+        import torch
 
-    def _refine(self, text: str, seed: int) -> str:
+        from .generation import CODE_SAMPLING, Sequence
+
         chat = self._chat
-        params = chat.RefineTextParams(manual_seed=seed, show_tqdm=False)
-        refined = chat._refine_text([text], chat.device, params)
-        ids = [row[row.less(chat.tokenizer.break_0_ids)] for row in refined.ids]
-        return chat.tokenizer.decode(ids)[0]
+        voice = self.speaker_embedding(seed)
+        decorated = chat.speaker.decorate_code_prompts([text], CODE_PROMPT, None, voice)[0]
+        input_ids, embeddings = self._prompt(decorated)
+        with torch.inference_mode():
+            chat.speaker.apply(embeddings, voice, input_ids, chat.tokenizer.spk_emb_ids,
+                               torch.device("cpu"))
+        max_steps = fixed_steps or self.max_steps_for(text)
+        # at least one step: a generation that ends at once would be an empty answer
+        min_steps = fixed_steps or 1
+        return Sequence(embeddings[0].clone(), self._heads, CODE_SAMPLING, seed, max_steps,
+                        min_steps, eos_token=self._heads.num_audio_tokens - 1)
+
+    def _text_sequence(self, text: str, seed: int):
+        from .generation import TEXT_SAMPLING, TextSequence
+
+        chat = self._chat
+        decorated = chat.speaker.decorate_text_prompts([text], "")[0]
+        _, embeddings = self._prompt(decorated)
+        return TextSequence(embeddings[0].clone(), self._heads, TEXT_SAMPLING, seed,
+                            REFINE_MAX_STEPS, 0, eos_token=chat.tokenizer.eos_token)
+
+    def _refined_text(self, finished) -> str:
+        chat = self._chat
+        ids = finished.result_tokens()[:, 0]
+        ids = ids[ids < chat.tokenizer.break_0_ids]
+        return chat.tokenizer.decode([ids])[0]
+
+    # -- inference -----------------------------------------------------------------------------
+
+    def normalise(self, text: str) -> str:
+        """ChatTTS's own normaliser; raises NothingToSay when nothing speakable is left."""
+        normalised = self._chat.normalizer(text, do_text_normalization=True,
+                                           do_homophone_replacement=True)
+        if not _speakable(normalised):
+            raise NothingToSay("text has nothing speakable after normalisation")
+        return normalised
+
+    def submit(self, request: SynthesisRequest, fixed_steps: int | None = None) -> Future:
+        """Queue a request; the future gives (hidden states, spoken text)."""
+        from .scheduler import QueueFull
+
+        if self._chat is None:
+            raise EngineError("model is not loaded")
+        text = self.normalise(request.text)
+        job = _SynthesisJob(self, text, request.seed, request.refine_text, fixed_steps)
+        try:
+            return self.scheduler.submit(job)
+        except QueueFull as error:
+            raise Overloaded(str(error)) from None
+
+    def synthesize(self, request: SynthesisRequest, fixed_steps: int | None = None,
+                   timeout: float | None = None) -> Synthesis:
+        hiddens, text = self.submit(request, fixed_steps).result(timeout)
+        if hiddens.shape[0] == 0:
+            raise EngineError("the model ended speech before producing any audio")
+        return Synthesis(audio=self.decode(hiddens), sample_rate=SAMPLE_RATE,
+                         steps=int(hiddens.shape[0]), spoken_text=text)
+
+    def decode(self, hiddens) -> np.ndarray:
+        """GPT hidden states -> waveform, through ChatTTS's decoder and vocoder."""
+        import torch
+
+        with self._decode_lock, torch.inference_mode():
+            wavs = self._chat._decode_to_wavs([hiddens], True)
+        return np.clip(np.asarray(wavs[0], dtype=np.float32), -1.0, 1.0)
 
     def warm_up(self, texts=WARMUP_TEXTS, max_steps: int = WARMUP_MAX_STEPS) -> float:
         """Run short texts through the whole pipeline (Numba JIT, allocator, kernels)."""
         started = time.perf_counter()
         for index, text in enumerate(texts):
             try:
-                self.synthesize(SynthesisRequest(text=text, seed=index), max_steps=max_steps)
+                self.synthesize(SynthesisRequest(text=text, seed=index), fixed_steps=max_steps)
             except NothingToSay:
                 pass
         elapsed = time.perf_counter() - started
         log.info("warm-up of %d texts took %.2fs", len(texts), elapsed)
         return elapsed
+
+    def close(self) -> None:
+        if self.scheduler is not None:
+            self.scheduler.stop()
 
 
 def _quiet_library_chatter() -> None:

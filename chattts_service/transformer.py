@@ -167,15 +167,19 @@ class Transformer:
         slots = torch.arange(rows)
         cos = self.cos[lengths][:, None, None]  # [rows, 1, 1, dim]
         sin = self.sin[lengths][:, None, None]
-        # each row sees its own positions 0..length (inclusive of the new token)
-        mask = (torch.arange(longest)[None, :] <= lengths[:, None])[:, None, None, :]
+        # Attention runs per row over exactly that row's positions: the CPU kernels' summation
+        # order depends on the key count, so padding a row to its neighbours' length would change
+        # its result in the last bits, and a request's audio would depend on its batch.
+        spans = [int(length) + 1 for length in lengths]
         x = embeddings.float()[:, None]
+        attended = torch.empty(rows, self.heads, 1, self.head_dim)
         for index, layer in enumerate(self.layers):
             q, k, v = self._project(layer, x, cos, sin)
             keys, values = self.cache.keys[index], self.cache.values[index]
             keys[slots, :, lengths] = k[:, :, 0]
             values[slots, :, lengths] = v[:, :, 0]
-            attended = F.scaled_dot_product_attention(
-                q, keys[:rows, :, :longest], values[:rows, :, :longest], attn_mask=mask)
+            for row, span in enumerate(spans):
+                attended[row] = F.scaled_dot_product_attention(
+                    q[row], keys[row, :, :span], values[row, :, :span])
             x = self._finish(layer, x, attended)
         return self.norm(x[:, 0])

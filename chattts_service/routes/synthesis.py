@@ -13,7 +13,7 @@ from flask import Blueprint, Response, current_app, g, request
 from .. import validation
 from ..audio import to_wav
 from ..cache import cache_key
-from ..engine import EngineError, NothingToSay
+from ..engine import EngineError, NothingToSay, Overloaded
 from ..errors import ApiError, NotReady, Unprocessable
 from .health import RETRY_AFTER_SECONDS
 
@@ -68,6 +68,10 @@ def _infer(state, synthesis_request):
     except NothingToSay as error:
         metrics.infer_total.labels(outcome="nothing_to_say").inc()
         raise Unprocessable(str(error)) from None
+    except Overloaded as error:
+        metrics.infer_total.labels(outcome="overloaded").inc()
+        raise NotReady(f"server is overloaded: {error}",
+                       headers={"Retry-After": RETRY_AFTER_SECONDS}) from None
     except EngineError as error:
         metrics.infer_total.labels(outcome="error").inc()
         raise ApiError(f"synthesis failed: {error}", status=500) from None

@@ -1,0 +1,176 @@
+"""One thread that owns the model and batches every request's generation.
+
+Request threads ``submit`` a job and wait on its future. The scheduler thread takes jobs from a
+bounded queue: when idle it waits up to ``batch_wait`` for up to ``max_batch`` jobs to start
+together; while a batch runs, queued jobs join it between two steps (continuous batching) as
+long as rows and the KV-cache budget allow. A job whose worst-case KV cache does not fit waits
+in the queue rather than letting memory grow past the budget.
+
+A job is a small state machine supplied by the engine: ``start()`` gives its first sequence,
+``advance(sequence)`` either gives the next one (text refinement, then speech) or finishes the
+job. Any failure fails that job alone; the thread never dies with a request.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from concurrent.futures import Future
+from typing import Callable, Protocol
+
+from .generation import Batch, Sequence
+
+log = logging.getLogger(__name__)
+
+
+class QueueFull(Exception):
+    """The request queue is at its bound; the caller should retry later."""
+
+
+class Job(Protocol):
+    future: Future
+
+    def start(self) -> Sequence: ...
+
+    def advance(self, finished: Sequence) -> Sequence | None: ...
+
+
+class Scheduler:
+    def __init__(self, batch: Batch, max_batch: int, batch_wait_seconds: float, max_queue: int,
+                 kv_budget_positions: int, on_step: Callable[[int], None] | None = None):
+        self.batch = batch
+        self.max_batch = max_batch
+        self.batch_wait = batch_wait_seconds
+        self.kv_budget_positions = kv_budget_positions
+        self.queue: queue.Queue = queue.Queue(maxsize=max_queue)
+        self._waiting: list[tuple[Job, Sequence]] = []  # started, but no room in the batch yet
+        self._on_step = on_step
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="scheduler", daemon=True)
+        self.steps_run = 0
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self, timeout: float = 10.0) -> None:
+        self._stop.set()
+        self._thread.join(timeout)
+
+    def submit(self, job: Job) -> Future:
+        try:
+            self.queue.put_nowait(job)
+        except queue.Full:
+            raise QueueFull(f"{self.queue.maxsize} requests already queued") from None
+        return job.future
+
+    @property
+    def depth(self) -> int:
+        """Jobs queued or waiting for room, plus those generating."""
+        return self.queue.qsize() + len(self._waiting) + len(self.batch)
+
+    # -- the scheduler thread ------------------------------------------------------------------
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                if not len(self.batch) and not self._waiting:
+                    if not self._gather_new_batch():
+                        continue
+                else:
+                    self._take_queued(block_until=None)
+                self._admit_waiting()
+                if len(self.batch):
+                    self._step()
+            except Exception:  # pragma: no cover - a bug: fail what is running, keep serving
+                log.exception("scheduler iteration failed; failing the running jobs")
+                self._fail_all(RuntimeError("internal error in the scheduler"))
+
+    def _gather_new_batch(self) -> bool:
+        try:
+            first = self.queue.get(timeout=0.2)
+        except queue.Empty:
+            return False
+        self._start_job(first)
+        self._take_queued(block_until=time.monotonic() + self.batch_wait)
+        return True
+
+    def _take_queued(self, block_until: float | None) -> None:
+        while len(self.batch) + len(self._waiting) < self.max_batch:
+            try:
+                if block_until is None:
+                    job = self.queue.get_nowait()
+                else:
+                    remaining = block_until - time.monotonic()
+                    if remaining <= 0:
+                        return
+                    job = self.queue.get(timeout=remaining)
+            except queue.Empty:
+                return
+            self._start_job(job)
+
+    def _start_job(self, job: Job) -> None:
+        if job.future.cancelled() or not job.future.set_running_or_notify_cancel():
+            return
+        try:
+            sequence = job.start()
+        except Exception as error:
+            job.future.set_exception(error)
+            return
+        sequence.job = job
+        self._waiting.append((job, sequence))
+
+    def _admit_waiting(self) -> None:
+        still_waiting = []
+        for job, sequence in self._waiting:
+            fits = (self.batch.free_rows > 0 and (
+                not len(self.batch)
+                or self.batch.reserved_positions() + sequence.kv_positions()
+                <= self.kv_budget_positions))
+            if not fits:
+                still_waiting.append((job, sequence))
+                continue
+            try:
+                self.batch.add(sequence)
+            except Exception as error:
+                log.exception("prefill failed")
+                job.future.set_exception(error)
+                continue
+            if sequence.finished:
+                self._advance(sequence)
+        self._waiting = still_waiting
+
+    def _step(self) -> None:
+        try:
+            finished = self.batch.step()
+        except Exception as error:
+            log.exception("decode step failed")
+            self._fail_all(error)
+            return
+        self.steps_run += 1
+        if self._on_step is not None:
+            self._on_step(len(self.batch) + len(finished))
+        for sequence in finished:
+            self._advance(sequence)
+
+    def _advance(self, sequence: Sequence) -> None:
+        job = sequence.job
+        if sequence.cancelled:
+            if not job.future.done():
+                job.future.cancel()
+            return
+        try:
+            following = job.advance(sequence)
+        except Exception as error:
+            job.future.set_exception(error)
+            return
+        if following is not None:
+            following.job = job
+            self._waiting.append((job, following))
+
+    def _fail_all(self, error: Exception) -> None:
+        for sequence in list(self.batch.active):
+            if not sequence.job.future.done():
+                sequence.job.future.set_exception(error)
+        self.batch.remove(list(self.batch.active))
