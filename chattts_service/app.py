@@ -27,8 +27,10 @@ def create_app(settings: Settings | None = None, *, engine: Engine | None = None
     app.config["MAX_CONTENT_LENGTH"] = MAX_BODY_BYTES
     app.json.ensure_ascii = False
 
-    state = ServiceState(settings=settings, engine=engine or Engine(settings),
-                         cache=AudioCache(settings.cache_size), metrics=Metrics())
+    metrics = Metrics()
+    state = ServiceState(settings=settings,
+                         engine=engine or Engine(settings, step_observer=metrics.observe_step),
+                         cache=AudioCache(settings.cache_size), metrics=metrics)
     app.extensions["chattts"] = state
 
     register_error_handlers(app)

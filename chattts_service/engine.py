@@ -11,7 +11,6 @@ speaker code build the prompt; a lean int8 decode loop (``transformer``, ``gener
 from __future__ import annotations
 
 import logging
-import threading
 import time
 from concurrent.futures import Future
 from dataclasses import dataclass
@@ -69,17 +68,20 @@ class Synthesis:
 
 
 class _SynthesisJob:
-    """One request inside the scheduler: optional text refinement, then speech codes."""
+    """One request inside the scheduler: optional text refinement, speech codes, then audio.
+
+    Every method runs on the scheduler's thread, which owns all heavy torch work."""
 
     def __init__(self, engine: "Engine", text: str, seed: int, refine: bool,
                  fixed_steps: int | None):
-        self.engine, self.text, self.seed, self.fixed_steps = engine, text, seed, fixed_steps
+        self.engine, self.text, self.seed = engine, text, seed
+        self.refine, self.fixed_steps = refine, fixed_steps
         self.future: Future = Future()
-        self.first = (engine._text_sequence(text, seed) if refine
-                      else engine._code_sequence(text, seed, fixed_steps))
 
     def start(self):
-        return self.first
+        if self.refine:
+            return self.engine._text_sequence(self.text, self.seed)
+        return self.engine._code_sequence(self.text, self.seed, self.fixed_steps)
 
     def advance(self, finished):
         if finished.kind == "text":
@@ -87,17 +89,22 @@ class _SynthesisJob:
             if not _speakable(self.text):
                 raise NothingToSay("text has nothing speakable after refinement")
             return self.engine._code_sequence(self.text, self.seed, self.fixed_steps)
-        self.future.set_result((finished.result_hiddens().clone(), self.text))
+        if finished.steps == 0:
+            raise EngineError("the model ended speech before producing any audio")
+        audio = self.engine.decode(finished.result_hiddens())
+        self.future.set_result(Synthesis(audio=audio, sample_rate=SAMPLE_RATE,
+                                         steps=finished.steps, spoken_text=self.text))
         return None
 
 
 class Engine:
-    def __init__(self, settings: Settings):
+    def __init__(self, settings: Settings, step_observer=None):
+        """``step_observer(rows, seconds)`` is called after every decode step."""
         self.settings = settings
+        self.step_observer = step_observer
         self._chat = None
         self._heads = None
         self.scheduler = None
-        self._decode_lock = threading.Lock()
         self.model_name = "unloaded"
         self.load_seconds: float | None = None
         self.gpt_linear_bytes = 0
@@ -105,7 +112,22 @@ class Engine:
     # -- loading -------------------------------------------------------------------------------
 
     def load(self) -> None:
-        """Verify (unless disabled) and load the model files; raise ModelFilesError when bad."""
+        """Verify (unless disabled) and load the model files; raise ModelFilesError when bad.
+
+        Loading runs on the scheduler's thread, like every later use of the model."""
+        from .scheduler import Scheduler
+
+        settings = self.settings
+        self.scheduler = Scheduler(settings.max_batch, settings.batch_wait_ms / 1000.0,
+                                   settings.max_queue, on_step=self.step_observer)
+        self.scheduler.start()
+        try:
+            self.scheduler.call(self._load_on_model_thread).result()
+        except BaseException:
+            self.scheduler.stop()
+            raise
+
+    def _load_on_model_thread(self) -> None:
         import torch
 
         _quiet_library_chatter()
@@ -152,22 +174,18 @@ class Engine:
 
     def _build_decode_loop(self) -> None:
         from .generation import Batch, Heads
-        from .scheduler import Scheduler
         from .transformer import Transformer
 
         chat, settings = self._chat, self.settings
         transformer = Transformer(chat.gpt.gpt, settings.quantize, max_rows=settings.max_batch)
         self.gpt_linear_bytes = transformer.linear_bytes
-        self._heads = Heads(chat.embed)
+        self._heads = Heads(chat.embed, rows=settings.max_batch)
         # What the engine never uses again: the transformers GPT (its fp32 weights now live in
         # the lean transformer), the weight-normalised heads (folded into Heads) and the DVAE
         # encoder (only needed to clone a voice from audio).
         del chat.gpt, chat.dvae, chat.embed.head_text, chat.embed.head_code
         kv_positions = settings.kv_cache_mb * 2**20 // transformer.cache.bytes_per_position()
-        self.scheduler = Scheduler(Batch(transformer, settings.max_batch), settings.max_batch,
-                                   settings.batch_wait_ms / 1000.0, settings.max_queue,
-                                   kv_positions)
-        self.scheduler.start()
+        self.scheduler.attach(Batch(transformer, self._heads, settings.max_batch), kv_positions)
 
     @property
     def loaded(self) -> bool:
@@ -242,7 +260,7 @@ class Engine:
         return normalised
 
     def submit(self, request: SynthesisRequest, fixed_steps: int | None = None) -> Future:
-        """Queue a request; the future gives (hidden states, spoken text)."""
+        """Queue a request; the future gives its Synthesis."""
         from .scheduler import QueueFull
 
         if self._chat is None:
@@ -256,18 +274,14 @@ class Engine:
 
     def synthesize(self, request: SynthesisRequest, fixed_steps: int | None = None,
                    timeout: float | None = None) -> Synthesis:
-        hiddens, text = self.submit(request, fixed_steps).result(timeout)
-        if hiddens.shape[0] == 0:
-            raise EngineError("the model ended speech before producing any audio")
-        return Synthesis(audio=self.decode(hiddens), sample_rate=SAMPLE_RATE,
-                         steps=int(hiddens.shape[0]), spoken_text=text)
+        return self.submit(request, fixed_steps).result(timeout)
 
     def decode(self, hiddens) -> np.ndarray:
         """GPT hidden states -> waveform, through ChatTTS's decoder and vocoder."""
         import torch
 
-        with self._decode_lock, torch.inference_mode():
-            wavs = self._chat._decode_to_wavs([hiddens], True)
+        with torch.inference_mode():
+            wavs = self._chat._decode_to_wavs([hiddens.clone()], True)
         return np.clip(np.asarray(wavs[0], dtype=np.float32), -1.0, 1.0)
 
     def warm_up(self, texts=WARMUP_TEXTS, max_steps: int = WARMUP_MAX_STEPS) -> float:

@@ -2,13 +2,18 @@
 
 A ``Sequence`` is one request's pass through the GPT: speech codes (four codebooks per step,
 kept with their hidden states for the decoder) or refined text (one token per step). Each has
-its own sampling parameters and its own random generator, so what it samples does not depend on
-which other sequences share the batch. Sampling reuses ChatTTS's own logits processors
-(temperature, repetition penalty over the last 16 tokens, top-p, top-k) on that row alone.
+its own sampling parameters and its own random generator.
 
 The ``Batch`` prefills sequences into free KV-cache slots, steps all active ones with one forward
-pass, and drops finished ones at once (the last active slot moves into the hole), so a finished
-sequence stops costing compute and a new one can join between any two steps.
+pass, samples every row with ChatTTS's rules (temperature, repetition penalty over the last 16
+tokens, top-p, top-k, as its logits processors do) vectorised over the rows, and drops finished
+sequences at once, so a finished sequence stops costing compute and a new one can join between
+any two steps.
+
+What a request samples never depends on its batch neighbours: every operation here is either
+per-row (sorting, softmax, the sampling draws from the row's own generator) or a matrix product
+run with a fixed number of rows (the heads are always evaluated on ``max_rows`` rows, zero-padded,
+because a CPU GEMM's rounding can change with the row count).
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ from .transformer import Transformer
 
 NUM_VQ = 4
 REPETITION_WINDOW = 16  # ChatTTS's past_window for its repetition penalty
+MIN_TOKENS_TO_KEEP = 3  # what ChatTTS passes to transformers' top-p/top-k warpers
 
 
 @dataclass(frozen=True)
@@ -39,70 +45,65 @@ TEXT_SAMPLING = Sampling(temperature=0.7, top_p=0.7, top_k=20, repetition_penalt
 class Heads:
     """Embeddings and output heads from ChatTTS's ``Embed``, weight norm folded in once."""
 
-    def __init__(self, embed):
+    def __init__(self, embed, rows: int):
         with torch.no_grad():
             self.code_embeddings = torch.stack(
                 [table.weight.detach().float() for table in embed.emb_code])  # [4, 626, D]
             self.text_embeddings = embed.emb_text.weight.detach().float()
             # weight_norm recomputes g * v / |v| on every call upstream; here it is done once
-            self.code_head = torch.cat([head.weight.detach().float() for head in embed.head_code])
-            self.text_head = embed.head_text.weight.detach().float().contiguous()
+            self.code_head = torch.cat(
+                [head.weight.detach().float() for head in embed.head_code]).T.contiguous()
+            self.text_head = embed.head_text.weight.detach().float().T.contiguous()
         self.num_audio_tokens = self.code_embeddings.shape[1]
+        self.rows = rows
+        self.hidden_size = self.code_head.shape[0]
+
+    def logits(self, hiddens: torch.Tensor, kind: str) -> torch.Tensor:
+        """Logits for up to ``rows`` hidden states, always computed on exactly ``rows`` rows."""
+        count = hiddens.shape[0]
+        padded = torch.zeros(self.rows, self.hidden_size)
+        padded[:count] = hiddens
+        head = self.code_head if kind == "code" else self.text_head
+        return (padded @ head)[:count]
 
 
 class Sequence:
     """One generation: a prompt, sampling parameters, a generator, and what it produced."""
 
     kind = "code"
+    width = NUM_VQ
 
     def __init__(self, prompt: torch.Tensor, heads: Heads, sampling: Sampling, seed: int,
                  max_steps: int, min_steps: int, eos_token: int):
-        from ChatTTS.model.processors import gen_logits
-
         self.prompt = prompt
         self.heads = heads
+        self.sampling = sampling
         self.max_steps = max_steps
         self.min_steps = min_steps
         self.eos_token = eos_token
         self.generator = torch.Generator().manual_seed(seed)
-        self.temperature = sampling.temperature
-        vocabulary = self._vocabulary_size()
-        warpers, processors = gen_logits(num_code=vocabulary, top_P=sampling.top_p,
-                                         top_K=sampling.top_k,
-                                         repetition_penalty=sampling.repetition_penalty)
-        self.processors = [*processors, *warpers]  # the order ChatTTS applies them in
-        self.tokens = torch.zeros(max_steps, self._width(), dtype=torch.long)
-        self.hiddens = torch.empty(max_steps, heads.code_head.shape[1]) if self.kind == "code" else None
+        self.tokens = torch.zeros(max_steps, self.width, dtype=torch.long)
+        self.hiddens = torch.empty(max_steps, heads.hidden_size) if self.kind == "code" else None
         self.steps = 0          # tokens accepted (end-of-sequence excluded)
         self.length = 0         # positions held in the KV cache
         self.finished = False
         self.cancelled = False
         self.job = None         # set by the scheduler
 
-    def _width(self) -> int:
-        return NUM_VQ
-
-    def _vocabulary_size(self) -> int:
-        return self.heads.num_audio_tokens
-
-    def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return (hidden @ self.heads.code_head.T).view(NUM_VQ, -1)
-
     def next_embedding(self) -> torch.Tensor:
         last = self.tokens[self.steps - 1]
         return self.heads.code_embeddings[torch.arange(NUM_VQ), last].sum(0)
 
-    def accept(self, hidden: torch.Tensor) -> None:
-        """Sample the next token from ``hidden`` (the GPT output for the latest position)."""
-        logits = self._logits(hidden[None]).float() / self.temperature
+    def window(self, vocabulary: int) -> torch.Tensor:
+        """The last 16 tokens per codebook [width, 16], padded with ``vocabulary`` (no token)."""
+        padded = torch.full((self.width, REPETITION_WINDOW), vocabulary, dtype=torch.long)
         start = max(0, self.steps - REPETITION_WINDOW)
-        window = self.tokens[start:self.steps].T  # [width, <=16]
-        for processor in self.processors:
-            logits = processor(window, logits)
-        if self.steps < self.min_steps:
-            logits[:, self.eos_token] = -torch.inf
-        probabilities = F.softmax(logits, dim=-1)
-        token = torch.multinomial(probabilities, 1, generator=self.generator)[:, 0]
+        count = self.steps - start
+        if count:
+            padded[:, :count] = self.tokens[start:self.steps].T
+        return padded
+
+    def record(self, token: torch.Tensor, hidden: torch.Tensor) -> None:
         if bool((token == self.eos_token).any()):
             self.finished = True
             return
@@ -128,25 +129,67 @@ class TextSequence(Sequence):
     """Text refinement: one text token per step through ChatTTS's text head."""
 
     kind = "text"
-
-    def _width(self) -> int:
-        return 1
-
-    def _vocabulary_size(self) -> int:
-        return self.heads.text_head.shape[0]
-
-    def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return hidden @ self.heads.text_head.T
+    width = 1
 
     def next_embedding(self) -> torch.Tensor:
         return self.heads.text_embeddings[self.tokens[self.steps - 1, 0]]
 
 
+def shape_logits(sequences: list[Sequence], logits: torch.Tensor) -> torch.Tensor:
+    """ChatTTS's logits processing per row: [rows, width * vocab] -> [rows, width, vocab]."""
+    rows, width = len(sequences), sequences[0].width
+    logits = logits.view(rows, width, -1)
+    vocabulary = logits.shape[-1]
+
+    def per_row(values):
+        return torch.tensor(values, dtype=torch.float32).view(rows, 1, 1)
+
+    temperature = per_row([s.sampling.temperature for s in sequences])
+    penalty = per_row([s.sampling.repetition_penalty for s in sequences])
+    keep_below = per_row([1 - s.sampling.top_p for s in sequences])
+    logits = logits / temperature
+
+    # repetition penalty (ChatTTS's CustomRepetitionPenaltyLogitsProcessorRepeat)
+    windows = torch.stack([s.window(vocabulary) for s in sequences])  # [rows, width, 16]
+    frequency = F.one_hot(windows, vocabulary + 1).sum(2)[..., :vocabulary]
+    alpha = torch.pow(penalty, frequency)
+    logits = torch.where(logits < 0, logits * alpha, logits / alpha)
+
+    # top-p (transformers' TopPLogitsWarper): drop the low tail holding <= 1 - top_p
+    ascending, order = torch.sort(logits, descending=False)
+    cumulative = ascending.softmax(dim=-1).cumsum(dim=-1)
+    drop_sorted = cumulative <= keep_below
+    drop_sorted[..., -MIN_TOKENS_TO_KEEP:] = False
+    logits = logits.masked_fill(drop_sorted.scatter(-1, order, drop_sorted), -torch.inf)
+
+    # top-k (transformers' TopKLogitsWarper): keep values >= the k-th largest
+    ks = [max(s.sampling.top_k, MIN_TOKENS_TO_KEEP) for s in sequences]
+    largest = torch.topk(logits, min(max(ks), vocabulary), dim=-1).values
+    kth = largest.gather(-1, (torch.tensor(ks).clamp(max=vocabulary) - 1)
+                         .view(rows, 1, 1).expand(rows, width, 1))
+    logits = logits.masked_fill(logits < kth, -torch.inf)
+
+    for row, sequence in enumerate(sequences):
+        if sequence.steps < sequence.min_steps:
+            logits[row, :, sequence.eos_token] = -torch.inf
+    return logits
+
+
+def sample(sequences: list[Sequence], logits: torch.Tensor) -> torch.Tensor:
+    """Draw each row's tokens [rows, width] from its own generator."""
+    probabilities = F.softmax(shape_logits(sequences, logits), dim=-1)
+    return torch.stack([
+        torch.multinomial(probabilities[row], 1, generator=sequence.generator)[:, 0]
+        for row, sequence in enumerate(sequences)
+    ])
+
+
 class Batch:
     """The sequences currently generating; sequence ``i`` lives in KV-cache slot ``i``."""
 
-    def __init__(self, transformer: Transformer, max_rows: int):
+    def __init__(self, transformer: Transformer, heads: Heads, max_rows: int):
         self.transformer = transformer
+        self.heads = heads
         self.max_rows = max_rows
         self.active: list[Sequence] = []
 
@@ -160,6 +203,17 @@ class Batch:
     def reserved_positions(self) -> int:
         return sum(sequence.kv_positions() for sequence in self.active)
 
+    def _accept(self, sequences: list[Sequence], hiddens: torch.Tensor) -> None:
+        for kind in ("code", "text"):
+            rows = [i for i, sequence in enumerate(sequences) if sequence.kind == kind]
+            if not rows:
+                continue
+            chosen = [sequences[i] for i in rows]
+            logits = self.heads.logits(hiddens[rows], kind)
+            tokens = sample(chosen, logits)
+            for sequence, token, row in zip(chosen, tokens, rows):
+                sequence.record(token, hiddens[row])
+
     @torch.inference_mode()
     def add(self, sequence: Sequence) -> None:
         """Prefill the prompt and sample the first token; the sequence joins if not finished."""
@@ -168,9 +222,11 @@ class Batch:
         slot = len(self.active)
         hidden = self.transformer.prefill(sequence.prompt, slot)
         sequence.length = sequence.prompt.shape[0]
-        sequence.accept(hidden)
+        self._accept([sequence], hidden[None])
         if not sequence.finished:
             self.active.append(sequence)
+        elif not self.active:
+            self.transformer.cache.release()
 
     @torch.inference_mode()
     def step(self) -> list[Sequence]:
@@ -180,9 +236,9 @@ class Batch:
         embeddings = torch.stack([sequence.next_embedding() for sequence in self.active])
         lengths = torch.tensor([sequence.length for sequence in self.active])
         hiddens = self.transformer.step(embeddings, lengths)
-        for sequence, hidden in zip(self.active, hiddens):
+        for sequence in self.active:
             sequence.length += 1
-            sequence.accept(hidden)
+        self._accept(self.active, hiddens)
         return self.remove([s for s in self.active if s.finished or s.cancelled])
 
     def remove(self, leaving: list[Sequence]) -> list[Sequence]:

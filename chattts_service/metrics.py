@@ -63,8 +63,18 @@ class Metrics:
         self.cpu_percent = Gauge("chatts_cpu_percent",
                                  "Process CPU use since the previous scrape, % of its CPUs",
                                  registry=r)
+        self.step_duration = Histogram("chatts_step_duration_seconds",
+                                       "Time of one batched GPT decode step",
+                                       buckets=(0.005, 0.01, 0.02, 0.03, 0.05, 0.1, 0.25, 1),
+                                       registry=r)
+        self.batch_rows = Histogram("chatts_batch_rows", "Sequences in a decode step",
+                                    buckets=(1, 2, 3, 4, 6, 8, 12, 16, 32, 64), registry=r)
         self._cpu = CpuSampler()
         self.cpu_percent.set_function(self._cpu.percent)
+
+    def observe_step(self, rows: int, seconds: float) -> None:
+        self.step_duration.observe(seconds)
+        self.batch_rows.observe(rows)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -164,7 +164,6 @@ class Transformer:
         if longest > self.max_positions:
             raise ValueError(f"sequence would exceed {self.max_positions} positions")
         self.cache.ensure(longest)
-        slots = torch.arange(rows)
         cos = self.cos[lengths][:, None, None]  # [rows, 1, 1, dim]
         sin = self.sin[lengths][:, None, None]
         # Attention runs per row over exactly that row's positions: the CPU kernels' summation
@@ -176,9 +175,9 @@ class Transformer:
         for index, layer in enumerate(self.layers):
             q, k, v = self._project(layer, x, cos, sin)
             keys, values = self.cache.keys[index], self.cache.values[index]
-            keys[slots, :, lengths] = k[:, :, 0]
-            values[slots, :, lengths] = v[:, :, 0]
             for row, span in enumerate(spans):
+                keys[row, :, span - 1].copy_(k[row, :, 0])
+                values[row, :, span - 1].copy_(v[row, :, 0])
                 attended[row] = F.scaled_dot_product_attention(
                     q[row], keys[row, :, :span], values[row, :, :span])
             x = self._finish(layer, x, attended)

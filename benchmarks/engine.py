@@ -1,0 +1,349 @@
+"""Engine benchmark: upstream ChatTTS vs this project's engine, side by side in one run.
+
+    python benchmarks/engine.py [--model-dir DIR] [--steps N] [--json]
+
+Each side runs in its own child process (so peak RSS and start-up are its own), one after the
+other so they never share the CPUs:
+
+* baseline: ``Chat.infer`` called the way a plain single-process Flask server would: fp32, one
+  request at a time, fresh parameters per call, ``skip_refine_text=True``;
+* ours: the service's engine (int8 by default) at concurrency 1, 4 and 8;
+* fidelity: fp32 vs int8 on the same inputs with teacher forcing: top-1 agreement of the code
+  logits per step, and the distance between the two decoded waveforms.
+
+Every request generates exactly ``--steps`` GPT steps on both sides (end-of-speech is suppressed
+until then), so the work is identical; audio seconds are the nominal length of those steps.
+Without ``--model-dir`` a full-size random-weight model is built (or reused) under models/.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+TEXT = "今天天气很好，我们一起去公园散步吧。"
+DEFAULT_MODEL = REPO / "models" / "full-random"
+
+
+def audio_seconds(steps: int) -> float:
+    # 2 mel frames per step, hop 256, centred inverse STFT: (frames - 1) hops at 24 kHz
+    return (2 * steps - 1) * 256 / 24_000
+
+
+def reset_peak_rss() -> None:
+    try:
+        with open("/proc/self/clear_refs", "w") as handle:
+            handle.write("5")
+    except OSError:
+        pass
+
+
+def rss_mb() -> dict[str, float]:
+    values = {}
+    with open("/proc/self/status") as handle:
+        for line in handle:
+            key, _, rest = line.partition(":")
+            if key in ("VmRSS", "VmHWM", "RssAnon", "RssFile"):
+                values[key] = int(rest.split()[0]) / 1024
+    return values
+
+
+def measure_bandwidth(size_mb: int = 1024, repeats: int = 7) -> float:
+    """Memory read bandwidth in GB/s: sum over a buffer much larger than the caches."""
+    import torch
+
+    buffer = torch.ones(size_mb * 2**20 // 4)
+    buffer.sum()
+    times = []
+    for _ in range(repeats):
+        started = time.perf_counter()
+        buffer.sum()
+        times.append(time.perf_counter() - started)
+    return buffer.numel() * 4 / statistics.median(times) / 1e9
+
+
+# -- child phases -----------------------------------------------------------------------------
+
+def phase_baseline(model_dir: Path, steps: int, requests: int) -> dict:
+    import torch
+    from ChatTTS import Chat
+
+    from chattts_service import model_files
+    from chattts_service.architecture import config_from_architecture, read_architecture
+    from chattts_service.engine import _quiet_library_chatter
+
+    _quiet_library_chatter()
+    started = time.perf_counter()
+    paths = model_files.check_present(model_dir)
+    chat = Chat()
+    chat.config = config_from_architecture(read_architecture(paths.architecture))
+    chat._load(vocos_ckpt_path=str(paths.vocos), dvae_ckpt_path=str(paths.dvae),
+               gpt_ckpt_path=str(paths.gpt), embed_path=str(paths.embed),
+               decoder_ckpt_path=str(paths.decoder), tokenizer_path=str(paths.tokenizer),
+               device=torch.device("cpu"))
+    load_seconds = time.perf_counter() - started
+
+    def one(seed: int) -> float:
+        generator = torch.Generator().manual_seed(seed)
+        voice = torch.randn(chat.speaker.dim, generator=generator) * chat.speaker.std.float() \
+            + chat.speaker.mean.float()
+        params = Chat.InferCodeParams(spk_emb=chat.speaker._encode(voice), manual_seed=seed,
+                                      min_new_token=steps, max_new_token=steps, show_tqdm=False)
+        began = time.perf_counter()
+        chat.infer(TEXT, skip_refine_text=True, params_infer_code=params)
+        return time.perf_counter() - began
+
+    one(0)  # warm-up (Numba JIT, allocator)
+    reset_peak_rss()
+    latencies = [one(seed) for seed in range(1, requests + 1)]
+    wall = statistics.median(latencies)
+    return {
+        "load_seconds": load_seconds,
+        "latency_seconds": latencies,
+        "ms_per_step": wall / steps * 1000,
+        "real_time_factor": wall / audio_seconds(steps),
+        "audio_per_wall_second": audio_seconds(steps) / wall,
+        "peak_rss_mb": rss_mb()["VmHWM"],
+    }
+
+
+def phase_ours(model_dir: Path, steps: int, quantize: str, rounds: int) -> dict:
+    from chattts_service.config import Settings
+    from chattts_service.engine import Engine, SynthesisRequest
+
+    step_log: list[tuple[int, float]] = []
+    started = time.perf_counter()
+    engine = Engine(Settings.from_env({}, model_dir=model_dir, verify_model=False,
+                                      quantize=quantize, max_batch=8),
+                    step_observer=lambda rows, seconds: step_log.append((rows, seconds)))
+    engine.load()
+    engine.warm_up()
+    ready_seconds = time.perf_counter() - started
+    ready_rss = rss_mb()
+    reset_peak_rss()
+
+    results = {}
+    seed = 100
+    for concurrency in (1, 4, 8):
+        step_log.clear()
+        latencies, walls = [], []
+        for _ in range(rounds):
+            round_latencies = [0.0] * concurrency
+
+            def call(index: int, request_seed: int):
+                began = time.perf_counter()
+                engine.synthesize(SynthesisRequest(TEXT, request_seed), fixed_steps=steps)
+                round_latencies[index] = time.perf_counter() - began
+
+            threads = [threading.Thread(target=call, args=(i, seed + i)) for i in range(concurrency)]
+            seed += concurrency
+            began = time.perf_counter()
+            for thread in threads:
+                thread.start()
+            for thread in threads:
+                thread.join()
+            walls.append(time.perf_counter() - began)
+            latencies += round_latencies
+        full_steps = [seconds for rows, seconds in step_log if rows == concurrency]
+        wall = statistics.median(walls)
+        results[str(concurrency)] = {
+            "latency_seconds": latencies,
+            "ms_per_step": statistics.median(full_steps) * 1000 if full_steps else None,
+            "real_time_factor": statistics.median(latencies) / audio_seconds(steps),
+            "audio_per_wall_second": concurrency * audio_seconds(steps) / wall,
+        }
+    engine.close()
+    return {
+        "quantize": quantize,
+        "ready_seconds": ready_seconds,
+        "load_seconds": engine.load_seconds,
+        "rss_after_ready_mb": ready_rss["VmRSS"],
+        "gpt_linear_mb": engine.gpt_linear_bytes / 1e6,
+        "peak_rss_mb": rss_mb()["VmHWM"],
+        "concurrency": results,
+        "bandwidth_gb_per_s": measure_bandwidth(),
+    }
+
+
+def phase_fidelity(model_dir: Path, steps: int, seeds: int) -> dict:
+    """fp32 generates; int8 is teacher-forced along the same tokens and compared step by step."""
+    import numpy as np
+    import torch
+
+    from chattts_service.config import Settings
+    from chattts_service.engine import Engine
+    from chattts_service.generation import Batch
+    from chattts_service.transformer import Transformer
+    from transformers import LlamaModel
+
+    engine = Engine(Settings.from_env({}, model_dir=model_dir, verify_model=False,
+                                      quantize="none", max_batch=1))
+    engine.load()
+    engine.close()
+    llama = LlamaModel.from_pretrained(str(model_dir / "asset" / "gpt"))
+    reference = Transformer(llama, "none", max_rows=1)
+    quantized = Transformer(llama, "int8", max_rows=1)
+    del llama
+    heads = engine._heads
+
+    agreements, distances, snrs = [], [], []
+    for seed in range(seeds):
+        sequence = engine._code_sequence(engine.normalise(TEXT), seed, fixed_steps=steps)
+        batch = Batch(reference, heads, 1)
+        batch.add(sequence)
+        while len(batch):
+            batch.step()
+        tokens, hiddens = sequence.result_tokens(), sequence.result_hiddens()
+
+        agree = 0
+        forced = torch.empty_like(hiddens)
+        with torch.inference_mode():
+            hidden = quantized.prefill(sequence.prompt, 0)
+            length = sequence.prompt.shape[0]
+            for step in range(tokens.shape[0]):
+                forced[step] = hidden
+                logits_int8 = (hidden @ heads.code_head).view(4, -1)
+                logits_fp32 = (hiddens[step] @ heads.code_head).view(4, -1)
+                agree += int((logits_int8.argmax(-1) == logits_fp32.argmax(-1)).sum())
+                embedding = heads.code_embeddings[torch.arange(4), tokens[step]].sum(0)
+                hidden = quantized.step(embedding[None], torch.tensor([length]))[0]
+                length += 1
+        quantized.cache.release()
+        agreements.append(agree / (4 * tokens.shape[0]))
+        wave_fp32 = engine.decode(hiddens)
+        wave_int8 = engine.decode(forced)
+        error = np.linalg.norm(wave_int8 - wave_fp32) / max(np.linalg.norm(wave_fp32), 1e-12)
+        distances.append(float(error))
+        snrs.append(float(-20 * np.log10(max(error, 1e-12))))
+    return {
+        "seeds": seeds,
+        "top1_agreement": statistics.mean(agreements),
+        "waveform_relative_l2": statistics.mean(distances),
+        "waveform_snr_db": statistics.mean(snrs),
+    }
+
+
+# -- the parent: run the phases in children and compare ----------------------------------------
+
+def run_child(phase: str, args: argparse.Namespace, extra: list[str]) -> dict:
+    command = [sys.executable, __file__, "--phase", phase, "--model-dir", str(args.model_dir),
+               "--steps", str(args.steps), *extra]
+    env = dict(os.environ)
+    threads = str(args.threads or len(os.sched_getaffinity(0)))
+    env.update(OMP_NUM_THREADS=threads, MKL_NUM_THREADS=threads, CHATTTS_THREADS=threads)
+    result = subprocess.run(command, capture_output=True, text=True, env=env,
+                            timeout=args.max_seconds)
+    if result.returncode != 0:
+        raise RuntimeError(f"{phase} failed:\n{result.stderr[-4000:]}")
+    return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+def report(data: dict) -> str:
+    base, ours, fidelity = data["baseline"], data["ours"], data.get("fidelity")
+    lines = [
+        f"model {data['model_dir']}   {data['steps']} GPT steps per request "
+        f"({audio_seconds(data['steps']):.2f} s of audio)   {data['threads']} threads",
+        "",
+        f"{'':<22}{'ms/step':>9}{'RTF':>8}{'audio s/s':>11}{'vs baseline':>13}",
+        f"{'baseline (upstream)':<22}{base['ms_per_step']:>9.1f}{base['real_time_factor']:>8.2f}"
+        f"{base['audio_per_wall_second']:>11.2f}{'1.0x':>13}",
+    ]
+    for concurrency, row in ours["concurrency"].items():
+        step = f"{row['ms_per_step']:.1f}" if row["ms_per_step"] else "-"
+        ratio = row["audio_per_wall_second"] / base["audio_per_wall_second"]
+        lines.append(f"{'ours, concurrency ' + concurrency:<22}{step:>9}"
+                     f"{row['real_time_factor']:>8.2f}{row['audio_per_wall_second']:>11.2f}"
+                     f"{ratio:>12.1f}x")
+    one = ours["concurrency"]["1"]
+    eight = ours["concurrency"]["8"]
+    floor_ms = ours["gpt_linear_mb"] / 1000 / ours["bandwidth_gb_per_s"] * 1000
+    speedup = base["real_time_factor"] / one["real_time_factor"]
+    throughput = eight["audio_per_wall_second"] / base["audio_per_wall_second"]
+    floor_ratio = one["ms_per_step"] / floor_ms if one["ms_per_step"] else float("nan")
+    lines += [
+        "",
+        f"memory bandwidth {ours['bandwidth_gb_per_s']:.1f} GB/s; GPT linears "
+        f"{ours['gpt_linear_mb']:.0f} MB ({ours['quantize']}) -> floor {floor_ms:.1f} ms/step; "
+        f"batch-1 step is {floor_ratio:.2f}x the floor",
+        f"peak RSS: baseline {base['peak_rss_mb']:.0f} MB, ours {ours['peak_rss_mb']:.0f} MB "
+        f"(after ready {ours['rss_after_ready_mb']:.0f} MB); ours ready in "
+        f"{ours['ready_seconds']:.1f} s (load {ours['load_seconds']:.1f} s)",
+        "",
+        "targets:",
+        f"  one request alone >= 3.5x faster than baseline : {speedup:.1f}x  "
+        f"{'ok' if speedup >= 3.5 else 'MISSED'}",
+        f"  one request real-time factor <= 1.0            : {one['real_time_factor']:.2f}  "
+        f"{'ok' if one['real_time_factor'] <= 1.0 else 'MISSED'}",
+        f"  8 concurrent aggregate >= 15x baseline         : {throughput:.1f}x  "
+        f"{'ok' if throughput >= 15 else 'MISSED'}",
+        f"  batch-1 step within 2.5x of bandwidth floor    : {floor_ratio:.2f}x  "
+        f"{'ok' if floor_ratio <= 2.5 else 'MISSED'}",
+        f"  peak RSS under 2.5 GB                          : {ours['peak_rss_mb']:.0f} MB  "
+        f"{'ok' if ours['peak_rss_mb'] < 2560 else 'MISSED'}",
+    ]
+    if fidelity:
+        lines += ["", f"fidelity fp32 vs int8 (teacher forcing, {fidelity['seeds']} seeds): top-1 "
+                      f"agreement {fidelity['top1_agreement'] * 100:.1f}%, waveform relative L2 "
+                      f"{fidelity['waveform_relative_l2']:.3f} (SNR {fidelity['waveform_snr_db']:.1f} dB)"]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model-dir", type=Path, default=None,
+                        help="model to measure (default: build/reuse a full random-weight model)")
+    parser.add_argument("--steps", type=int, default=150, help="GPT steps per request")
+    parser.add_argument("--requests", type=int, default=3, help="baseline requests (median)")
+    parser.add_argument("--rounds", type=int, default=2, help="rounds per concurrency level")
+    parser.add_argument("--seeds", type=int, default=3, help="fidelity: sequences compared")
+    parser.add_argument("--quantize", default="int8", choices=("int8", "none"))
+    parser.add_argument("--threads", type=int, default=0, help="torch threads (0 = all allowed)")
+    parser.add_argument("--no-fidelity", action="store_true")
+    parser.add_argument("--max-seconds", type=float, default=900, help="limit per phase")
+    parser.add_argument("--json", action="store_true")
+    parser.add_argument("--phase", choices=("baseline", "ours", "fidelity"), help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+
+    if args.phase:
+        if args.phase == "baseline":
+            result = phase_baseline(args.model_dir, args.steps, args.requests)
+        elif args.phase == "ours":
+            result = phase_ours(args.model_dir, args.steps, args.quantize, args.rounds)
+        else:
+            result = phase_fidelity(args.model_dir, args.steps, args.seeds)
+        print(json.dumps(result))
+        return 0
+
+    if args.model_dir is None:
+        args.model_dir = DEFAULT_MODEL
+        if not (args.model_dir / "architecture.json").is_file():
+            from chattts_service.testmodel import build
+
+            print(f"building a full-size random-weight model in {args.model_dir} ...",
+                  file=sys.stderr)
+            build(args.model_dir, size="full")
+    data = {"model_dir": str(args.model_dir), "steps": args.steps,
+            "threads": args.threads or len(os.sched_getaffinity(0))}
+    data["baseline"] = run_child("baseline", args, ["--requests", str(args.requests)])
+    data["ours"] = run_child("ours", args, ["--quantize", args.quantize,
+                                            "--rounds", str(args.rounds)])
+    if not args.no_fidelity:
+        data["fidelity"] = run_child("fidelity", args, ["--seeds", str(args.seeds)])
+    print(json.dumps(data, indent=1) if args.json else report(data))
+    return 0
+
+
+if __name__ == "__main__":
+    gc.collect()
+    sys.exit(main())

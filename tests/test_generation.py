@@ -1,0 +1,117 @@
+"""The decode loop's pieces against ChatTTS's and transformers' own implementations."""
+
+import pytest
+import torch
+from ChatTTS.model.processors import gen_logits
+from transformers import LlamaModel
+
+from chattts_service.generation import (CODE_SAMPLING, TEXT_SAMPLING, Heads, Sampling, Sequence,
+                                        TextSequence, shape_logits)
+from chattts_service.transformer import Transformer
+
+
+class _FakeEmbed:
+    """Shapes of ChatTTS's Embed, enough for Heads; the heads' values do not matter here."""
+
+    def __init__(self, hidden=8, audio=626, text=50):
+        self.emb_code = [torch.nn.Embedding(audio, hidden) for _ in range(4)]
+        self.emb_text = torch.nn.Embedding(text, hidden)
+        self.head_code = [torch.nn.Linear(hidden, audio, bias=False) for _ in range(4)]
+        self.head_text = torch.nn.Linear(hidden, text, bias=False)
+
+
+def _upstream(sequence, logits, sampling):
+    """ChatTTS's own processing of one row: temperature, then its processors in its order."""
+    warpers, processors = gen_logits(num_code=logits.shape[-1], top_P=sampling.top_p,
+                                     top_K=sampling.top_k,
+                                     repetition_penalty=sampling.repetition_penalty)
+    start = max(0, sequence.steps - 16)
+    history = sequence.tokens[start:sequence.steps].T
+    logits = logits / sampling.temperature
+    for processor in (*processors, *warpers):
+        logits = processor(history, logits)
+    return logits
+
+
+@pytest.mark.parametrize("kind", ["code", "text"])
+def test_vectorised_sampling_rules_match_chattts_processors(kind):
+    torch.manual_seed(0)
+    heads = Heads(_FakeEmbed(), rows=4)
+    samplings = [CODE_SAMPLING if kind == "code" else TEXT_SAMPLING,
+                 Sampling(temperature=0.9, top_p=0.5, top_k=5, repetition_penalty=1.3),
+                 Sampling(temperature=0.1, top_p=0.95, top_k=50, repetition_penalty=1.0)]
+    cls = Sequence if kind == "code" else TextSequence
+    vocabulary = 626 if kind == "code" else 50
+    sequences = []
+    for index, sampling in enumerate(samplings):
+        sequence = cls(torch.zeros(3, 8), heads, sampling, seed=index, max_steps=64,
+                       min_steps=0, eos_token=vocabulary - 1)
+        steps = [0, 5, 40][index]  # empty, partial and full repetition windows
+        sequence.tokens[:steps] = torch.randint(0, 30, (steps, sequence.width))
+        sequence.steps = steps
+        sequences.append(sequence)
+    logits = torch.randn(len(sequences), sequences[0].width * vocabulary) * 3
+    mine = shape_logits(sequences, logits.clone())
+    for row, (sequence, sampling) in enumerate(zip(sequences, samplings)):
+        expected = _upstream(sequence, logits[row].view(sequence.width, vocabulary), sampling)
+        assert torch.equal(torch.isinf(mine[row]), torch.isinf(expected)), row
+        finite = ~torch.isinf(expected)
+        assert torch.allclose(mine[row][finite], expected[finite], rtol=1e-6, atol=1e-6), row
+
+
+def test_min_steps_forbid_end_of_speech():
+    heads = Heads(_FakeEmbed(), rows=2)
+    sequence = Sequence(torch.zeros(3, 8), heads, CODE_SAMPLING, seed=1, max_steps=8,
+                        min_steps=2, eos_token=625)
+    logits = torch.zeros(1, 4 * 626)
+    logits.view(4, 626)[:, 625] = 100.0  # end-of-speech is by far the likeliest
+    assert torch.isinf(shape_logits([sequence], logits)[0, :, 625]).all()
+    sequence.steps = 2
+    assert not torch.isinf(shape_logits([sequence], logits)[0, :, 625]).any()
+
+
+def test_heads_give_each_row_the_same_logits_whatever_the_batch():
+    torch.manual_seed(3)
+    heads = Heads(_FakeEmbed(hidden=64), rows=8)
+    hiddens = torch.randn(8, 64)
+    together = heads.logits(hiddens, "code")
+    for row in range(8):
+        assert torch.equal(heads.logits(hiddens[row:row + 1], "code")[0], together[row])
+
+
+@pytest.mark.parametrize("quantization", ["none", "int8"])
+def test_lean_transformer_matches_transformers_llama(tiny_model_dir, quantization):
+    llama = LlamaModel.from_pretrained(str(tiny_model_dir / "asset/gpt"))
+    torch.manual_seed(0)
+    hidden = llama.config.hidden_size
+    prompt, steps = torch.randn(12, hidden), torch.randn(4, hidden)
+    with torch.no_grad():
+        reference = llama(inputs_embeds=torch.cat([prompt, steps])[None],
+                          use_cache=False).last_hidden_state[0]
+    lean = Transformer(llama, quantization, max_rows=2)
+    outputs = [lean.prefill(prompt, slot=0)]
+    length = torch.tensor([12])
+    for index in range(4):
+        outputs.append(lean.step(steps[index:index + 1], length)[0])
+        length += 1
+    tolerance = 1e-5 if quantization == "none" else 0.05
+    for position, output in zip(range(11, 16), outputs):
+        error = (output - reference[position]).norm() / reference[position].norm()
+        assert error < tolerance, (position, float(error))
+
+
+def test_int8_rows_are_exactly_independent_of_their_batch(tiny_model_dir):
+    llama = LlamaModel.from_pretrained(str(tiny_model_dir / "asset/gpt"))
+    torch.manual_seed(1)
+    hidden = llama.config.hidden_size
+    alone, batched = Transformer(llama, "int8", 3), Transformer(llama, "int8", 3)
+    prompt = torch.randn(9, hidden)
+    alone.prefill(prompt, 0)
+    batched.prefill(prompt, 0)
+    batched.prefill(torch.randn(30, hidden) * 8, 1)   # a longer, louder neighbour
+    batched.prefill(torch.randn(2, hidden) * 0.1, 2)  # and a short, quiet one
+    step = torch.randn(hidden)
+    mine = alone.step(step[None], torch.tensor([9]))[0]
+    theirs = batched.step(torch.stack([step, torch.randn(hidden), torch.randn(hidden)]),
+                          torch.tensor([9, 30, 2]))[0]
+    assert torch.equal(mine, theirs)
