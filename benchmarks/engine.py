@@ -166,6 +166,7 @@ def phase_ours(model_dir: Path, steps: int, quantize: str, rounds: int) -> dict:
     engine.close()
     return {
         "quantize": quantize,
+        "decoder_dtype": engine.settings.resolved_decoder_dtype,
         "ready_seconds": ready_seconds,
         "load_seconds": engine.load_seconds,
         "rss_after_ready_mb": ready_rss["VmRSS"],
@@ -197,7 +198,7 @@ def phase_fidelity(model_dir: Path, steps: int, seeds: int) -> dict:
     del llama
     heads = engine._heads
 
-    agreements, distances, snrs = [], [], []
+    agreements, distances, snrs, decoder_errors = [], [], [], []
     for seed in range(seeds):
         sequence = engine._code_sequence(engine.normalise(TEXT), seed, fixed_steps=steps)
         batch = Batch(reference, heads, 1)
@@ -221,16 +222,20 @@ def phase_fidelity(model_dir: Path, steps: int, seeds: int) -> dict:
                 length += 1
         quantized.cache.release()
         agreements.append(agree / (4 * tokens.shape[0]))
-        wave_fp32 = engine.decode(hiddens)
-        wave_int8 = engine.decode(forced)
-        error = np.linalg.norm(wave_int8 - wave_fp32) / max(np.linalg.norm(wave_fp32), 1e-12)
+        wave_fp32 = engine.decode(hiddens, "fp32")
+        wave_int8 = engine.decode(forced, "fp32")
+        wave_bf16_decoder = engine.decode(hiddens, "bf16")
+        scale = max(np.linalg.norm(wave_fp32), 1e-12)
+        error = np.linalg.norm(wave_int8 - wave_fp32) / scale
         distances.append(float(error))
         snrs.append(float(-20 * np.log10(max(error, 1e-12))))
+        decoder_errors.append(float(np.linalg.norm(wave_bf16_decoder - wave_fp32) / scale))
     return {
         "seeds": seeds,
         "top1_agreement": statistics.mean(agreements),
         "waveform_relative_l2": statistics.mean(distances),
         "waveform_snr_db": statistics.mean(snrs),
+        "bf16_decoder_relative_l2": statistics.mean(decoder_errors),
     }
 
 
@@ -273,6 +278,7 @@ def report(data: dict) -> str:
     floor_ratio = one["ms_per_step"] / floor_ms if one["ms_per_step"] else float("nan")
     lines += [
         "",
+        f"ours: {ours['quantize']} GPT, {ours['decoder_dtype']} decoder",
         f"memory bandwidth {ours['bandwidth_gb_per_s']:.1f} GB/s; GPT linears "
         f"{ours['gpt_linear_mb']:.0f} MB ({ours['quantize']}) -> floor {floor_ms:.1f} ms/step; "
         f"batch-1 step is {floor_ratio:.2f}x the floor",
@@ -295,7 +301,9 @@ def report(data: dict) -> str:
     if fidelity:
         lines += ["", f"fidelity fp32 vs int8 (teacher forcing, {fidelity['seeds']} seeds): top-1 "
                       f"agreement {fidelity['top1_agreement'] * 100:.1f}%, waveform relative L2 "
-                      f"{fidelity['waveform_relative_l2']:.3f} (SNR {fidelity['waveform_snr_db']:.1f} dB)"]
+                      f"{fidelity['waveform_relative_l2']:.3f} (SNR {fidelity['waveform_snr_db']:.1f} dB)",
+                  f"fidelity fp32 vs bf16 decoder (same hidden states): waveform relative L2 "
+                  f"{fidelity['bf16_decoder_relative_l2']:.4f}"]
     return "\n".join(lines)
 
 

@@ -29,6 +29,16 @@ def available_cpus() -> int:
         return max(1, os.cpu_count() or 1)
 
 
+def cpu_has_native_bf16() -> bool:
+    """AVX512-BF16 or AMX: without them bf16 is emulated and slower than fp32."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as handle:
+            flags = next((line for line in handle if line.startswith("flags")), "")
+    except OSError:
+        return False
+    return bool({"avx512_bf16", "amx_bf16"} & set(flags.split()))
+
+
 def _env_field(name: str, default, help_text: str):
     return field(default=default, metadata={"env": PREFIX + name, "help": help_text})
 
@@ -55,6 +65,9 @@ class Settings:
         "MAX_STEPS_PER_CHAR", 25,
         "per-request step cap of 150 + this many steps per character (stops runaway speech)")
     quantize: str = _env_field("QUANTIZE", "int8", "GPT linear layers: int8 (per-row activation scales) or none (fp32)")
+    decoder_dtype: str = _env_field(
+        "DECODER_DTYPE", "auto",
+        "decoder precision: bf16, fp32, or auto (bf16 where the CPU has native bf16 dot products)")
     max_batch: int = _env_field("MAX_BATCH", 8, "requests generated together in one batch")
     batch_wait_ms: int = _env_field("BATCH_WAIT_MS", 50,
                                     "how long an idle scheduler waits for more requests to batch")
@@ -66,6 +79,12 @@ class Settings:
     default_seed: int = _env_field("DEFAULT_SEED", 1234, "voice and sampling seed when a request gives none")
     warmup: bool = _env_field("WARMUP", True, "run warm-up texts through the model before ready")
     log_level: str = _env_field("LOG_LEVEL", "INFO", "Python logging level")
+
+    @property
+    def resolved_decoder_dtype(self) -> str:
+        if self.decoder_dtype != "auto":
+            return self.decoder_dtype
+        return "bf16" if cpu_has_native_bf16() else "fp32"
 
     @property
     def torch_threads(self) -> int:
@@ -99,6 +118,8 @@ class Settings:
             (1 <= self.max_new_tokens <= 4096, "CHATTTS_MAX_NEW_TOKENS must be between 1 and 4096"),
             (self.max_steps_per_char >= 1, "CHATTTS_MAX_STEPS_PER_CHAR must be at least 1"),
             (self.quantize in ("int8", "none"), "CHATTTS_QUANTIZE must be int8 or none"),
+            (self.decoder_dtype in ("auto", "bf16", "fp32"),
+             "CHATTTS_DECODER_DTYPE must be auto, bf16 or fp32"),
             (1 <= self.max_batch <= 64, "CHATTTS_MAX_BATCH must be between 1 and 64"),
             (0 <= self.batch_wait_ms <= 10_000, "CHATTTS_BATCH_WAIT_MS must be between 0 and 10000"),
             (self.max_queue >= 1, "CHATTTS_MAX_QUEUE must be at least 1"),

