@@ -193,8 +193,8 @@ def phase_fidelity(model_dir: Path, steps: int, seeds: int) -> dict:
     engine.load()
     engine.close()
     llama = LlamaModel.from_pretrained(str(model_dir / "asset" / "gpt"))
-    reference = Transformer(llama, "none", max_rows=1)
-    quantized = Transformer(llama, "int8", max_rows=1)
+    reference = Transformer(llama, "none")
+    quantized = Transformer(llama, "int8")
     del llama
     heads = engine._heads
 
@@ -210,7 +210,8 @@ def phase_fidelity(model_dir: Path, steps: int, seeds: int) -> dict:
         agree = 0
         forced = torch.empty_like(hiddens)
         with torch.inference_mode():
-            hidden = quantized.prefill(sequence.prompt, 0)
+            cache = quantized.new_cache()
+            hidden = quantized.prefill(sequence.prompt, cache)
             length = sequence.prompt.shape[0]
             for step in range(tokens.shape[0]):
                 forced[step] = hidden
@@ -218,9 +219,8 @@ def phase_fidelity(model_dir: Path, steps: int, seeds: int) -> dict:
                 logits_fp32 = (hiddens[step] @ heads.code_head).view(4, -1)
                 agree += int((logits_int8.argmax(-1) == logits_fp32.argmax(-1)).sum())
                 embedding = heads.code_embeddings[torch.arange(4), tokens[step]].sum(0)
-                hidden = quantized.step(embedding[None], torch.tensor([length]))[0]
+                hidden = quantized.step(embedding[None], [cache], [length])[0]
                 length += 1
-        quantized.cache.release()
         agreements.append(agree / (4 * tokens.shape[0]))
         wave_fp32 = engine.decode(hiddens, "fp32")
         wave_int8 = engine.decode(forced, "fp32")

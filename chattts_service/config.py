@@ -72,7 +72,7 @@ class Settings:
     batch_wait_ms: int = _env_field("BATCH_WAIT_MS", 50,
                                     "how long an idle scheduler waits for more requests to batch")
     max_queue: int = _env_field("MAX_QUEUE", 64, "requests that may wait for the model; more get 503")
-    kv_cache_mb: int = _env_field("KV_CACHE_MB", 1024,
+    kv_cache_mb: int = _env_field("KV_CACHE_MB", 768,
                                   "KV-cache budget; requests wait rather than exceed it")
     refine_text: bool = _env_field("REFINE_TEXT", False,
                                    "default for the per-request refine_text option")

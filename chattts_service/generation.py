@@ -4,7 +4,7 @@ A ``Sequence`` is one request's pass through the GPT: speech codes (four codeboo
 kept with their hidden states for the decoder) or refined text (one token per step). Each has
 its own sampling parameters and its own random generator.
 
-The ``Batch`` prefills sequences into free KV-cache slots, steps all active ones with one forward
+The ``Batch`` prefills sequences (each into its own KV cache), steps all active ones with one forward
 pass, samples every row with ChatTTS's rules (temperature, repetition penalty over the last 16
 tokens, top-p, top-k, as its logits processors do) vectorised over the rows, and drops finished
 sequences at once, so a finished sequence stops costing compute and a new one can join between
@@ -24,7 +24,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from .transformer import Transformer
+from .transformer import Transformer, rounded_positions
 
 NUM_VQ = 4
 REPETITION_WINDOW = 16  # ChatTTS's past_window for its repetition penalty
@@ -87,6 +87,7 @@ class Sequence:
         self.hiddens = torch.empty(max_steps, heads.hidden_size) if self.kind == "code" else None
         self.steps = 0          # tokens accepted (end-of-sequence excluded)
         self.length = 0         # positions held in the KV cache
+        self.cache = None       # its KV cache while it is in a batch
         self.finished = False
         self.cancelled = False
         self.job = None         # set by the scheduler
@@ -122,8 +123,8 @@ class Sequence:
         return self.hiddens[: self.steps]
 
     def kv_positions(self) -> int:
-        """The most KV-cache positions this sequence can ever hold."""
-        return self.prompt.shape[0] + self.max_steps
+        """The most KV-cache positions this sequence can ever hold (with chunk rounding)."""
+        return rounded_positions(self.prompt.shape[0] + self.max_steps)
 
 
 class TextSequence(Sequence):
@@ -188,13 +189,15 @@ def sample(sequences: list[Sequence], logits: torch.Tensor) -> torch.Tensor:
 
 
 class Batch:
-    """The sequences currently generating; sequence ``i`` lives in KV-cache slot ``i``."""
+    """The sequences currently generating, each with its own KV cache."""
 
-    def __init__(self, transformer: Transformer, heads: Heads, max_rows: int):
+    def __init__(self, transformer: Transformer, heads: Heads, max_rows: int,
+                 on_empty=None):
         self.transformer = transformer
         self.heads = heads
         self.max_rows = max_rows
         self.active: list[Sequence] = []
+        self._on_empty = on_empty  # called when the last sequence leaves (memory housekeeping)
 
     def __len__(self) -> int:
         return len(self.active)
@@ -205,6 +208,9 @@ class Batch:
 
     def reserved_positions(self) -> int:
         return sum(sequence.kv_positions() for sequence in self.active)
+
+    def cache_bytes(self) -> int:
+        return sum(sequence.cache.nbytes for sequence in self.active)
 
     def _accept(self, sequences: list[Sequence], hiddens: torch.Tensor) -> None:
         for kind in ("code", "text"):
@@ -222,14 +228,13 @@ class Batch:
         """Prefill the prompt and sample the first token; the sequence joins if not finished."""
         if not self.free_rows:
             raise RuntimeError("batch is full")
-        slot = len(self.active)
-        hidden = self.transformer.prefill(sequence.prompt, slot)
+        sequence.cache = self.transformer.new_cache(reserve=sequence.kv_positions())
+        hidden = self.transformer.prefill(sequence.prompt, sequence.cache)
         sequence.length = sequence.prompt.shape[0]
         self._accept([sequence], hidden[None])
-        if not sequence.finished:
-            self.active.append(sequence)
-        elif not self.active:
-            self.transformer.cache.release()
+        self.active.append(sequence)
+        if sequence.finished:
+            self.remove([sequence])
 
     @torch.inference_mode()
     def step(self) -> list[Sequence]:
@@ -237,8 +242,8 @@ class Batch:
         if not self.active:
             return []
         embeddings = torch.stack([sequence.next_embedding() for sequence in self.active])
-        lengths = torch.tensor([sequence.length for sequence in self.active])
-        hiddens = self.transformer.step(embeddings, lengths)
+        hiddens = self.transformer.step(embeddings, [s.cache for s in self.active],
+                                        [s.length for s in self.active])
         for sequence in self.active:
             sequence.length += 1
         self._accept(self.active, hiddens)
@@ -246,13 +251,8 @@ class Batch:
 
     def remove(self, leaving: list[Sequence]) -> list[Sequence]:
         for sequence in leaving:
-            index = self.active.index(sequence)
-            last = len(self.active) - 1
-            if index != last:
-                moved = self.active[last]
-                self.transformer.cache.move(last, index, moved.length)
-                self.active[index] = moved
-            self.active.pop()
-        if not self.active:
-            self.transformer.cache.release()
+            self.active.remove(sequence)
+            sequence.cache = None
+        if leaving and not self.active and self._on_empty is not None:
+            self._on_empty()
         return leaving

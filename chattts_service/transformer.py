@@ -1,11 +1,9 @@
-"""A lean forward pass over ChatTTS's GPT (a Llama body), with a KV cache of row slots.
+"""A lean forward pass over ChatTTS's GPT (a Llama body), with a KV cache per sequence.
 
 Weights are taken once from the loaded transformers ``LlamaModel`` (which is then released):
 q/k/v fused into one matrix and gate/up into another, so a layer costs four matrix products.
-The KV cache holds one slot per sequence in the batch. A sequence's keys sit left-aligned in its
-slot, so each row has its own position and no padding; active rows are kept in slots
-``0..rows-1`` so the attention reads a view of the cache, never a gathered copy. Capacity grows
-in chunks as sequences grow and is released when the batch empties.
+Each sequence has its own KV cache with its own positions, so sequences of any lengths share a
+step without padding, and attention reads a view of each cache, never a gathered copy.
 """
 
 from __future__ import annotations
@@ -55,52 +53,49 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 class KVCache:
-    """Keys and values for up to ``max_rows`` sequences: [layers, rows, heads, capacity, dim]."""
+    """One sequence's keys and values, [layers, heads, capacity, dim] each.
 
-    def __init__(self, layers: int, max_rows: int, heads: int, head_dim: int):
-        self.shape = (layers, max_rows, heads, 0, head_dim)
+    Each sequence owns its cache, so memory follows the sequences actually running (not the
+    longest one times the batch size) and a finished sequence's memory is freed at once.
+    ``reserve`` allocates a sequence's worst case up front: the pages of a large allocation
+    only become resident when first written, so memory still grows with the positions used,
+    and there is never a copy (or a moment holding two copies) when the sequence grows."""
+
+    def __init__(self, layers: int, heads: int, head_dim: int, reserve: int = 0):
+        self.shape = (layers, heads, 0, head_dim)
         self.keys = torch.empty(self.shape)
         self.values = torch.empty(self.shape)
+        if reserve:
+            self.ensure(reserve)
 
     @property
     def capacity(self) -> int:
-        return self.keys.shape[3]
+        return self.keys.shape[2]
 
     @property
     def nbytes(self) -> int:
         return self.keys.numel() * 4 * 2
 
-    def bytes_per_position(self) -> int:
-        layers, _, heads, _, head_dim = self.shape
-        return layers * heads * head_dim * 4 * 2
-
     @torch.inference_mode()
     def ensure(self, positions: int) -> None:
         if positions <= self.capacity:
             return
-        capacity = math.ceil(positions / CAPACITY_CHUNK) * CAPACITY_CHUNK
-        layers, rows, heads, _, head_dim = self.shape
-        keys = torch.empty(layers, rows, heads, capacity, head_dim)
-        values = torch.empty(layers, rows, heads, capacity, head_dim)
+        capacity = rounded_positions(positions)
+        layers, heads, _, head_dim = self.shape
+        keys = torch.empty(layers, heads, capacity, head_dim)
+        values = torch.empty(layers, heads, capacity, head_dim)
         if self.capacity:
-            keys[:, :, :, : self.capacity].copy_(self.keys)
-            values[:, :, :, : self.capacity].copy_(self.values)
+            keys[:, :, : self.capacity].copy_(self.keys)
+            values[:, :, : self.capacity].copy_(self.values)
         self.keys, self.values = keys, values
 
-    @torch.inference_mode()
-    def move(self, source: int, target: int, length: int) -> None:
-        """Copy a sequence's first ``length`` positions from one slot to another."""
-        self.keys[:, target, :, :length].copy_(self.keys[:, source, :, :length])
-        self.values[:, target, :, :length].copy_(self.values[:, source, :, :length])
 
-    def release(self) -> None:
-        layers, rows, heads, _, head_dim = self.shape
-        self.keys = torch.empty(layers, rows, heads, 0, head_dim)
-        self.values = torch.empty(layers, rows, heads, 0, head_dim)
+def rounded_positions(positions: int) -> int:
+    return math.ceil(positions / CAPACITY_CHUNK) * CAPACITY_CHUNK
 
 
 class Transformer:
-    def __init__(self, llama_model, quantization: str = "int8", max_rows: int = 8):
+    def __init__(self, llama_model, quantization: str = "int8"):
         config = llama_model.config
         self.hidden_size = config.hidden_size
         self.heads = config.num_attention_heads
@@ -115,7 +110,12 @@ class Transformer:
             cos, sin = llama_model.rotary_emb(torch.zeros(1, dtype=torch.float32), positions)
         self.cos, self.sin = cos[0].float().contiguous(), sin[0].float().contiguous()  # [P, dim]
         self.max_positions = config.max_position_embeddings
-        self.cache = KVCache(len(self.layers), max_rows, self.heads, self.head_dim)
+
+    def new_cache(self, reserve: int = 0) -> KVCache:
+        return KVCache(len(self.layers), self.heads, self.head_dim, reserve)
+
+    def bytes_per_position(self) -> int:
+        return len(self.layers) * self.heads * self.head_dim * 4 * 2
 
     @property
     def linear_bytes(self) -> int:
@@ -136,49 +136,52 @@ class Transformer:
         return x + layer.down(F.silu(gate) * up)
 
     @torch.inference_mode()
-    def prefill(self, embeddings: torch.Tensor, slot: int) -> torch.Tensor:
-        """Run one sequence's prompt [length, hidden] into ``slot``; return its last hidden state."""
+    def prefill(self, embeddings: torch.Tensor, cache: KVCache) -> torch.Tensor:
+        """Run one sequence's prompt [length, hidden] into its empty ``cache``; return the last
+        position's hidden state."""
         length = embeddings.shape[0]
         if length > self.max_positions:
             raise ValueError(f"prompt of {length} tokens exceeds {self.max_positions} positions")
-        self.cache.ensure(length)
+        cache.ensure(length)
         cos, sin = self.cos[:length][None, None], self.sin[:length][None, None]
         x = embeddings.float()[None]
         for index, layer in enumerate(self.layers):
             q, k, v = self._project(layer, x, cos, sin)
-            self.cache.keys[index, slot, :, :length].copy_(k[0])
-            self.cache.values[index, slot, :, :length].copy_(v[0])
+            cache.keys[index, :, :length].copy_(k[0])
+            cache.values[index, :, :length].copy_(v[0])
             attended = F.scaled_dot_product_attention(q, k, v, is_causal=True)
             x = self._finish(layer, x, attended)
         return self.norm(x[0, -1])
 
     @torch.inference_mode()
-    def step(self, embeddings: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
-        """One decode step for the sequences in slots ``0..rows-1``.
+    def step(self, embeddings: torch.Tensor, caches: list[KVCache],
+             lengths: list[int]) -> torch.Tensor:
+        """One decode step for several sequences.
 
-        ``embeddings`` [rows, hidden] are the new tokens; ``lengths`` [rows] how many positions
-        each slot already holds (so also each new token's position). Returns [rows, hidden].
+        ``embeddings`` [rows, hidden] are the new tokens; ``lengths[i]`` is how many positions
+        ``caches[i]`` already holds, so also the new token's position. Returns [rows, hidden].
         """
         rows = embeddings.shape[0]
-        longest = int(lengths.max()) + 1
-        if longest > self.max_positions:
+        if max(lengths) + 1 > self.max_positions:
             raise ValueError(f"sequence would exceed {self.max_positions} positions")
-        self.cache.ensure(longest)
-        cos = self.cos[lengths][:, None, None]  # [rows, 1, 1, dim]
-        sin = self.sin[lengths][:, None, None]
-        # Attention runs per row over exactly that row's positions: the CPU kernels' summation
-        # order depends on the key count, so padding a row to its neighbours' length would change
-        # its result in the last bits, and a request's audio would depend on its batch.
-        spans = [int(length) + 1 for length in lengths]
+        for cache, length in zip(caches, lengths):
+            cache.ensure(length + 1)
+        positions = torch.tensor(lengths)
+        cos = self.cos[positions][:, None, None]  # [rows, 1, 1, dim]
+        sin = self.sin[positions][:, None, None]
         x = embeddings.float()[:, None]
         attended = torch.empty(rows, self.heads, 1, self.head_dim)
         for index, layer in enumerate(self.layers):
             q, k, v = self._project(layer, x, cos, sin)
-            keys, values = self.cache.keys[index], self.cache.values[index]
-            for row, span in enumerate(spans):
-                keys[row, :, span - 1].copy_(k[row, :, 0])
-                values[row, :, span - 1].copy_(v[row, :, 0])
+            # Attention runs per row over exactly that row's positions: the CPU kernels'
+            # summation order depends on the key count, so padding a row to its neighbours'
+            # length would change its result in the last bits, and a request's audio would
+            # depend on its batch.
+            for row, (cache, length) in enumerate(zip(caches, lengths)):
+                keys, values = cache.keys[index], cache.values[index]
+                keys[:, length].copy_(k[row, :, 0])
+                values[:, length].copy_(v[row, :, 0])
                 attended[row] = F.scaled_dot_product_attention(
-                    q[row], keys[row, :, :span], values[row, :, :span])
+                    q[row], keys[:, : length + 1], values[:, : length + 1])
             x = self._finish(layer, x, attended)
         return self.norm(x[:, 0])

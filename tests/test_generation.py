@@ -88,12 +88,11 @@ def test_lean_transformer_matches_transformers_llama(tiny_model_dir, quantizatio
     with torch.no_grad():
         reference = llama(inputs_embeds=torch.cat([prompt, steps])[None],
                           use_cache=False).last_hidden_state[0]
-    lean = Transformer(llama, quantization, max_rows=2)
-    outputs = [lean.prefill(prompt, slot=0)]
-    length = torch.tensor([12])
+    lean = Transformer(llama, quantization)
+    cache = lean.new_cache()
+    outputs = [lean.prefill(prompt, cache)]
     for index in range(4):
-        outputs.append(lean.step(steps[index:index + 1], length)[0])
-        length += 1
+        outputs.append(lean.step(steps[index:index + 1], [cache], [12 + index])[0])
     tolerance = 1e-5 if quantization == "none" else 0.05
     for position, output in zip(range(11, 16), outputs):
         error = (output - reference[position]).norm() / reference[position].norm()
@@ -104,14 +103,15 @@ def test_int8_rows_are_exactly_independent_of_their_batch(tiny_model_dir):
     llama = LlamaModel.from_pretrained(str(tiny_model_dir / "asset/gpt"))
     torch.manual_seed(1)
     hidden = llama.config.hidden_size
-    alone, batched = Transformer(llama, "int8", 3), Transformer(llama, "int8", 3)
+    model = Transformer(llama, "int8")
     prompt = torch.randn(9, hidden)
-    alone.prefill(prompt, 0)
-    batched.prefill(prompt, 0)
-    batched.prefill(torch.randn(30, hidden) * 8, 1)   # a longer, louder neighbour
-    batched.prefill(torch.randn(2, hidden) * 0.1, 2)  # and a short, quiet one
+    caches = [model.new_cache() for _ in range(4)]
+    model.prefill(prompt, caches[0])
+    model.prefill(prompt, caches[1])
+    model.prefill(torch.randn(30, hidden) * 8, caches[2])   # a longer, louder neighbour
+    model.prefill(torch.randn(2, hidden) * 0.1, caches[3])  # and a short, quiet one
     step = torch.randn(hidden)
-    mine = alone.step(step[None], torch.tensor([9]))[0]
-    theirs = batched.step(torch.stack([step, torch.randn(hidden), torch.randn(hidden)]),
-                          torch.tensor([9, 30, 2]))[0]
+    mine = model.step(step[None], [caches[0]], [9])[0]
+    theirs = model.step(torch.stack([step, torch.randn(hidden), torch.randn(hidden)]),
+                        caches[1:], [9, 30, 2])[0]
     assert torch.equal(mine, theirs)
