@@ -90,3 +90,63 @@ def test_concurrent_callers_get_the_same_audio_as_sequential_ones(engine):
 
 def test_warm_up_runs_the_whole_pipeline(engine):
     assert engine.warm_up() > 0
+
+
+def test_a_full_queue_refuses_instead_of_growing(tiny_model_dir):
+    from chattts_service.engine import Overloaded
+
+    small = Engine(Settings.from_env({}, model_dir=tiny_model_dir, verify_model=False,
+                                     max_new_tokens=200, threads=1, max_batch=1, max_queue=2,
+                                     batch_wait_ms=0))
+    small.load()
+    try:
+        accepted, refused = [], 0
+        for seed in range(12):  # submitted far faster than one sequence generates
+            try:
+                accepted.append(small.submit(SynthesisRequest("排队测试", seed), fixed_steps=60))
+            except Overloaded:
+                refused += 1
+        assert refused > 0
+        # at most: one generating, one started and waiting for room, two queued
+        assert len(accepted) <= 4
+        for future in accepted:
+            assert future.result(timeout=60).steps == 60
+        assert small.scheduler.depth == 0
+    finally:
+        small.close()
+
+
+def test_refinement_and_speech_rows_share_batches_without_changing_results(engine):
+    requests = [SynthesisRequest("第一句话", 21, refine_text=True), SynthesisRequest("第二句话", 22),
+                SynthesisRequest("第三句话", 23, refine_text=True), SynthesisRequest("hello", 24)]
+    alone = [engine.synthesize(request).audio for request in requests]
+    futures = [engine.submit(request) for request in requests]
+    together = [future.result(timeout=60).audio for future in futures]
+    for one, other in zip(alone, together):
+        assert np.array_equal(one, other)
+
+
+def test_fp32_mode_runs_and_is_deterministic(tiny_model_dir):
+    fp32 = Engine(Settings.from_env({}, model_dir=tiny_model_dir, verify_model=False,
+                                    max_new_tokens=200, threads=1, quantize="none",
+                                    decoder_dtype="fp32"))
+    fp32.load()
+    try:
+        assert fp32.gpt_linear_bytes > 0 and fp32.identity.endswith("gpt-none/decoder-fp32")
+        first = fp32.synthesize(SynthesisRequest("精度测试", 5))
+        again = fp32.synthesize(SynthesisRequest("精度测试", 5))
+        assert first.steps >= 1 and np.array_equal(first.audio, again.audio)
+    finally:
+        fp32.close()
+
+
+def test_int8_weights_are_a_quarter_of_fp32(engine, tiny_model_dir):
+    from transformers import LlamaModel
+
+    from chattts_service.transformer import Transformer
+
+    llama = LlamaModel.from_pretrained(str(tiny_model_dir / "asset/gpt"))
+    fp32_bytes = Transformer(llama, "none").linear_bytes
+    # int8 weights plus one fp32 scale per output channel
+    assert engine.gpt_linear_bytes < fp32_bytes * 0.3
+    assert engine.identity.startswith("tiny-random/gpt-int8/")

@@ -1,0 +1,35 @@
+"""The benchmarks run end to end (smoke mode, tiny model); their numbers are not judged here."""
+
+import json
+import subprocess
+import sys
+
+from conftest import REPO
+
+
+def test_engine_benchmark_smoke(tiny_model_dir):
+    result = subprocess.run(
+        [sys.executable, "benchmarks/engine.py", "--model-dir", str(tiny_model_dir),
+         "--steps", "12", "--requests", "1", "--rounds", "1", "--seeds", "1", "--json",
+         "--max-seconds", "300"],
+        cwd=REPO, capture_output=True, text=True, timeout=600,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    data = json.loads(result.stdout)
+    assert data["baseline"]["ms_per_step"] > 0
+    assert set(data["ours"]["concurrency"]) == {"1", "4", "8"}
+    assert 0 <= data["fidelity"]["top1_agreement"] <= 1
+    assert data["ours"]["bandwidth_gb_per_s"] > 0
+
+
+def test_memory_benchmark_smoke(tiny_model_dir):
+    result = subprocess.run(
+        [sys.executable, "benchmarks/memory.py", "--model-dir", str(tiny_model_dir),
+         "--steps", "10", "--json"],
+        cwd=REPO, capture_output=True, text=True, timeout=300,
+        env={"PATH": "/usr/bin:/bin", "CHATTTS_MAX_BATCH": "3", "CHATTTS_MAX_CHARS": "40"},
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    report = json.loads(result.stdout)
+    assert report["max_batch"] == 3 and report["steps_per_request"] == 10
+    assert report["peak_rss_mb"] >= report["rss_after_ready_mb"] > 0
