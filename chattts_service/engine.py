@@ -133,6 +133,7 @@ class Engine:
         import torch
 
         _quiet_library_chatter()
+        _cache_normaliser_jit()
         started = time.perf_counter()
         model_dir = Path(self.settings.model_dir)
         paths = model_files.check_present(model_dir)
@@ -350,6 +351,28 @@ def release_free_memory() -> None:
         ctypes.CDLL("libc.so.6").malloc_trim(0)
     except (OSError, AttributeError):  # not glibc
         pass
+
+
+def _cache_normaliser_jit() -> None:
+    """Let ChatTTS's Numba functions use NUMBA_CACHE_DIR.
+
+    They are declared without ``cache=True``, so every process compiles them again on first use
+    (~3 s of the time to ready). Re-declared with caching, a restarted worker finds them
+    compiled in the cache directory (a tmpfs in the container)."""
+    import os
+
+    if not os.environ.get("NUMBA_CACHE_DIR"):
+        return
+    import numba
+    from ChatTTS import norm
+
+    for name in ("_find_index", "_fast_replace", "_split_tags", "_combine_tags"):
+        function = getattr(norm, name)
+        if getattr(function, "_chattts_service_cached", False):
+            continue
+        cached = numba.jit(nopython=True, cache=True)(function.py_func)
+        cached._chattts_service_cached = True
+        setattr(norm, name, cached)
 
 
 def _quiet_library_chatter() -> None:
