@@ -15,15 +15,17 @@ ARG HF_ENDPOINT=https://huggingface.co
 ENV PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1 PYTHONDONTWRITEBYTECODE=1
 # A venv works the same on the official image and on a Debian python3 (PEP 668) base.
 RUN python3 -m venv /opt/venv
-COPY requirements.txt /tmp/requirements.txt
-RUN /opt/venv/bin/pip install --index-url "${TORCH_INDEX_URL}" \
-        $(grep -E '^(torch|torchaudio)==' /tmp/requirements.txt) \
- && /opt/venv/bin/pip install -r /tmp/requirements.txt \
+WORKDIR /app
+COPY requirements.txt ./
+# torch and torchaudio first, from TORCH_INDEX_URL; the rest from PyPI as pinned
+RUN grep -E '^(torch|torchaudio)==' requirements.txt > torch-requirements.txt \
+ && /opt/venv/bin/pip install --index-url "${TORCH_INDEX_URL}" -r torch-requirements.txt \
+ && /opt/venv/bin/pip install -r requirements.txt \
  && find /opt/venv -name '__pycache__' -prune -exec rm -rf {} +
-COPY chattts_service /app/chattts_service
+COPY chattts_service ./chattts_service
 RUN mkdir -p /models/chattts \
  && if [ "${DOWNLOAD_MODEL}" = "1" ]; then \
-        cd /app && HF_ENDPOINT="${HF_ENDPOINT}" \
+        HF_ENDPOINT="${HF_ENDPOINT}" \
         /opt/venv/bin/python -m chattts_service.model_files download /models/chattts ; \
     fi
 
@@ -33,9 +35,10 @@ FROM ${BASE_IMAGE} AS runtime
 RUN apt-get update \
  && apt-get install -y --no-install-recommends libgomp1 numactl \
  && rm -rf /var/lib/apt/lists/* \
- && useradd --system --uid 10001 --create-home --home-dir /home/chattts chattts
+ && groupadd --system --gid 10001 chattts \
+ && useradd --system --uid 10001 --gid 10001 --create-home --home-dir /home/chattts chattts
 COPY --from=build /opt/venv /opt/venv
-COPY --from=build --chown=chattts:chattts /models /models
+COPY --from=build --chown=10001:10001 /models /models
 WORKDIR /app
 COPY chattts_service ./chattts_service
 COPY server.py warmup.py bench.py ./
@@ -47,7 +50,7 @@ ENV PATH=/opt/venv/bin:$PATH \
     HF_HUB_DISABLE_TELEMETRY=1 \
     CHATTTS_MODEL_DIR=/models/chattts \
     CHATTTS_PORT=8090
-USER chattts
+USER 10001:10001
 EXPOSE 8090
 HEALTHCHECK --interval=15s --timeout=5s --start-period=180s --retries=3 \
     CMD ["python", "-c", "import os, sys, urllib.request; sys.exit(0 if urllib.request.urlopen('http://127.0.0.1:%s/readyz' % os.environ.get('CHATTTS_PORT', '8090'), timeout=4).status == 200 else 1)"]

