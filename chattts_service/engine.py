@@ -257,9 +257,13 @@ class Engine:
         with torch.inference_mode():
             chat.speaker.apply(embeddings, voice, input_ids, chat.tokenizer.spk_emb_ids,
                                torch.device("cpu"))
-        max_steps = fixed_steps or self.max_steps_for(text)
+        # the GPT's position table bounds prompt + speech
+        room = self.scheduler.batch.transformer.max_positions - embeddings.shape[1]
+        if room < 1:
+            raise EngineError(f"text is too long for the model ({embeddings.shape[1]} tokens)")
+        max_steps = min(fixed_steps or self.max_steps_for(text), room)
         # at least one step: a generation that ends at once would be an empty answer
-        min_steps = fixed_steps or 1
+        min_steps = min(fixed_steps or 1, max_steps)
         return Sequence(embeddings[0].clone(), self._heads, CODE_SAMPLING, seed, max_steps,
                         min_steps, eos_token=self._heads.num_audio_tokens - 1)
 
@@ -303,7 +307,13 @@ class Engine:
 
     def synthesize(self, request: SynthesisRequest, fixed_steps: int | None = None,
                    timeout: float | None = None) -> Synthesis:
-        return self.submit(request, fixed_steps).result(timeout)
+        future = self.submit(request, fixed_steps)
+        try:
+            return future.result(timeout)
+        except EngineError:
+            raise
+        except Exception as error:  # a failure inside the model thread, logged there
+            raise EngineError(f"{error.__class__.__name__}: {error}") from error
 
     @property
     def identity(self) -> str:
