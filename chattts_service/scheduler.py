@@ -160,24 +160,31 @@ class Scheduler:
         self._waiting.append((job, sequence))
 
     def _admit_waiting(self) -> None:
-        still_waiting = []
-        for job, sequence in self._waiting:
-            fits = (self.batch.free_rows > 0 and (
+        """Prefill waiting sequences in arrival order while rows and the KV budget allow.
+
+        Strictly first come, first served: a long request that does not fit yet is not
+        overtaken by shorter ones behind it, so it cannot starve."""
+        pending, self._waiting = self._waiting, []
+        while pending:
+            job, sequence = pending[0]
+            fits = self.batch.free_rows > 0 and (
                 not len(self.batch)
                 or self.batch.reserved_positions() + sequence.kv_positions()
-                <= self.kv_budget_positions))
+                <= self.kv_budget_positions)
             if not fits:
-                still_waiting.append((job, sequence))
-                continue
+                break
+            pending.pop(0)
             try:
                 self.batch.add(sequence)
             except Exception as error:
                 log.exception("prefill failed")
                 job.future.set_exception(error)
                 continue
-            if sequence.finished:
+            if sequence.finished:  # done at its first token: hand over to the job's next stage
                 self._advance(sequence)
-        self._waiting = still_waiting
+                pending.extend(self._waiting)
+                self._waiting = []
+        self._waiting = pending + self._waiting
 
     def _step(self) -> None:
         rows = len(self.batch)

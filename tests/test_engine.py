@@ -150,3 +150,12 @@ def test_int8_weights_are_a_quarter_of_fp32(engine, tiny_model_dir):
     # int8 weights plus one fp32 scale per output channel
     assert engine.gpt_linear_bytes < fp32_bytes * 0.3
     assert engine.identity.startswith("tiny-random/gpt-int8/")
+
+
+def test_a_stage_that_ends_at_its_prefill_still_hands_over_to_the_next(engine, monkeypatch):
+    import chattts_service.engine as engine_module
+
+    # a one-step refinement finishes during its prefill; its speech stage must still run
+    monkeypatch.setattr(engine_module, "REFINE_MAX_STEPS", 1)
+    result = engine.synthesize(SynthesisRequest("交接测试", 31, refine_text=True), timeout=60)
+    assert result.steps >= 1
