@@ -74,6 +74,9 @@ class Settings:
     max_queue: int = _env_field("MAX_QUEUE", 64, "requests that may wait for the model; more get 503")
     kv_cache_mb: int = _env_field("KV_CACHE_MB", 768,
                                   "KV-cache budget; requests wait rather than exceed it")
+    request_timeout_s: int = _env_field(
+        "REQUEST_TIMEOUT_S", 300,
+        "a request not finished after this many seconds is dropped and answered 504")
     refine_text: bool = _env_field("REFINE_TEXT", False,
                                    "default for the per-request refine_text option")
     default_seed: int = _env_field("DEFAULT_SEED", 1234, "voice and sampling seed when a request gives none")
@@ -123,6 +126,7 @@ class Settings:
             (1 <= self.max_batch <= 64, "CHATTTS_MAX_BATCH must be between 1 and 64"),
             (0 <= self.batch_wait_ms <= 10_000, "CHATTTS_BATCH_WAIT_MS must be between 0 and 10000"),
             (self.max_queue >= 1, "CHATTTS_MAX_QUEUE must be at least 1"),
+            (self.request_timeout_s >= 1, "CHATTTS_REQUEST_TIMEOUT_S must be at least 1"),
             (self.kv_cache_mb >= 64, "CHATTTS_KV_CACHE_MB must be at least 64"),
             (0 <= self.default_seed < 2**31, "CHATTTS_DEFAULT_SEED must be in [0, 2^31)"),
             (self.log_level.upper() in logging.getLevelNamesMapping(),

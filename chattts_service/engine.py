@@ -14,9 +14,11 @@ import ctypes
 import gc
 import logging
 import time
-from concurrent.futures import Future
+from concurrent.futures import CancelledError, Future
+from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 
@@ -32,6 +34,8 @@ CODE_PROMPT = "[speed_5]"             # ChatTTS's default speech prompt
 BASE_STEPS = 150                      # headroom of the per-request step cap
 REFINE_MAX_STEPS = 384                # ChatTTS's default for text refinement
 
+STOP_POLL_SECONDS = 0.25               # how often a waiting request checks its client
+
 WARMUP_TEXTS = ("你好，欢迎使用语音合成服务。", "Hello, this is a warm-up sentence.")
 WARMUP_MAX_STEPS = 24
 
@@ -46,6 +50,14 @@ class NothingToSay(EngineError):
 
 class Overloaded(EngineError):
     """The request queue is full."""
+
+
+class Cancelled(EngineError):
+    """The caller went away before the audio was ready; its work was dropped."""
+
+
+class DeadlineExceeded(Cancelled):
+    """The request did not finish within its time limit; its work was dropped."""
 
 
 @dataclass(frozen=True)
@@ -78,7 +90,9 @@ class _SynthesisJob:
                  fixed_steps: int | None):
         self.engine, self.text, self.seed = engine, text, seed
         self.refine, self.fixed_steps = refine, fixed_steps
-        self.future: Future = Future()
+        from .scheduler import JobFuture  # the scheduler imports torch; keep import time light
+
+        self.future = JobFuture()
 
     def start(self):
         if self.refine:
@@ -306,14 +320,35 @@ class Engine:
             raise Overloaded(str(error)) from None
 
     def synthesize(self, request: SynthesisRequest, fixed_steps: int | None = None,
-                   timeout: float | None = None) -> Synthesis:
+                   timeout: float | None = None,
+                   should_stop: Callable[[], bool] | None = None) -> Synthesis:
+        """Generate and wait. After ``timeout`` seconds, or as soon as ``should_stop()`` says so
+        (checked every quarter second), the request is dropped from the batch and this raises
+        DeadlineExceeded or Cancelled: nobody is left to take the audio."""
+        from .scheduler import JobCancelled
+
         future = self.submit(request, fixed_steps)
-        try:
-            return future.result(timeout)
-        except EngineError:
-            raise
-        except Exception as error:  # a failure inside the model thread, logged there
-            raise EngineError(f"{error.__class__.__name__}: {error}") from error
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            wait = None if should_stop is None else STOP_POLL_SECONDS
+            if deadline is not None:
+                remaining = max(0.0, deadline - time.monotonic())
+                wait = remaining if wait is None else min(wait, remaining)
+            try:
+                return future.result(wait)
+            except FutureTimeout:
+                if deadline is not None and time.monotonic() >= deadline:
+                    future.cancel()
+                    raise DeadlineExceeded(f"not finished within {timeout:g} s") from None
+                if should_stop is not None and should_stop():
+                    future.cancel()
+                    raise Cancelled("the client went away") from None
+            except (JobCancelled, CancelledError) as error:
+                raise Cancelled(str(error) or "cancelled") from None
+            except EngineError:
+                raise
+            except Exception as error:  # a failure inside the model thread, logged there
+                raise EngineError(f"{error.__class__.__name__}: {error}") from error
 
     @property
     def identity(self) -> str:

@@ -41,6 +41,14 @@ class NotReady(ApiError):
     status = 503
 
 
+class GatewayTimeout(ApiError):
+    status = 504
+
+
+class ClientClosedRequest(ApiError):
+    status = 499  # nobody reads it; it marks the request in logs and metrics
+
+
 def register_error_handlers(app: Flask) -> None:
     @app.errorhandler(ApiError)
     def handle_api_error(error: ApiError):

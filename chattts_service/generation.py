@@ -89,8 +89,12 @@ class Sequence:
         self.length = 0         # positions held in the KV cache
         self.cache = None       # its KV cache while it is in a batch
         self.finished = False
-        self.cancelled = False
         self.job = None         # set by the scheduler
+
+    @property
+    def cancelled(self) -> bool:
+        """The caller gave up (deadline passed, client left): stop spending steps on it."""
+        return self.job is not None and self.job.future.stop_requested
 
     def next_embedding(self) -> torch.Tensor:
         last = self.tokens[self.steps - 1]

@@ -34,8 +34,24 @@ class QueueFull(Exception):
     """The request queue is at its bound; the caller should retry later."""
 
 
+class JobCancelled(Exception):
+    """The job was dropped because its caller asked to stop it."""
+
+
+class JobFuture(Future):
+    """A job's future; ``cancel`` also stops a job that is already generating."""
+
+    def __init__(self):
+        super().__init__()
+        self.stop_requested = False
+
+    def cancel(self) -> bool:
+        self.stop_requested = True
+        return super().cancel()  # True only while still queued
+
+
 class Job(Protocol):
-    future: Future
+    future: JobFuture
 
     def start(self) -> Sequence: ...
 
@@ -151,6 +167,9 @@ class Scheduler:
     def _start_job(self, job: Job) -> None:
         if job.future.cancelled() or not job.future.set_running_or_notify_cancel():
             return
+        if job.future.stop_requested:
+            job.future.set_exception(JobCancelled("cancelled before it started"))
+            return
         try:
             sequence = job.start()
         except Exception as error:
@@ -167,6 +186,10 @@ class Scheduler:
         pending, self._waiting = self._waiting, []
         while pending:
             job, sequence = pending[0]
+            if sequence.cancelled:
+                pending.pop(0)
+                self._advance(sequence)
+                continue
             fits = self.batch.free_rows > 0 and (
                 not len(self.batch)
                 or self.batch.reserved_positions() + sequence.kv_positions()
@@ -205,7 +228,7 @@ class Scheduler:
         job = sequence.job
         if sequence.cancelled:
             if not job.future.done():
-                job.future.cancel()
+                job.future.set_exception(JobCancelled("cancelled while generating"))
             return
         try:
             following = job.advance(sequence)

@@ -159,3 +159,52 @@ def test_a_stage_that_ends_at_its_prefill_still_hands_over_to_the_next(engine, m
     monkeypatch.setattr(engine_module, "REFINE_MAX_STEPS", 1)
     result = engine.synthesize(SynthesisRequest("交接测试", 31, refine_text=True), timeout=60)
     assert result.steps >= 1
+
+
+def test_a_request_past_its_deadline_is_dropped_and_the_batch_goes_on(engine):
+    import time
+
+    from chattts_service.engine import DeadlineExceeded
+
+    started = time.monotonic()
+    with pytest.raises(DeadlineExceeded):
+        # thousands of forced steps: far longer than the deadline
+        engine.synthesize(SynthesisRequest("超时测试", 41), fixed_steps=4000, timeout=0.5)
+    assert time.monotonic() - started < 5
+    deadline = time.monotonic() + 5
+    while engine.scheduler.depth and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert engine.scheduler.depth == 0, "the dropped request still holds a batch row"
+    assert engine.synthesize(SynthesisRequest("超时之后", 42)).steps >= 1
+
+
+def test_a_caller_that_goes_away_has_its_request_dropped(engine):
+    import time
+
+    from chattts_service.engine import Cancelled
+
+    asked = time.monotonic() + 0.3
+    with pytest.raises(Cancelled, match="went away"):
+        engine.synthesize(SynthesisRequest("离开测试", 43), fixed_steps=4000,
+                          should_stop=lambda: time.monotonic() > asked)
+    deadline = time.monotonic() + 5
+    while engine.scheduler.depth and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert engine.scheduler.depth == 0
+
+
+def test_client_disconnect_is_detected_on_the_socket():
+    import socket
+
+    from chattts_service.routes.synthesis import client_gone
+
+    server_side, client_side = socket.socketpair()
+    gone = client_gone({"gunicorn.socket": server_side})
+    assert gone() is False
+    client_side.sendall(b"GET / HTTP/1.1\r\n")  # a pipelined request is not a disconnect
+    assert gone() is False
+    server_side.recv(100)
+    client_side.close()
+    assert gone() is True
+    server_side.close()
+    assert client_gone({}) is None

@@ -6,15 +6,18 @@ The path of one request, top to bottom: validation -> cache lookup -> engine -> 
 
 from __future__ import annotations
 
+import select
+import socket
 import time
+from typing import Callable
 
 from flask import Blueprint, Response, current_app, g, request
 
 from .. import validation
 from ..audio import to_wav
 from ..cache import cache_key
-from ..engine import EngineError, NothingToSay, Overloaded
-from ..errors import ApiError, NotReady, Unprocessable
+from ..engine import Cancelled, DeadlineExceeded, EngineError, NothingToSay, Overloaded
+from ..errors import ApiError, ClientClosedRequest, GatewayTimeout, NotReady, Unprocessable
 from .health import RETRY_AFTER_SECONDS
 
 blueprint = Blueprint("synthesis", __name__)
@@ -59,12 +62,40 @@ def synthesize():
         metrics.request_duration.observe(time.perf_counter() - started)
 
 
+def client_gone(environ) -> Callable[[], bool] | None:
+    """A check that the client closed its connection, so its request can be dropped."""
+    connection = environ.get("gunicorn.socket")
+    if connection is None:
+        return None
+
+    def gone() -> bool:
+        try:
+            readable, _, _ = select.select([connection], [], [], 0)
+            if not readable:
+                return False
+            return connection.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) == b""
+        except (BlockingIOError, InterruptedError):
+            return False
+        except (OSError, ValueError):
+            return True
+
+    return gone
+
+
 def _infer(state, synthesis_request):
     metrics = state.metrics
     metrics.queue_depth.inc()
     started = time.perf_counter()
     try:
-        result = state.engine.synthesize(synthesis_request)
+        result = state.engine.synthesize(synthesis_request,
+                                         timeout=state.settings.request_timeout_s,
+                                         should_stop=client_gone(request.environ))
+    except DeadlineExceeded as error:
+        metrics.infer_total.labels(outcome="timeout").inc()
+        raise GatewayTimeout(f"synthesis dropped: {error}") from None
+    except Cancelled as error:
+        metrics.infer_total.labels(outcome="cancelled").inc()
+        raise ClientClosedRequest(f"synthesis dropped: {error}") from None
     except NothingToSay as error:
         metrics.infer_total.labels(outcome="nothing_to_say").inc()
         raise Unprocessable(str(error)) from None
