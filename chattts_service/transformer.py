@@ -66,6 +66,7 @@ class KVCache:
         self.shape = (layers, heads, 0, head_dim)
         self.keys = torch.empty(self.shape)
         self.values = torch.empty(self.shape)
+        self.layer_keys, self.layer_values = self.keys.unbind(0), self.values.unbind(0)
         if reserve:
             self.ensure(reserve)
 
@@ -89,6 +90,8 @@ class KVCache:
             keys[:, :, : self.capacity].copy_(self.keys)
             values[:, :, : self.capacity].copy_(self.values)
         self.keys, self.values = keys, values
+        # per-layer views, made once rather than on every step
+        self.layer_keys, self.layer_values = keys.unbind(0), values.unbind(0)
 
 
 def rounded_positions(positions: int) -> int:
@@ -173,14 +176,15 @@ class Transformer:
         attended = torch.empty(rows, self.heads, 1, self.head_dim)
         for index, layer in enumerate(self.layers):
             q, k, v = self._project(layer, x, cos, sin)
+            k_rows, v_rows = k[:, :, 0].unbind(0), v[:, :, 0].unbind(0)
             # Attention runs per row over exactly that row's positions: the CPU kernels'
             # summation order depends on the key count, so padding a row to its neighbours'
             # length would change its result in the last bits, and a request's audio would
             # depend on its batch.
             for row, (cache, length) in enumerate(zip(caches, lengths)):
-                keys, values = cache.keys[index], cache.values[index]
-                keys[:, length].copy_(k[row, :, 0])
-                values[:, length].copy_(v[row, :, 0])
+                keys, values = cache.layer_keys[index], cache.layer_values[index]
+                keys[:, length] = k_rows[row]
+                values[:, length] = v_rows[row]
                 attended[row] = F.scaled_dot_product_attention(
                     q[row], keys[:, : length + 1], values[:, : length + 1])
             x = self._finish(layer, x, attended)
