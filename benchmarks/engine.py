@@ -81,7 +81,7 @@ def phase_baseline(model_dir: Path, steps: int, requests: int) -> dict:
 
     from chattts_service import model_files
     from chattts_service.architecture import config_from_architecture, read_architecture
-    from chattts_service.engine import _quiet_library_chatter
+    from chattts_service.engine import _quiet_library_chatter, voice_for_seed
 
     _quiet_library_chatter()
     started = time.perf_counter()
@@ -95,9 +95,8 @@ def phase_baseline(model_dir: Path, steps: int, requests: int) -> dict:
     load_seconds = time.perf_counter() - started
 
     def one(seed: int) -> float:
-        generator = torch.Generator().manual_seed(seed)
-        voice = torch.randn(chat.speaker.dim, generator=generator) * chat.speaker.std.float() \
-            + chat.speaker.mean.float()
+        # the same voice for a seed as the service uses
+        voice = voice_for_seed(chat.speaker, seed)
         params = Chat.InferCodeParams(spk_emb=chat.speaker._encode(voice), manual_seed=seed,
                                       min_new_token=steps, max_new_token=steps, show_tqdm=False)
         began = time.perf_counter()

@@ -54,7 +54,3 @@ def create_app(settings: Settings | None = None, *, engine: Engine | None = None
     if start_loading:
         state.start(exit_on_failure=exit_on_load_failure)
     return app
-
-
-def service_state(app: Flask) -> ServiceState:
-    return app.extensions["chattts"]

@@ -3,7 +3,7 @@
 ChatTTS's ``Chat.infer`` is not called: it mutates the parameter objects it is given, takes one
 speaker and seed per call, splits and re-synthesises text, deletes quiet samples from the output,
 and its ``source="local"`` loader runs a downloaded binary. The engine loads ChatTTS's modules
-through ``Chat._load`` and drives them itself: ChatTTS's normaliser, tokenizer, embeddings and
+itself (``_load_modules``) and drives them: ChatTTS's normaliser, tokenizer, embeddings and
 speaker code build the prompt; a lean int8 decode loop (``transformer``, ``generation``,
 ``scheduler``) generates for many requests at once; ChatTTS's decoder and vocoder make audio.
 """
@@ -29,7 +29,6 @@ from .config import Settings
 log = logging.getLogger(__name__)
 
 SAMPLE_RATE = 24_000
-STEPS_PER_SECOND = SAMPLE_RATE / 512  # one GPT step -> 2 mel frames of hop 256
 CODE_PROMPT = "[speed_5]"             # ChatTTS's default speech prompt
 BASE_STEPS = 150                      # headroom of the per-request step cap
 REFINE_MAX_STEPS = 384                # ChatTTS's default for text refinement
@@ -230,20 +229,10 @@ class Engine:
         self.scheduler.attach(batch, kv_positions)
         return chat
 
-    @property
-    def loaded(self) -> bool:
-        return self._chat is not None
-
-    # -- prompts and sequences (called from request threads and the scheduler) ----------------
+    # -- prompts and sequences (run on the scheduler's thread) --------------------------------
 
     def speaker_embedding(self, seed: int):
-        """A reproducible voice for ``seed``, drawn without touching the global RNG."""
-        import torch
-
-        speaker = self._chat.speaker
-        generator = torch.Generator().manual_seed(seed)
-        noise = torch.randn(speaker.dim, generator=generator, dtype=torch.float32)
-        return noise * speaker.std.float() + speaker.mean.float()
+        return voice_for_seed(self._chat.speaker, seed)
 
     def max_steps_for(self, text: str) -> int:
         """Step cap for a text: speech far longer than its text is a runaway generation."""
@@ -386,6 +375,16 @@ class Engine:
     def close(self) -> None:
         if self.scheduler is not None:
             self.scheduler.stop()
+
+
+def voice_for_seed(speaker, seed: int):
+    """A reproducible voice from ChatTTS's ``Speaker`` statistics, drawn without touching the
+    global RNG (upstream's ``sample_random_speaker`` does)."""
+    import torch
+
+    generator = torch.Generator().manual_seed(seed)
+    noise = torch.randn(speaker.dim, generator=generator, dtype=torch.float32)
+    return noise * speaker.std.float() + speaker.mean.float()
 
 
 def release_free_memory() -> None:

@@ -213,9 +213,6 @@ class Batch:
     def reserved_positions(self) -> int:
         return sum(sequence.kv_positions() for sequence in self.active)
 
-    def cache_bytes(self) -> int:
-        return sum(sequence.cache.nbytes for sequence in self.active)
-
     def _accept(self, sequences: list[Sequence], hiddens: torch.Tensor) -> None:
         for kind in ("code", "text"):
             rows = [i for i, sequence in enumerate(sequences) if sequence.kind == kind]

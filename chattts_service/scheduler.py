@@ -72,7 +72,6 @@ class Scheduler:
         self._on_step = on_step
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="scheduler", daemon=True)
-        self.steps_run = 0
 
     def start(self) -> None:
         self._thread.start()
@@ -218,7 +217,6 @@ class Scheduler:
             log.exception("decode step failed")
             self._fail_all(error)
             return
-        self.steps_run += 1
         if self._on_step is not None:
             self._on_step(rows, time.perf_counter() - started)
         for sequence in finished:

@@ -74,10 +74,6 @@ class KVCache:
     def capacity(self) -> int:
         return self.keys.shape[2]
 
-    @property
-    def nbytes(self) -> int:
-        return self.keys.numel() * 4 * 2
-
     @torch.inference_mode()
     def ensure(self, positions: int) -> None:
         if positions <= self.capacity:
@@ -106,7 +102,6 @@ class Transformer:
         self.head_dim = getattr(config, "head_dim", None) or self.hidden_size // self.heads
         if getattr(config, "num_key_value_heads", self.heads) != self.heads:
             raise ValueError("grouped-query attention is not used by ChatTTS and not supported")
-        self.quantization = quantization
         self.layers = [Layer(layer, quantization) for layer in llama_model.layers]
         self.norm = RMSNorm(llama_model.norm.weight, llama_model.norm.variance_epsilon)
         positions = torch.arange(config.max_position_embeddings)[None]
