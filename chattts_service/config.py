@@ -6,6 +6,7 @@ variable is reported at start-up so a typo does not silently fall back to a defa
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 from dataclasses import dataclass, field, fields
@@ -29,8 +30,10 @@ def available_cpus() -> int:
         return max(1, os.cpu_count() or 1)
 
 
+@functools.cache
 def cpu_has_native_bf16() -> bool:
-    """AVX512-BF16 or AMX: without them bf16 is emulated and slower than fp32."""
+    """AVX512-BF16 or AMX: without them bf16 is emulated and slower than fp32. Read once: it is
+    asked on every request (cache key) and every decode."""
     try:
         with open("/proc/cpuinfo", encoding="utf-8") as handle:
             flags = next((line for line in handle if line.startswith("flags")), "")
