@@ -20,9 +20,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from benchmarks.engine import DEFAULT_MODEL, reset_peak_rss, rss_mb  # noqa: E402
-
-TEXT = "今天天气很好，我们一起去公园散步吧。"
+from benchmarks.engine import DEFAULT_MODEL, TEXT, reset_peak_rss, rss_mb  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:
