@@ -182,7 +182,7 @@ def phase_fidelity(model_dir: Path, steps: int, seeds: int) -> dict:
     import torch
 
     from chattts_service.config import Settings
-    from chattts_service.engine import Engine
+    from chattts_service.engine import Engine, SynthesisRequest
     from chattts_service.generation import Batch
     from chattts_service.transformer import Transformer
     from transformers import LlamaModel
@@ -199,7 +199,9 @@ def phase_fidelity(model_dir: Path, steps: int, seeds: int) -> dict:
 
     agreements, distances, snrs, decoder_errors = [], [], [], []
     for seed in range(seeds):
-        sequence = engine._code_sequence(engine.normalise(TEXT), seed, fixed_steps=steps)
+        request = SynthesisRequest(TEXT, seed)
+        sequence = engine._code_sequence(engine.normalise(TEXT), request,
+                                         engine.speaker_embedding(seed), fixed_steps=steps)
         batch = Batch(reference, heads, 1)
         batch.add(sequence)
         while len(batch):

@@ -5,14 +5,15 @@ from __future__ import annotations
 import logging
 import time
 
-from flask import Flask, g, request
+from flask import Flask, g, jsonify, request
 
 from .cache import AudioCache
 from .config import Settings
 from .engine import Engine
 from .errors import register_error_handlers
 from .metrics import Metrics
-from .routes import health, synthesis
+from .openapi import document
+from .routes import health, openai, synthesis
 from .state import ServiceState
 
 log = logging.getLogger("chattts_service.access")
@@ -30,12 +31,17 @@ def create_app(settings: Settings | None = None, *, engine: Engine | None = None
     metrics = Metrics()
     state = ServiceState(settings=settings,
                          engine=engine or Engine(settings, step_observer=metrics.observe_step),
-                         cache=AudioCache(settings.cache_size), metrics=metrics)
+                         cache=AudioCache(settings.cache_size, settings.cache_mb * 2**20), metrics=metrics)
     app.extensions["chattts"] = state
 
     register_error_handlers(app)
     app.register_blueprint(health.blueprint)
     app.register_blueprint(synthesis.blueprint)
+    app.register_blueprint(openai.blueprint)
+
+    @app.get("/openapi.json")
+    def openapi_document():
+        return jsonify(document(settings))
 
     @app.before_request
     def remember_start():

@@ -61,7 +61,21 @@ class Settings:
     worker_timeout: int = _env_field("WORKER_TIMEOUT", 300,
                                      "seconds gunicorn waits on a silent worker before restarting it")
     cache_size: int = _env_field("CACHE_SIZE", 256, "entries in the LRU audio cache; 0 disables it")
-    max_chars: int = _env_field("MAX_CHARS", 200, "longest text accepted, in characters")
+    cache_mb: int = _env_field("CACHE_MB", 256, "bytes of audio the cache may hold, in MiB")
+    max_chars: int = _env_field("MAX_CHARS", 4000,
+                                "longest text accepted, in characters (long text is split)")
+    max_segment_chars: int = _env_field(
+        "MAX_SEGMENT_CHARS", 100,
+        "long text is split at sentence boundaries into segments of at most this many characters")
+    segment_pause_ms: int = _env_field("SEGMENT_PAUSE_MS", 200,
+                                       "silence between the segments of a long text")
+    max_control_tokens: int = _env_field("MAX_CONTROL_TOKENS", 64,
+                                         "most control tokens ([uv_break], [laugh]...) per text")
+    voices_dir: Path = _env_field("VOICES_DIR", Path("voices"),
+                                  "directory of named voices (<name>.json); created when a voice "
+                                  "is registered")
+    normalize: bool = _env_field("NORMALIZE", True,
+                                 "default for the per-request normalize option (wetext)")
     max_new_tokens: int = _env_field("MAX_NEW_TOKENS", 2048,
                                      "cap on GPT steps per request (46.9 steps = 1 s of audio)")
     max_steps_per_char: int = _env_field(
@@ -121,6 +135,12 @@ class Settings:
             (self.worker_timeout >= 10, "CHATTTS_WORKER_TIMEOUT must be at least 10 seconds"),
             (self.cache_size >= 0, "CHATTTS_CACHE_SIZE must be 0 or positive"),
             (self.max_chars >= 1, "CHATTTS_MAX_CHARS must be at least 1"),
+            (self.cache_mb >= 0, "CHATTTS_CACHE_MB must be 0 (no byte bound) or positive"),
+            (10 <= self.max_segment_chars <= 500,
+             "CHATTTS_MAX_SEGMENT_CHARS must be between 10 and 500"),
+            (0 <= self.segment_pause_ms <= 5000,
+             "CHATTTS_SEGMENT_PAUSE_MS must be between 0 and 5000"),
+            (self.max_control_tokens >= 0, "CHATTTS_MAX_CONTROL_TOKENS must be 0 or positive"),
             (1 <= self.max_new_tokens <= 4096, "CHATTTS_MAX_NEW_TOKENS must be between 1 and 4096"),
             (self.max_steps_per_char >= 1, "CHATTTS_MAX_STEPS_PER_CHAR must be at least 1"),
             (self.quantize in ("int8", "none"), "CHATTTS_QUANTIZE must be int8 or none"),

@@ -13,23 +13,30 @@ from __future__ import annotations
 import ctypes
 import gc
 import logging
+import queue
 import time
 from concurrent.futures import CancelledError, Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Iterator
 
 import numpy as np
 
 from . import model_files
 from .architecture import config_from_architecture, read_architecture
+from .audio import silence
 from .config import Settings
+from .text import Normaliser, pack, split_sentences
+from .voices import Voice, VoiceStore
 
 log = logging.getLogger(__name__)
 
 SAMPLE_RATE = 24_000
-CODE_PROMPT = "[speed_5]"             # ChatTTS's default speech prompt
+SAMPLES_PER_STEP = 512                # 2 mel frames of hop 256 per GPT step
+DEFAULT_SPEED = 5                     # ChatTTS's default speech prompt is [speed_5]
+FIRST_CHUNK_STEPS = 12                # streamed audio: first chunk (256 ms), then doubling
+MAX_CHUNK_STEPS = 96
 BASE_STEPS = 150                      # headroom of the per-request step cap
 REFINE_MAX_STEPS = 384                # ChatTTS's default for text refinement
 
@@ -64,8 +71,15 @@ class SynthesisRequest:
     """Everything that changes the audio. The cache key is built from these fields."""
 
     text: str
-    seed: int
+    seed: int                     # sampling seed; also the voice when ``voice`` is None
     refine_text: bool = False
+    voice: Voice | None = None
+    speed: int = DEFAULT_SPEED    # ChatTTS's [speed_N] level, 0-9
+    temperature: float = 0.3      # ChatTTS's defaults for speech codes
+    top_p: float = 0.7
+    top_k: int = 20
+    normalize: bool = True        # numbers, dates, money... written out in words first
+    refine_prompt: str = ""       # [oral_N][laugh_N][break_N] for the refinement pass
 
 
 @dataclass(frozen=True)
@@ -74,6 +88,8 @@ class Synthesis:
     sample_rate: int
     steps: int
     spoken_text: str
+    segments: int = 1
+    truncated: int = 0  # segments stopped by the step cap instead of ending their speech
 
     @property
     def seconds(self) -> float:
@@ -81,35 +97,168 @@ class Synthesis:
 
 
 class _SynthesisJob:
-    """One request inside the scheduler: optional text refinement, speech codes, then audio.
+    """One segment inside the scheduler: optional text refinement, speech codes, then audio.
 
-    Every method runs on the scheduler's thread, which owns all heavy torch work."""
+    Every method runs on the scheduler's thread, which owns all heavy torch work. A streaming
+    job decodes its audio in chunks while it generates (``progress``); each chunk is decoded
+    with enough context on both sides (the decoders' receptive field) to be identical to the
+    same stretch of a decode of the whole, so streamed and non-streamed audio match."""
 
-    def __init__(self, engine: "Engine", text: str, seed: int, refine: bool,
-                 fixed_steps: int | None):
-        self.engine, self.text, self.seed = engine, text, seed
-        self.refine, self.fixed_steps = refine, fixed_steps
+    def __init__(self, engine: "Engine", text: str, request: SynthesisRequest, voice,
+                 fixed_steps: int | None, stream: bool):
+        self.engine, self.text, self.request, self.voice = engine, text, request, voice
+        self.fixed_steps = fixed_steps
         from .scheduler import JobFuture  # the scheduler imports torch; keep import time light
 
         self.future = JobFuture()
+        self.chunks: queue.SimpleQueue | None = queue.SimpleQueue() if stream else None
+        self._parts: list[np.ndarray] = []
+        self._emitted = 0  # steps whose audio has been sent
+        self._next_chunk = FIRST_CHUNK_STEPS
 
     def start(self):
-        if self.refine:
-            return self.engine._text_sequence(self.text, self.seed)
-        return self.engine._code_sequence(self.text, self.seed, self.fixed_steps)
+        if self.request.refine_text:
+            return self.engine._text_sequence(self.text, self.request)
+        return self.engine._code_sequence(self.text, self.request, self.voice, self.fixed_steps)
+
+    def progress(self, sequence) -> None:
+        if self.chunks is None or sequence.kind != "code":
+            return
+        ready = sequence.steps - self.engine.context_steps
+        if ready - self._emitted >= self._next_chunk:
+            self._emit(sequence, ready, final=False)
+            self._next_chunk = min(2 * self._next_chunk, MAX_CHUNK_STEPS)
+
+    def _emit(self, sequence, until: int, final: bool) -> None:
+        start = max(0, self._emitted - self.engine.context_steps)
+        audio = self.engine.decode(sequence.hiddens[start:sequence.steps])
+        first = (self._emitted - start) * SAMPLES_PER_STEP
+        last = len(audio) if final else (until - start) * SAMPLES_PER_STEP
+        chunk = audio[first:last]
+        self._parts.append(chunk)
+        self.chunks.put(chunk)
+        self._emitted = until
 
     def advance(self, finished):
         if finished.kind == "text":
             self.text = self.engine._refined_text(finished)
             if not _speakable(self.text):
                 raise NothingToSay("text has nothing speakable after refinement")
-            return self.engine._code_sequence(self.text, self.seed, self.fixed_steps)
+            return self.engine._code_sequence(self.text, self.request, self.voice,
+                                              self.fixed_steps)
         if finished.steps == 0:
             raise EngineError("the model ended speech before producing any audio")
-        audio = self.engine.decode(finished.result_hiddens())
+        if self.chunks is not None:
+            self._emit(finished, finished.steps, final=True)
+            self.chunks.put(None)
+            audio = np.concatenate(self._parts)
+        else:
+            audio = self.engine.decode(finished.result_hiddens())
+        truncated = self.fixed_steps is None and finished.steps >= finished.max_steps
+        if truncated:
+            log.warning("a segment reached its step cap (%d steps) before ending its speech",
+                        finished.max_steps)
         self.future.set_result(Synthesis(audio=audio, sample_rate=SAMPLE_RATE,
-                                         steps=finished.steps, spoken_text=self.text))
+                                         steps=finished.steps, spoken_text=self.text,
+                                         truncated=int(truncated)))
         return None
+
+
+class Run:
+    """The segments of one request, generating in the scheduler; waited on or streamed."""
+
+    def __init__(self, jobs: list[_SynthesisJob], pause_seconds: float):
+        self.jobs = jobs
+        self.pause = silence(pause_seconds, SAMPLE_RATE)
+
+    def cancel(self) -> None:
+        for job in self.jobs:
+            job.future.cancel()
+
+    def result(self, timeout: float | None = None,
+               should_stop: Callable[[], bool] | None = None) -> Synthesis:
+        """Wait for every segment and join them with a short pause."""
+        deadline = _deadline(timeout)
+        try:
+            parts = [self._wait(job, deadline, timeout, should_stop) for job in self.jobs]
+        except BaseException:
+            self.cancel()
+            raise
+        pieces = []
+        for index, part in enumerate(parts):
+            if index:
+                pieces.append(self.pause)
+            pieces.append(part.audio)
+        return Synthesis(audio=np.concatenate(pieces), sample_rate=SAMPLE_RATE,
+                         steps=sum(part.steps for part in parts),
+                         spoken_text=" ".join(part.spoken_text for part in parts),
+                         segments=len(parts), truncated=sum(part.truncated for part in parts))
+
+    def chunks(self, timeout: float | None = None,
+               should_stop: Callable[[], bool] | None = None) -> Iterator[np.ndarray]:
+        """Audio as it is decoded, segment after segment (the same samples ``result`` joins).
+        Closing the iterator early cancels what is still generating."""
+        deadline = _deadline(timeout)
+        try:
+            for index, job in enumerate(self.jobs):
+                if index:
+                    yield self.pause
+                while True:
+                    try:
+                        chunk = job.chunks.get(timeout=_poll(deadline))
+                    except queue.Empty:
+                        # a finished job's chunks, end marker included, are already queued
+                        self._check(job, deadline, timeout, should_stop)
+                        continue
+                    if chunk is None:
+                        break
+                    yield chunk
+        finally:
+            if not all(job.future.done() for job in self.jobs):
+                self.cancel()
+
+    def _wait(self, job, deadline, timeout, should_stop) -> Synthesis:
+        while True:
+            try:
+                return _future_result(job.future, _poll(deadline))
+            except FutureTimeout:
+                self._check(job, deadline, timeout, should_stop)
+
+    @staticmethod
+    def _check(job, deadline, timeout, should_stop) -> None:
+        """Raise if the job failed, its deadline passed or its client left."""
+        if job.future.done():
+            _future_result(job.future, 0)  # raises its failure
+            return
+        if deadline is not None and time.monotonic() >= deadline:
+            raise DeadlineExceeded(f"not finished within {timeout:g} s")
+        if should_stop is not None and should_stop():
+            raise Cancelled("the client went away")
+
+
+def _deadline(timeout: float | None) -> float | None:
+    return None if timeout is None else time.monotonic() + timeout
+
+
+def _poll(deadline: float | None) -> float:
+    if deadline is None:
+        return STOP_POLL_SECONDS
+    return min(STOP_POLL_SECONDS, max(0.0, deadline - time.monotonic()))
+
+
+def _future_result(future, wait):
+    from .scheduler import JobCancelled
+
+    try:
+        return future.result(wait)
+    except FutureTimeout:
+        raise
+    except (JobCancelled, CancelledError) as error:
+        raise Cancelled(str(error) or "cancelled") from None
+    except EngineError:
+        raise
+    except Exception as error:  # a failure inside the model thread, logged there
+        raise EngineError(f"{error.__class__.__name__}: {error}") from error
 
 
 class Engine:
@@ -123,6 +272,10 @@ class Engine:
         self.model_name = "unloaded"
         self.load_seconds: float | None = None
         self.gpt_linear_bytes = 0
+        self.sample_rate = SAMPLE_RATE
+        self.context_steps = 0  # decoder + vocoder receptive field, in GPT steps per side
+        self.voices: VoiceStore | None = None
+        self.text_normaliser = Normaliser()
 
     # -- loading -------------------------------------------------------------------------------
 
@@ -161,6 +314,9 @@ class Engine:
             pass
 
         self._chat = self._load_modules(paths, architecture)
+        self.context_steps = decoder_context_steps(self._chat.decoder, self._chat.vocos)
+        self.voices = VoiceStore(self.settings.voices_dir, self._chat.speaker.dim,
+                                 self.speaker_embedding)
         self.model_name = (architecture or {}).get("name", "chattts")
         self.load_seconds = time.perf_counter() - started
         log.info("model %s loaded from %s in %.2fs (%s GPT linears, %.0f MB; %s decoder; "
@@ -248,14 +404,18 @@ class Engine:
             embeddings = chat.embed(input_ids, text_mask)
         return input_ids, embeddings
 
-    def _code_sequence(self, text: str, seed: int, fixed_steps: int | None = None):
+    def _code_sequence(self, text: str, request: SynthesisRequest, voice,
+                       fixed_steps: int | None = None):
         import torch
 
-        from .generation import CODE_SAMPLING, Sequence
+        from .generation import CODE_SAMPLING, Sampling, Sequence
 
         chat = self._chat
-        voice = self.speaker_embedding(seed)
-        decorated = chat.speaker.decorate_code_prompts([text], CODE_PROMPT, None, voice)[0]
+        seed = request.seed
+        sampling = Sampling(request.temperature, request.top_p, request.top_k,
+                            CODE_SAMPLING.repetition_penalty)
+        decorated = chat.speaker.decorate_code_prompts([text], f"[speed_{request.speed}]", None,
+                                                       voice)[0]
         input_ids, embeddings = self._prompt(decorated)
         with torch.inference_mode():
             chat.speaker.apply(embeddings, voice, input_ids, chat.tokenizer.spk_emb_ids,
@@ -267,16 +427,16 @@ class Engine:
         max_steps = min(fixed_steps or self.max_steps_for(text), room)
         # at least one step: a generation that ends at once would be an empty answer
         min_steps = min(fixed_steps or 1, max_steps)
-        return Sequence(embeddings[0].clone(), self._heads, CODE_SAMPLING, seed, max_steps,
+        return Sequence(embeddings[0].clone(), self._heads, sampling, seed, max_steps,
                         min_steps, eos_token=self._heads.num_audio_tokens - 1)
 
-    def _text_sequence(self, text: str, seed: int):
+    def _text_sequence(self, text: str, request: SynthesisRequest):
         from .generation import TEXT_SAMPLING, TextSequence
 
         chat = self._chat
-        decorated = chat.speaker.decorate_text_prompts([text], "")[0]
+        decorated = chat.speaker.decorate_text_prompts([text], request.refine_prompt)[0]
         _, embeddings = self._prompt(decorated)
-        return TextSequence(embeddings[0].clone(), self._heads, TEXT_SAMPLING, seed,
+        return TextSequence(embeddings[0].clone(), self._heads, TEXT_SAMPLING, request.seed,
                             REFINE_MAX_STEPS, 0, eos_token=chat.tokenizer.eos_token)
 
     def _refined_text(self, finished) -> str:
@@ -287,26 +447,61 @@ class Engine:
 
     # -- inference -----------------------------------------------------------------------------
 
-    def normalise(self, text: str) -> str:
-        """ChatTTS's own normaliser; raises NothingToSay when nothing speakable is left."""
+    def normalise(self, text: str, normalize: bool = True) -> str:
+        """Numbers and symbols written out (``wetext``, when ``normalize``), then ChatTTS's own
+        normaliser; raises NothingToSay when nothing speakable is left."""
+        if normalize:
+            text = self.text_normaliser(text)
         normalised = self._chat.normalizer(text, do_text_normalization=True,
                                            do_homophone_replacement=True)
         if not _speakable(normalised):
             raise NothingToSay("text has nothing speakable after normalisation")
         return normalised
 
-    def submit(self, request: SynthesisRequest, fixed_steps: int | None = None) -> Future:
-        """Queue a request; the future gives its Synthesis."""
+    def segments(self, request: SynthesisRequest) -> list[str]:
+        """The request's text as the model will read it: sentences normalised one by one (so
+        each gets its own language), packed into segments of at most the configured length."""
+        sentences = []
+        for sentence in split_sentences(request.text):
+            try:
+                sentences.append(self.normalise(sentence, request.normalize))
+            except NothingToSay:
+                continue  # punctuation or symbols alone: nothing to say, nothing lost
+        if not sentences:
+            raise NothingToSay("text has nothing speakable after normalisation")
+        return pack(sentences, self.settings.max_segment_chars)
+
+    def start(self, request: SynthesisRequest, fixed_steps: int | None = None,
+              stream: bool = False) -> Run:
+        """Queue every segment of a request; they generate together, in one batch when
+        there is room. Raises Overloaded when the queue cannot take them all."""
         from .scheduler import QueueFull
 
         if self._chat is None:
             raise EngineError("model is not loaded")
-        text = self.normalise(request.text)
-        job = _SynthesisJob(self, text, request.seed, request.refine_text, fixed_steps)
+        segments = self.segments(request)
+        voice = request.voice if request.voice is not None \
+            else self.voices.from_seed(request.seed)
+        jobs = [_SynthesisJob(self, text, request, voice.embedding, fixed_steps, stream)
+                for text in segments]
+        if self.scheduler.free_queue_slots() < len(jobs):
+            raise Overloaded(f"the queue has no room for {len(jobs)} segment(s)")
+        run = Run(jobs, self.settings.segment_pause_ms / 1000.0)
         try:
-            return self.scheduler.submit(job)
+            for job in jobs:
+                self.scheduler.submit(job)
         except QueueFull as error:
+            run.cancel()
             raise Overloaded(str(error)) from None
+        return run
+
+    def submit(self, request: SynthesisRequest, fixed_steps: int | None = None) -> Future:
+        """Queue a one-segment request; the future gives its Synthesis."""
+        run = self.start(request, fixed_steps)
+        if len(run.jobs) != 1:
+            run.cancel()
+            raise EngineError("submit takes one segment; use start() for long text")
+        return run.jobs[0].future
 
     def synthesize(self, request: SynthesisRequest, fixed_steps: int | None = None,
                    timeout: float | None = None,
@@ -314,30 +509,7 @@ class Engine:
         """Generate and wait. After ``timeout`` seconds, or as soon as ``should_stop()`` says so
         (checked every quarter second), the request is dropped from the batch and this raises
         DeadlineExceeded or Cancelled: nobody is left to take the audio."""
-        from .scheduler import JobCancelled
-
-        future = self.submit(request, fixed_steps)
-        deadline = None if timeout is None else time.monotonic() + timeout
-        while True:
-            wait = None if should_stop is None else STOP_POLL_SECONDS
-            if deadline is not None:
-                remaining = max(0.0, deadline - time.monotonic())
-                wait = remaining if wait is None else min(wait, remaining)
-            try:
-                return future.result(wait)
-            except FutureTimeout:
-                if deadline is not None and time.monotonic() >= deadline:
-                    future.cancel()
-                    raise DeadlineExceeded(f"not finished within {timeout:g} s") from None
-                if should_stop is not None and should_stop():
-                    future.cancel()
-                    raise Cancelled("the client went away") from None
-            except (JobCancelled, CancelledError) as error:
-                raise Cancelled(str(error) or "cancelled") from None
-            except EngineError:
-                raise
-            except Exception as error:  # a failure inside the model thread, logged there
-                raise EngineError(f"{error.__class__.__name__}: {error}") from error
+        return self.start(request, fixed_steps).result(timeout, should_stop)
 
     @property
     def identity(self) -> str:
@@ -363,6 +535,7 @@ class Engine:
     def warm_up(self, texts=WARMUP_TEXTS, max_steps: int = WARMUP_MAX_STEPS) -> float:
         """Run short texts through the whole pipeline (Numba JIT, allocator, kernels)."""
         started = time.perf_counter()
+        self.text_normaliser.warm_up()
         for index, text in enumerate(texts):
             try:
                 self.synthesize(SynthesisRequest(text=text, seed=index), fixed_steps=max_steps)
@@ -375,6 +548,23 @@ class Engine:
     def close(self) -> None:
         if self.scheduler is not None:
             self.scheduler.stop()
+
+
+def decoder_context_steps(decoder, vocos) -> int:
+    """How many GPT steps on each side of an audio sample can change it: the receptive field of
+    the decoder's and the vocoder's convolutions plus the inverse STFT's window, in mel frames
+    (two per step). A chunk decoded with this much context on both sides is the same as that
+    stretch of a decode of the whole."""
+    import torch
+
+    frames = 0
+    for module in (decoder, vocos.backbone):
+        for conv in module.modules():
+            if isinstance(conv, torch.nn.Conv1d):
+                frames += conv.dilation[0] * (conv.kernel_size[0] - 1) // 2
+    head = vocos.head
+    frames += head.istft.win_length // head.istft.hop_length // 2
+    return -(-frames // 2)
 
 
 def voice_for_seed(speaker, seed: int):

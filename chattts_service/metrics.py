@@ -47,9 +47,16 @@ class Metrics:
         self.infer_duration = Histogram("chatts_infer_duration_seconds", "Model time per inference",
                                         buckets=LATENCY_BUCKETS, registry=r)
         self.request_duration = Histogram("chatts_request_duration_seconds",
-                                          "Time to answer a /synthesize request",
+                                          "Time to answer a speech request",
                                           buckets=LATENCY_BUCKETS, registry=r)
-        self.requests_total = Counter("chatts_requests", "Answered /synthesize requests",
+        self.first_audio = Histogram("chatts_first_audio_seconds",
+                                     "Time from a streamed request's arrival to its first audio",
+                                     buckets=LATENCY_BUCKETS, registry=r)
+        self.segments_truncated = Counter(
+            "chatts_segments_truncated", "Segments stopped by the step cap before their speech ended",
+            registry=r)
+        self.cache_bytes = Gauge("chatts_cache_bytes", "Bytes of audio in the cache", registry=r)
+        self.requests_total = Counter("chatts_requests", "Answered speech requests",
                                       ["status"], registry=r)
         self.cache_hits = Counter("chatts_cache_hits", "Requests answered from the audio cache",
                                   registry=r)

@@ -57,6 +57,8 @@ class Job(Protocol):
 
     def advance(self, finished: Sequence) -> Sequence | None: ...
 
+    # optional: ``progress(sequence)`` is called after every step the job's sequence takes
+
 
 class Scheduler:
     def __init__(self, max_batch: int, batch_wait_seconds: float, max_queue: int,
@@ -101,6 +103,9 @@ class Scheduler:
             raise QueueFull(f"{self.queue.maxsize} requests already queued") from None
         self._wakeup.set()
         return job.future
+
+    def free_queue_slots(self) -> int:
+        return self.queue.maxsize - self.queue.qsize()
 
     @property
     def depth(self) -> int:
@@ -221,6 +226,17 @@ class Scheduler:
             self._on_step(rows, time.perf_counter() - started)
         for sequence in finished:
             self._advance(sequence)
+        for sequence in self.batch.active:
+            progress = getattr(sequence.job, "progress", None)
+            if progress is None:
+                continue
+            try:
+                progress(sequence)  # e.g. a streaming job decodes its next chunk
+            except Exception as error:
+                log.exception("job progress failed")
+                sequence.job.future.stop_requested = True  # leaves the batch at the next step
+                if not sequence.job.future.done():
+                    sequence.job.future.set_exception(error)
 
     def _advance(self, sequence: Sequence) -> None:
         job = sequence.job

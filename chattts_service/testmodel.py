@@ -57,6 +57,7 @@ SIZES = {"tiny": TINY, "full": FULL}
 # Gain applied to the end-of-speech row of each code head (measured to give sentence-like
 # lengths: a few seconds of audio for a short sentence).
 EOS_GAIN = {"tiny": 1.3, "full": 1.2}
+LAYER_SCALE = 0.25  # ConvNeXt layer scale, the order of a trained vocoder's
 
 
 def _base_vocabulary() -> list[str]:
@@ -112,6 +113,23 @@ def _speaker_statistics(hidden_size: int, seed: int) -> str:
     return b14.encode_to_string(np.concatenate([std, mean]).astype(np.float16).tobytes())
 
 
+def _set_layer_scales(module) -> None:
+    """Give the ConvNeXt blocks of the decoder and vocoder a trained network's layer scale.
+
+    Freshly initialised blocks scale their residual branch by 1e-6, which makes them all but
+    pass-through: the decoders would then look at a few frames around each output sample
+    instead of their full receptive field, and anything that depends on that context (the
+    overlap of streamed chunks) could not be tested on a random model."""
+    from ChatTTS.model.dvae import ConvNeXtBlock as DecoderBlock
+    from vocos.modules import ConvNeXtBlock as VocoderBlock
+
+    for block in module.modules():
+        if isinstance(block, DecoderBlock) and block.weight is not None:
+            block.weight.fill_(LAYER_SCALE)
+        elif isinstance(block, VocoderBlock) and block.gamma is not None:
+            block.gamma.fill_(LAYER_SCALE)
+
+
 def _save(module, path: Path) -> None:
     from safetensors.torch import save_file
 
@@ -148,6 +166,7 @@ def build(out_dir: Path, size: str = "tiny", seed: int = 0) -> Path:
             backbone=instantiate_class(args=(), init=asdict(config.vocos.backbone)),
             head=instantiate_class(args=(), init=asdict(config.vocos.head)),
         )
+        _set_layer_scales(vocos)
         _save(vocos, asset / "Vocos.safetensors")
         del vocos
 
@@ -158,6 +177,7 @@ def build(out_dir: Path, size: str = "tiny", seed: int = 0) -> Path:
         del dvae
 
         decoder = DVAE(decoder_config=asdict(config.decoder), dim=config.decoder.idim)
+        _set_layer_scales(decoder)
         _save(decoder, asset / "Decoder.safetensors")
         del decoder
 

@@ -2,15 +2,25 @@
 
 from __future__ import annotations
 
+import math
 import re
 import unicodedata
+from dataclasses import dataclass
 from typing import Any
 
+from .audio import FORMATS, STREAM_FORMATS
 from .config import Settings
 from .engine import SynthesisRequest
 from .errors import BadRequest, PayloadTooLarge, UnsupportedMediaType
+from .text import TextError, check_refine_prompt, check_tokens
+from .voices import VoiceError
 
-SYNTHESIZE_FIELDS = {"text", "seed", "refine_text"}
+OPTION_FIELDS = {"seed", "voice", "speed", "temperature", "top_p", "top_k", "refine_text",
+                 "refine_prompt", "normalize", "stream"}
+SYNTHESIZE_FIELDS = {"text", "format"} | OPTION_FIELDS
+SPEECH_FIELDS = {"model", "input", "response_format", "instructions"} | OPTION_FIELDS
+# Model names an OpenAI client may send; they all mean the one model this service runs.
+MODEL_IDS = ("chattts", "tts-1", "tts-1-hd", "gpt-4o-mini-tts")
 MAX_SEED = 2**31 - 1
 _WHITESPACE = re.compile(r"\s+")
 
@@ -39,37 +49,141 @@ def normalise_text(text: str) -> str:
     return _WHITESPACE.sub(" ", text).strip()
 
 
-def synthesize_request(body: dict[str, Any], settings: Settings) -> SynthesisRequest:
-    unknown = sorted(set(body) - SYNTHESIZE_FIELDS)
-    if unknown:
-        raise BadRequest(f"unknown fields: {', '.join(unknown)}; accepted: "
-                         f"{', '.join(sorted(SYNTHESIZE_FIELDS))}")
+@dataclass(frozen=True)
+class Output:
+    format: str
+    stream: bool
 
-    if "text" not in body:
-        raise BadRequest("'text' is required")
-    text = body["text"]
+
+# The sampling knobs, with ChatTTS's defaults for speech codes and the ranges accepted.
+TEMPERATURE = (0.3, 0.01, 2.0)
+TOP_P = (0.7, 0.01, 1.0)
+TOP_K = (20, 1, 100)
+SPEED = (1.0, 0.25, 4.0)
+
+
+def speed_level(speed: float) -> int:
+    """OpenAI's speed (0.25-4.0, 1 = normal) -> ChatTTS's [speed_N] prompt level (0-9, 5 =
+    normal): two levels per doubling, so 0.25 -> 1, 0.5 -> 3, 1 -> 5, 2 -> 7, 4 -> 9."""
+    return max(0, min(9, round(5 + 2 * math.log2(speed))))
+
+
+def _number(body, name, default, low, high, integer=False):
+    value = body.get(name, None)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or \
+            (integer and not isinstance(value, int)):
+        raise BadRequest(f"'{name}' must be {'an integer' if integer else 'a number'}")
+    if not math.isfinite(value) or not low <= value <= high:
+        raise BadRequest(f"'{name}' must be between {low:g} and {high:g}")
+    return value
+
+
+def _flag(body, name, default):
+    value = body.get(name, None)
+    if value is None:
+        return default
+    if not isinstance(value, bool):
+        raise BadRequest(f"'{name}' must be true or false")
+    return value
+
+
+def _text(body, name, settings):
+    if name not in body:
+        raise BadRequest(f"'{name}' is required")
+    text = body[name]
     if not isinstance(text, str):
-        raise BadRequest("'text' must be a string")
+        raise BadRequest(f"'{name}' must be a string")
     if any(0xD800 <= ord(ch) <= 0xDFFF for ch in text):
-        raise BadRequest("'text' contains an unpaired UTF-16 surrogate")
+        raise BadRequest(f"'{name}' contains an unpaired UTF-16 surrogate")
     text = normalise_text(text)
     if not text:
-        raise BadRequest("'text' must not be empty")
+        raise BadRequest(f"'{name}' must not be empty")
     if len(text) > settings.max_chars:
-        raise PayloadTooLarge(f"'text' has {len(text)} characters; the limit is {settings.max_chars}")
+        raise PayloadTooLarge(f"'{name}' has {len(text)} characters; the limit is "
+                              f"{settings.max_chars}")
+    try:
+        check_tokens(text, settings.max_control_tokens)
+    except TextError as error:
+        raise BadRequest(str(error)) from None
+    return text
 
-    seed = body.get("seed", None)
-    if seed is None:
-        seed = settings.default_seed
-    elif isinstance(seed, bool) or not isinstance(seed, int):
-        raise BadRequest("'seed' must be an integer")
-    elif not 0 <= seed <= MAX_SEED:
-        raise BadRequest(f"'seed' must be between 0 and {MAX_SEED}")
 
-    refine_text = body.get("refine_text", None)
-    if refine_text is None:
-        refine_text = settings.refine_text
-    elif not isinstance(refine_text, bool):
-        raise BadRequest("'refine_text' must be true or false")
+def synthesis_options(body: dict[str, Any], settings: Settings, voices, *, text_field: str,
+                      format_field: str, default_format: str,
+                      accepted: set[str]) -> tuple[SynthesisRequest, Output]:
+    """The options /synthesize and /v1/audio/speech share, checked one by one."""
+    unknown = sorted(set(body) - accepted)
+    if unknown:
+        raise BadRequest(f"unknown fields: {', '.join(unknown)}; accepted: "
+                         f"{', '.join(sorted(accepted))}")
+    text = _text(body, text_field, settings)
 
-    return SynthesisRequest(text=text, seed=seed, refine_text=refine_text)
+    seed = _number(body, "seed", settings.default_seed, 0, MAX_SEED, integer=True)
+
+    voice = None
+    if body.get("voice") is not None:
+        if voices is None:
+            raise BadRequest("voices are not available until the model is loaded")
+        try:
+            voice = voices.get(body["voice"])
+        except VoiceError as error:
+            raise BadRequest(str(error)) from None
+
+    audio_format = body.get(format_field, None)
+    if audio_format is None:
+        audio_format = default_format
+    if not isinstance(audio_format, str) or audio_format not in FORMATS:
+        raise BadRequest(f"'{format_field}' must be one of {', '.join(FORMATS)}")
+    stream = _flag(body, "stream", False)
+    if stream and audio_format not in STREAM_FORMATS:
+        raise BadRequest(f"streaming sends {' or '.join(STREAM_FORMATS)}; "
+                         f"'{format_field}' {audio_format!r} cannot be streamed")
+
+    refine_prompt = body.get("refine_prompt", None) or ""
+    if not isinstance(refine_prompt, str):
+        raise BadRequest("'refine_prompt' must be a string")
+    try:
+        refine_prompt = check_refine_prompt(refine_prompt)
+    except TextError as error:
+        raise BadRequest(str(error)) from None
+    refine_text = _flag(body, "refine_text", settings.refine_text)
+    if refine_prompt and not refine_text:
+        raise BadRequest("'refine_prompt' steers text refinement; set 'refine_text': true")
+
+    request = SynthesisRequest(
+        text=text, seed=seed, refine_text=refine_text, voice=voice,
+        speed=speed_level(_number(body, "speed", *SPEED)),
+        temperature=float(_number(body, "temperature", *TEMPERATURE)),
+        top_p=float(_number(body, "top_p", *TOP_P)),
+        top_k=_number(body, "top_k", *TOP_K, integer=True),
+        normalize=_flag(body, "normalize", settings.normalize),
+        refine_prompt=refine_prompt)
+    return request, Output(format=audio_format, stream=stream)
+
+
+def synthesize_request(body: dict[str, Any], settings: Settings, voices=None) \
+        -> tuple[SynthesisRequest, Output]:
+    """POST /synthesize: WAV unless asked otherwise."""
+    return synthesis_options(body, settings, voices, text_field="text", format_field="format",
+                             default_format="wav", accepted=SYNTHESIZE_FIELDS)
+
+
+def speech_request(body: dict[str, Any], settings: Settings, voices) \
+        -> tuple[SynthesisRequest, Output]:
+    """POST /v1/audio/speech: OpenAI's fields (MP3 by default), plus this service's options."""
+    model = body.get("model", None)
+    if model is None:
+        raise BadRequest("'model' is required")
+    if model not in MODEL_IDS:
+        raise BadRequest(f"unknown model {model!r}; models: {', '.join(MODEL_IDS)}")
+    if "voice" not in body:
+        raise BadRequest("'voice' is required")
+    instructions = body.get("instructions", None)
+    if instructions not in (None, ""):
+        raise BadRequest("'instructions' is not supported; ChatTTS is steered with control "
+                         "tokens in the text and 'refine_prompt'")
+    return synthesis_options(body, settings, voices, text_field="input",
+                             format_field="response_format", default_format="mp3",
+                             accepted=SPEECH_FIELDS)

@@ -65,9 +65,20 @@ def test_text_refinement_runs_and_is_deterministic(engine):
 
 
 def test_text_with_nothing_speakable_is_refused(engine):
-    # ChatTTS's own normaliser deletes digits and symbols
+    # without wetext, ChatTTS's own normaliser deletes digits and symbols
     with pytest.raises(NothingToSay):
-        engine.synthesize(SynthesisRequest("1+1=2", seed=1))
+        engine.synthesize(SynthesisRequest("1+1=2", seed=1, normalize=False))
+    with pytest.raises(NothingToSay):
+        engine.synthesize(SynthesisRequest("…… !!! ——", seed=1))
+
+
+def test_numbers_are_spoken_with_normalisation(engine):
+    # the language is detected per sentence: digits alone read as English, in Chinese as Chinese
+    assert engine.segments(SynthesisRequest("1+1=2", seed=1)) == ["one plus one equals two"]
+    mixed = SynthesisRequest("我买了3个苹果，花了12.5元。It was 5 dollars.", seed=1)
+    assert engine.segments(mixed) == ["我买了三个苹果，花了十二点五元。It was five dollars."]
+    result = engine.synthesize(SynthesisRequest("1+1=2", seed=1))
+    assert result.steps >= 1 and result.spoken_text == "one plus one equals two"
 
 
 def test_concurrent_callers_get_the_same_audio_as_sequential_ones(engine):

@@ -32,4 +32,5 @@ def readyz():
 def metrics():
     state = current_app.extensions["chattts"]
     state.metrics.cache_entries.set(len(state.cache))
+    state.metrics.cache_bytes.set(state.cache.bytes)
     return Response(state.metrics.render(), mimetype="text/plain; version=0.0.4")
