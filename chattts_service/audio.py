@@ -58,7 +58,8 @@ def encode(audio: np.ndarray, sample_rate: int, audio_format: str) -> bytes:
 
     _, container, subtype = FORMATS[audio_format]
     buffer = io.BytesIO()
-    samples = np.clip(audio, -1.0, 1.0).astype(np.float32, copy=False)
+    # the same 16-bit samples as WAV and PCM: a lossless format decodes to identical values
+    samples = np.frombuffer(to_pcm16(audio), dtype="<i2")
     with soundfile.SoundFile(buffer, "w", samplerate=sample_rate, channels=1,
                              format=container, subtype=subtype) as writer:
         writer.write(samples)

@@ -1,6 +1,7 @@
 """The engine in-process, on the tiny random-weight model through ChatTTS's real classes."""
 
 import threading
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -219,3 +220,100 @@ def test_client_disconnect_is_detected_on_the_socket():
     assert gone() is True
     server_side.close()
     assert client_gone({}) is None
+
+
+# -- speech options, streaming, long text -----------------------------------------------------
+
+def test_streamed_audio_is_the_non_streamed_audio(engine):
+    request = SynthesisRequest("流式测试，一句话。", seed=51)
+    whole = engine.synthesize(request, fixed_steps=200)
+    chunks = list(engine.start(request, fixed_steps=200, stream=True).chunks(timeout=60))
+    # first chunk early, then growing chunks, then the tail: several of them
+    assert len(chunks) >= 4
+    streamed = np.concatenate(chunks)
+    assert len(streamed) == len(whole.audio)
+    error = np.linalg.norm(streamed - whole.audio) / np.linalg.norm(whole.audio)
+    assert error < 1e-3, error
+
+
+def test_decoder_context_covers_the_receptive_field(engine):
+    """A window decoded with less context than ``context_steps`` differs from the whole
+    decode, with exactly that much it does not: the stream's overlap is neither short nor
+    arbitrary."""
+    context = engine.context_steps
+    assert context >= 4
+    hiddens = torch.randn(120, engine._heads.hidden_size, generator=torch.Generator().manual_seed(0))
+
+    def window_error(left_right: int) -> float:
+        result = engine.scheduler.call(lambda: (
+            engine.decode(hiddens, decoder_dtype="fp32"),
+            engine.decode(hiddens[60 - left_right:80 + left_right], decoder_dtype="fp32"))).result()
+        whole, window = result
+        piece = window[left_right * 512:(left_right + 20) * 512]
+        reference = whole[60 * 512:80 * 512]
+        return float(np.linalg.norm(piece - reference) / np.linalg.norm(reference))
+
+    assert window_error(context) < 1e-5
+    assert window_error(max(1, context // 3)) > 1e-4
+
+
+def test_long_text_is_split_batched_and_joined_without_losing_a_segment(engine):
+    sentence = "第{}句话讲了一件事情。"
+    text = "".join(sentence.format(i) for i in range(1, 13))
+    request = SynthesisRequest(text, seed=61)
+    segments = engine.segments(request)
+    assert len(segments) >= 2 and all(len(s) <= engine.settings.max_segment_chars for s in segments)
+    # every sentence is in exactly one segment, in order
+    joined = "".join(segments)
+    for i in range(1, 13):
+        assert joined.count(engine.normalise(sentence.format(i))) == 1
+    result = engine.synthesize(request)
+    assert result.segments == len(segments) and result.truncated == 0
+    pause = int(engine.settings.segment_pause_ms / 1000 * SAMPLE_RATE)
+    assert len(result.audio) == sum((2 * steps - 1) * 256 for steps in
+                                    [engine.synthesize(SynthesisRequest(s, 61, normalize=False)).steps
+                                     for s in segments]) + pause * (len(segments) - 1)
+    streamed = np.concatenate(list(engine.start(request, stream=True).chunks(timeout=60)))
+    assert np.linalg.norm(streamed - result.audio) <= 1e-3 * np.linalg.norm(result.audio)
+
+
+def test_voices_speed_and_sampling_change_the_audio_and_are_reproducible(engine):
+    base = SynthesisRequest("选项测试", seed=71)
+    alloy = engine.voices.get("alloy")
+    assert alloy.embedding.shape == (engine._heads.hidden_size,)
+    assert torch.equal(engine.voices.get("alloy").embedding, alloy.embedding)  # stable
+    variants = [base, replace(base, voice=alloy), replace(base, voice=engine.voices.get("nova")),
+                replace(base, speed=9), replace(base, temperature=1.0), replace(base, top_k=1)]
+    audios = [engine.synthesize(v, fixed_steps=40).audio for v in variants]
+    for i in range(len(audios)):
+        for j in range(i + 1, len(audios)):
+            assert not np.array_equal(audios[i], audios[j]), (variants[i], variants[j])
+    again = engine.synthesize(replace(base, voice=alloy), fixed_steps=40).audio
+    assert np.array_equal(again, audios[1])
+    # seed:N is the voice a request without a voice gets from its seed
+    seeded = replace(base, voice=engine.voices.get("seed:71"))
+    assert np.array_equal(engine.synthesize(seeded, fixed_steps=40).audio, audios[0])
+
+
+def test_registered_voice_round_trips_through_its_file(engine, tmp_path):
+    from chattts_service.voices import VoiceError, VoiceStore, encode_embedding
+
+    store = VoiceStore(tmp_path / "voices", engine.voices.dim, engine.speaker_embedding)
+    embedding = torch.randn(store.dim, generator=torch.Generator().manual_seed(3))
+    voice = store.register("narrator_1", encode_embedding(embedding))
+    assert (tmp_path / "voices" / "narrator_1.json").is_file()
+    assert torch.allclose(voice.embedding, embedding, atol=1e-2)  # stored as float16, as ChatTTS does
+    assert "narrator_1" in store.names()
+    with pytest.raises(VoiceError, match="exists"):
+        store.register("narrator_1", encode_embedding(embedding))
+    replaced = store.register("narrator_1", encode_embedding(-embedding), replace=True)
+    assert replaced.digest != voice.digest
+    for bad in ("../etc", "A", "a/b", "", "x" * 65, ".hidden"):
+        with pytest.raises(VoiceError):
+            store.register(bad, encode_embedding(embedding))
+    with pytest.raises(VoiceError, match="has 3 values"):
+        store.register("short", encode_embedding(torch.ones(3)))
+    with pytest.raises(VoiceError, match="not a ChatTTS speaker embedding"):
+        store.register("junk", "not an embedding")
+    store.delete("narrator_1")
+    assert "narrator_1" not in store.names()

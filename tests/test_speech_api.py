@@ -1,0 +1,238 @@
+"""The speech API over real HTTP: formats, streaming, voices, long text, the OpenAI client."""
+
+from __future__ import annotations
+
+import io
+import struct
+import time
+
+import numpy as np
+import pytest
+import requests
+import soundfile
+
+MAX_STEPS = 200
+
+
+@pytest.fixture(scope="module")
+def api(start_server, tmp_path_factory):
+    voices = tmp_path_factory.mktemp("voices")
+    server = start_server(CHATTTS_MAX_NEW_TOKENS=str(MAX_STEPS), CHATTTS_VOICES_DIR=str(voices))
+    server.wait_ready()
+    server.voices_dir = voices
+    return server
+
+
+def post(server, path, body, timeout=120, **kwargs):
+    return requests.post(server.url + path, json=body, timeout=timeout, **kwargs)
+
+
+def decode(payload: bytes):
+    audio, rate = soundfile.read(io.BytesIO(payload), dtype="float32")
+    return audio, rate
+
+
+@pytest.mark.parametrize("audio_format,content_type", [
+    ("wav", "audio/wav"), ("flac", "audio/flac"), ("mp3", "audio/mpeg"),
+    ("opus", "audio/ogg; codecs=opus"),
+])
+def test_every_format_decodes_at_the_model_rate(api, audio_format, content_type):
+    response = post(api, "/synthesize", {"text": "格式测试。", "seed": 5, "format": audio_format})
+    assert response.status_code == 200, response.text
+    assert response.headers["Content-Type"] == content_type
+    audio, rate = decode(response.content)
+    info = soundfile.info(io.BytesIO(response.content))
+    assert rate == 24_000 and info.channels == 1 and audio.ndim == 1
+    seconds = float(response.headers["X-Audio-Seconds"])
+    assert seconds > 0
+    # lossy codecs pad a frame or two at the ends
+    assert abs(len(audio) / rate - seconds) < 0.08, (len(audio) / rate, seconds)
+    assert np.abs(audio).max() > 0
+
+
+def test_raw_pcm_is_the_wav_payload(api):
+    body = {"text": "原始数据。", "seed": 6}
+    wav = post(api, "/synthesize", body).content
+    pcm = post(api, "/synthesize", {**body, "format": "pcm"})
+    assert pcm.headers["Content-Type"] == "audio/L16; rate=24000; channels=1"
+    assert pcm.headers["X-Cache"] == "HIT"  # the same speech, encoded again, not re-synthesised
+    assert pcm.content == wav[44:]
+
+
+def test_formats_do_not_share_a_cache_entry_but_share_the_synthesis(api):
+    body = {"text": "缓存格式。", "seed": 7}
+    first = post(api, "/synthesize", {**body, "format": "flac"})
+    second = post(api, "/synthesize", {**body, "format": "wav"})
+    assert first.headers["X-Cache"] == "MISS" and second.headers["X-Cache"] == "HIT"
+    assert first.content != second.content
+    flac_audio, _ = decode(first.content)
+    wav_audio, _ = decode(second.content)
+    assert np.array_equal(flac_audio, wav_audio)  # FLAC is lossless: the same samples
+
+
+def _read_stream(response):
+    arrivals, data = [], b""
+    for piece in response.iter_content(chunk_size=None):
+        arrivals.append(time.perf_counter())
+        data += piece
+    return data, arrivals
+
+
+def test_streaming_sends_audio_as_it_is_made_and_fills_the_cache(api):
+    # seed 10 makes this text ~100 steps long on the tiny model: several chunks
+    body = {"text": "流式输出的一句比较长的话，测试分块。", "seed": 10, "stream": True}
+    started = time.perf_counter()
+    with post(api, "/synthesize", body, stream=True) as response:
+        assert response.status_code == 200
+        assert response.headers["Content-Type"] == "audio/wav"
+        assert response.headers.get("Transfer-Encoding") == "chunked"
+        assert response.headers["X-Cache"] == "MISS"
+        data, arrivals = _read_stream(response)
+    riff, data_size = struct.unpack("<4xI", data[:8])[0], struct.unpack("<I", data[40:44])[0]
+    assert data[:4] == b"RIFF" and riff == 0xFFFFFFFF and data_size == 0xFFFFFFFF
+    assert len(arrivals) >= 2, "the audio came in one piece"
+    assert arrivals[0] - started < arrivals[-1] - started
+    # the finished stream is cached: the same request, whole, is a HIT with the same samples
+    whole = post(api, "/synthesize", {k: v for k, v in body.items() if k != "stream"})
+    assert whole.headers["X-Cache"] == "HIT"
+    assert whole.content[44:] == data[44:]
+
+
+def test_streaming_refuses_formats_it_cannot_stream(api):
+    response = post(api, "/synthesize", {"text": "你好", "format": "mp3", "stream": True})
+    assert response.status_code == 400 and "cannot be streamed" in response.json()["error"]
+
+
+def test_long_text_of_2000_characters(api):
+    sentence = "第{}段：今天是2024年3月{}日，气温{}摄氏度，票价12.5元。We met at 3:30 pm and paid $20. "
+    text, index = "", 1
+    while len(text) < 2000:
+        text += sentence.format(index, index % 28 + 1, index % 30)
+        index += 1
+    text = text[:2000]
+    response = post(api, "/synthesize", {"text": text, "seed": 9}, timeout=600)
+    assert response.status_code == 200, response.text
+    segments = int(response.headers["X-Segments"])
+    assert segments >= 20  # 2,000 characters in segments of at most 100
+    audio, rate = decode(response.content)
+    assert rate == 24_000
+    # every segment contributed speech plus a 0.2 s pause between neighbours
+    assert len(audio) / rate > 0.2 * (segments - 1)
+    metrics = requests.get(api.url + "/metrics", timeout=10).text
+    assert "chatts_segments_truncated_total 0.0" in metrics
+
+
+def test_control_tokens_pass_through_and_unknown_ones_are_refused(api):
+    ok = post(api, "/synthesize", {"text": "你好[uv_break]世界[laugh]。", "seed": 3,
+                                   "refine_text": True, "refine_prompt": "[oral_2][break_4]"})
+    assert ok.status_code == 200, ok.text
+    bad = post(api, "/synthesize", {"text": "你好[speed_9]世界"})
+    assert bad.status_code == 400 and "[speed_9]" in bad.json()["error"]
+
+
+def test_openapi_document_covers_every_route(api):
+    from chattts_service.app import create_app
+    from chattts_service.config import Settings
+
+    document = requests.get(api.url + "/openapi.json", timeout=10).json()
+    assert document["openapi"].startswith("3.1")
+    app = create_app(Settings.from_env({}), start_loading=False)
+    for rule in app.url_map.iter_rules():
+        if rule.endpoint == "static":
+            continue
+        path = rule.rule.replace("<", "{").replace(">", "}")
+        assert path in document["paths"], path
+        for method in rule.methods - {"HEAD", "OPTIONS"}:
+            assert method.lower() in document["paths"][path], (path, method)
+
+
+# -- the OpenAI API, through the OpenAI client --------------------------------------------------
+
+@pytest.fixture(scope="module")
+def client(api):
+    import openai
+
+    return openai.OpenAI(base_url=api.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+def test_openai_client_gets_mp3_by_default(client):
+    speech = client.audio.speech.create(model="tts-1", voice="alloy", input="Hello from ChatTTS.")
+    assert speech.response.headers["Content-Type"] == "audio/mpeg"
+    audio, rate = decode(speech.content)
+    assert rate == 24_000 and len(audio) > 0
+
+
+def test_openai_client_formats_speed_and_extras(client):
+    wav = client.audio.speech.create(model="tts-1-hd", voice="nova", input="你好，世界。",
+                                     response_format="wav", speed=1.5,
+                                     extra_body={"seed": 4, "temperature": 0.5})
+    audio, rate = decode(wav.content)
+    assert rate == 24_000 and len(audio) > 0
+    slower = client.audio.speech.create(model="tts-1-hd", voice="nova", input="你好，世界。",
+                                        response_format="wav", speed=0.5,
+                                        extra_body={"seed": 4, "temperature": 0.5})
+    assert slower.content != wav.content  # speed reaches the model's prompt
+
+
+def test_openai_client_streams_pcm(client):
+    with client.audio.speech.with_streaming_response.create(
+            model="tts-1", voice="echo", input="流式的OpenAI请求。", response_format="pcm",
+            extra_body={"stream": True}) as response:
+        assert response.headers["Content-Type"].startswith("audio/L16")
+        data = b"".join(response.iter_bytes())
+    assert len(data) > 0 and len(data) % 2 == 0
+
+
+def test_openai_errors_have_openai_shape(client):
+    import openai
+
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.audio.speech.create(model="tts-1", voice="nobody", input="hi")
+    error = caught.value.body
+    assert "unknown voice 'nobody'" in error["message"] and "alloy" in error["message"]
+    assert error["type"] == "invalid_request_error"
+    with pytest.raises(openai.BadRequestError, match="response_format"):
+        client.audio.speech.create(model="tts-1", voice="alloy", input="hi",
+                                   response_format="aac")
+    with pytest.raises(openai.NotFoundError):
+        client.models.retrieve("whisper-1")
+
+
+def test_openai_model_listing(client):
+    names = {model.id for model in client.models.list()}
+    assert {"chattts", "tts-1", "tts-1-hd"} <= names
+
+
+def test_voices_listing_registration_and_use(api, client):
+    import torch
+
+    from chattts_service.testmodel import TINY
+    from chattts_service.voices import encode_embedding
+
+    listing = requests.get(api.url + "/v1/audio/voices", timeout=10).json()
+    assert {"alloy", "echo", "fable", "onyx", "nova", "shimmer"} <= set(listing["voices"])
+
+    dim = TINY["gpt"]["hidden_size"]
+    embedding = encode_embedding(torch.randn(dim, generator=torch.Generator().manual_seed(1)))
+    created = post(api, "/v1/audio/voices", {"name": "narrator", "embedding": embedding})
+    assert created.status_code == 201, created.text
+    assert (api.voices_dir / "narrator.json").is_file()
+    assert "narrator" in requests.get(api.url + "/v1/audio/voices", timeout=10).json()["voices"]
+    first = client.audio.speech.create(model="tts-1", voice="narrator", input="注册的声音。",
+                                       response_format="wav")
+    again = post(api, "/synthesize", {"text": "注册的声音。", "voice": "narrator", "format": "wav",
+                                      "seed": 1234})
+    assert decode(first.content)[0].shape == decode(again.content)[0].shape
+
+    exists = post(api, "/v1/audio/voices", {"name": "narrator", "embedding": embedding})
+    assert exists.status_code == 400 and "exists" in exists.json()["error"]["message"]
+    for name in ("../x", "Narrator", "a" * 70):
+        bad = post(api, "/v1/audio/voices", {"name": name, "embedding": embedding})
+        assert bad.status_code == 400
+    junk = post(api, "/v1/audio/voices", {"name": "junk", "embedding": "zzz"})
+    assert junk.status_code == 400 and "embedding" in junk.json()["error"]["message"]
+
+    assert requests.delete(api.url + "/v1/audio/voices/narrator", timeout=10).status_code == 200
+    assert requests.delete(api.url + "/v1/audio/voices/narrator", timeout=10).status_code == 404
+    gone = post(api, "/synthesize", {"text": "你好", "voice": "narrator"})
+    assert gone.status_code == 400
