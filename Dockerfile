@@ -36,7 +36,8 @@ RUN apt-get update \
  && apt-get install -y --no-install-recommends libgomp1 numactl \
  && rm -rf /var/lib/apt/lists/* \
  && groupadd --system --gid 10001 chattts \
- && useradd --system --uid 10001 --gid 10001 --create-home --home-dir /home/chattts chattts
+ && useradd --system --uid 10001 --gid 10001 --create-home --home-dir /home/chattts chattts \
+ && mkdir -p /voices && chown 10001:10001 /voices
 COPY --from=build /opt/venv /opt/venv
 COPY --from=build --chown=10001:10001 /models /models
 WORKDIR /app
@@ -49,6 +50,7 @@ ENV PATH=/opt/venv/bin:$PATH \
     NUMBA_CACHE_DIR=/tmp/numba_cache \
     HF_HUB_DISABLE_TELEMETRY=1 \
     CHATTTS_MODEL_DIR=/models/chattts \
+    CHATTTS_VOICES_DIR=/voices \
     CHATTTS_PORT=8090
 USER 10001:10001
 EXPOSE 8090

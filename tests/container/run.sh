@@ -155,6 +155,27 @@ with wave.open(sys.argv[1]) as w:
     assert w.getnframes() > 0
     print(f"WAV ok: {w.getnframes() / w.getframerate():.2f} s")
 PY
+# the image's libsndfile encodes MP3 and Opus; wetext's FSTs are in it; voices can be stored
+curl -sf -X POST -H 'Content-Type: application/json' \
+    -d '{"model":"tts-1","voice":"alloy","input":"It costs $12.50 on 2024-03-05."}' \
+    "http://127.0.0.1:$PORT/v1/audio/speech" -o "$WORK/out.mp3" || fail "POST /v1/audio/speech"
+curl -sf -X POST -H 'Content-Type: application/json' \
+    -d '{"text":"你好","format":"opus"}' "http://127.0.0.1:$PORT/synthesize" -o "$WORK/out.ogg" \
+    || fail "POST /synthesize as Opus"
+"$PYTHON" - "$WORK/out.mp3" "$WORK/out.ogg" <<'PY' || fail "MP3/Opus from the image do not decode"
+import sys, soundfile
+for path in sys.argv[1:]:
+    audio, rate = soundfile.read(path)
+    assert rate == 24000 and audio.ndim == 1 and len(audio) > 0, (path, rate, audio.shape)
+    print(f"{path.rsplit('.', 1)[1]} ok: {len(audio) / rate:.2f} s")
+PY
+embedding=$(PYTHONPATH="$REPO" "$PYTHON" -c 'import torch
+from chattts_service.testmodel import TINY
+from chattts_service.voices import encode_embedding
+print(encode_embedding(torch.ones(TINY["gpt"]["hidden_size"])))')
+status=$(curl -s -o /dev/null -w '%{http_code}' -X POST -H 'Content-Type: application/json' \
+    -d "{\"name\":\"ct-voice\",\"embedding\":\"$embedding\"}" "http://127.0.0.1:$PORT/v1/audio/voices")
+[ "$status" = 201 ] || fail "registering a voice gave $status, not 201"
 status=$(curl -s -o /dev/null -w '%{http_code}' -X POST -H 'Content-Type: application/json' \
     -d '{"text":""}' "http://127.0.0.1:$PORT/synthesize")
 [ "$status" = 400 ] || fail "empty text gave $status, not 400"
