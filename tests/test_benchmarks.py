@@ -33,3 +33,16 @@ def test_memory_benchmark_smoke(tiny_model_dir):
     report = json.loads(result.stdout)
     assert report["max_batch"] == 3 and report["steps_per_request"] == 10
     assert report["peak_rss_mb"] >= report["rss_after_ready_mb"] > 0
+
+
+def test_speech_benchmark_smoke(tiny_model_dir):
+    result = subprocess.run(
+        [sys.executable, "benchmarks/speech.py", "--model-dir", str(tiny_model_dir),
+         "--steps", "40", "--requests", "1", "--long-chars", "300", "--json"],
+        cwd=REPO, capture_output=True, text=True, timeout=600,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    data = json.loads(result.stdout)
+    assert data["upstream"]["first_audio_seconds"][0] > 0
+    assert data["ours"]["first_audio_seconds"][0] > 0 and data["ours"]["chunks"] >= 2
+    assert data["ours"]["long_text"]["segments"] >= 3
