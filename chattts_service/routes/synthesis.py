@@ -113,7 +113,10 @@ def _stream(state, synthesis_request, output, started: float) -> Response:
     should_stop = client_gone(request.environ)
     g.cache = "HIT" if cached is not None else "MISS"
 
+    began = []  # set once the server starts sending the body
+
     def generate():
+        began.append(True)
         status, parts, seconds = 200, [], 0.0
         try:
             if cached is not None:
@@ -153,8 +156,19 @@ def _stream(state, synthesis_request, output, started: float) -> Response:
             metrics.requests_total.labels(status=str(status)).inc()
             metrics.request_duration.observe(time.perf_counter() - started)
 
+    def never_sent():
+        # the connection closed before the body was started: generate()'s clean-up never ran
+        if began:
+            return
+        if run is not None:
+            run.cancel()
+            metrics.queue_depth.dec()
+        metrics.requests_total.labels(status="499").inc()
+        metrics.request_duration.observe(time.perf_counter() - started)
+
     response = Response(generate(), content_type=content_type(output.format, rate),
                         direct_passthrough=True)
+    response.call_on_close(never_sent)
     _headers(response, g.cache, cached[1] if cached is not None else None)
     response.headers["X-Accel-Buffering"] = "no"  # a proxy in front must not hold chunks back
     return response
