@@ -130,9 +130,12 @@ def test_omitted_seed_uses_the_default_so_the_same_request_gives_the_same_audio(
     ({"text": "hi", "seed": "x"}, 400, "'seed' must be an integer"),
     ({"text": "hi", "seed": -5}, 400, "between 0 and"),
     ({"text": "hi", "refine_text": 1}, 400, "'refine_text'"),
-    ({"text": "hi", "voice": "alloy"}, 400, "unknown fields: voice"),
+    ({"text": "hi", "pitch": 3}, 400, "unknown fields: pitch"),
+    ({"text": "hi", "voice": "nobody"}, 400, "unknown voice 'nobody'; voices: alloy, echo"),
+    ({"text": "hi", "voice": "../../etc/passwd"}, 400, "voice names are"),
     ({"text": "长" * 51}, 413, "the limit is 50"),
-    ({"text": "1+1=2"}, 422, "nothing speakable"),
+    ({"text": "1+1=2", "normalize": False}, 422, "nothing speakable"),
+    ({"text": "hi", "format": "aac"}, 400, "'format' must be one of"),
 ])
 def test_errors_are_json_with_the_right_status(server, body, status, fragment):
     response = synthesize(server, body)
