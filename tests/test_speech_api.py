@@ -236,3 +236,33 @@ def test_voices_listing_registration_and_use(api, client):
     assert requests.delete(api.url + "/v1/audio/voices/narrator", timeout=10).status_code == 404
     gone = post(api, "/synthesize", {"text": "你好", "voice": "narrator"})
     assert gone.status_code == 400
+
+
+def test_a_stream_whose_client_leaves_stops_generating(api):
+    def counter(name, label):
+        for line in requests.get(api.url + "/metrics", timeout=10).text.splitlines():
+            if line.startswith(name) and label in line:
+                return float(line.split()[-1])
+        return 0.0
+
+    before = counter("chatts_requests_total", 'status="499"')
+    text = "这是一段很长的话，用来测试客户端离开以后生成是否停止。" * 60
+    response = requests.post(api.url + "/synthesize", json={"text": text[:1500], "seed": 10,
+                                                            "stream": True, "format": "pcm"},
+                             stream=True, timeout=120)
+    assert response.status_code == 200
+    next(response.iter_content(chunk_size=1024))  # audio is flowing
+    response.close()  # the client goes away mid-stream
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        if counter("chatts_requests_total", 'status="499"') > before and \
+                counter("chatts_queue_depth", "") == 0:
+            break
+        time.sleep(0.2)
+    assert counter("chatts_requests_total", 'status="499"') == before + 1
+    assert counter("chatts_queue_depth", "") == 0
+    assert counter("chatts_infer_total", 'outcome="cancelled"') >= 1
+    # no more decode steps are being spent on it
+    steps = counter("chatts_step_duration_seconds_count", "")
+    time.sleep(1.0)
+    assert counter("chatts_step_duration_seconds_count", "") == steps

@@ -148,6 +148,7 @@ def _stream(state, synthesis_request, output, started: float) -> Response:
             status = 499
             if run is not None:
                 run.cancel()
+                metrics.infer_total.labels(outcome="cancelled").inc()
             raise
         finally:
             if run is not None:
