@@ -7,12 +7,14 @@ import time
 
 from flask import Flask, g, jsonify, request
 
+from .auth import ApiKeys
 from .cache import AudioCache
 from .config import Settings
 from .engine import Engine
-from .errors import register_error_handlers
+from .errors import Unauthorized, register_error_handlers
 from .metrics import Metrics
 from .openapi import document
+from .pressure import Pressure
 from .routes import health, openai, synthesis
 from .state import ServiceState
 
@@ -29,10 +31,23 @@ def create_app(settings: Settings | None = None, *, engine: Engine | None = None
     app.json.ensure_ascii = False
 
     metrics = Metrics()
-    state = ServiceState(settings=settings,
-                         engine=engine or Engine(settings, step_observer=metrics.observe_step),
-                         cache=AudioCache(settings.cache_size, settings.cache_mb * 2**20), metrics=metrics)
+    engine = engine or Engine(settings, step_observer=metrics.observe_step)
+    state = ServiceState(settings=settings, engine=engine,
+                         cache=AudioCache(settings.cache_size, settings.cache_mb * 2**20),
+                         metrics=metrics, api_keys=ApiKeys.from_settings(settings),
+                         pressure=Pressure(settings.degrade_cpu_percent, settings.degrade_after_s))
     app.extensions["chattts"] = state
+    metrics.degraded.set_function(lambda: float(state.degraded))
+    metrics.segments_queued.set_function(
+        lambda: float(engine.scheduler.depth) if engine.scheduler is not None else 0.0)
+
+    @app.before_request
+    def check_api_key():
+        if state.api_keys.enabled and not ApiKeys.is_open(request.path, settings.metrics_auth):
+            if not state.api_keys.allows(request.headers.get("Authorization")):
+                metrics.auth_failures.inc()
+                raise Unauthorized("a valid API key is required: Authorization: Bearer <key>",
+                                   headers={"WWW-Authenticate": "Bearer"})
 
     register_error_handlers(app)
     app.register_blueprint(health.blueprint)
@@ -49,6 +64,8 @@ def create_app(settings: Settings | None = None, *, engine: Engine | None = None
 
     @app.after_request
     def log_request(response):
+        if g.get("degraded"):
+            response.headers["X-Degraded"] = "1"
         duration = time.perf_counter() - g.get("started", time.perf_counter())
         if request.path in ("/healthz", "/readyz", "/metrics"):
             return response  # probes and scrapes would drown the log

@@ -94,6 +94,23 @@ class Settings:
     request_timeout_s: int = _env_field(
         "REQUEST_TIMEOUT_S", 300,
         "a request not finished after this many seconds is dropped and answered 504")
+    max_wait_s: int = _env_field("MAX_WAIT_S", 120,
+                                 "answer 503 at once when the estimated wait is longer; 0 = off")
+    degrade_cpu_percent: int = _env_field(
+        "DEGRADE_CPU_PERCENT", 85,
+        "degraded mode when process CPU stays at or above this (% of its CPUs); 0 = never")
+    degrade_after_s: int = _env_field("DEGRADE_AFTER_S", 10,
+                                      "seconds the CPU must stay above (or below) to switch mode")
+    degraded_max_new_tokens: int = _env_field(
+        "DEGRADED_MAX_NEW_TOKENS", 1024, "per-segment step cap while degraded (no refinement)")
+    drain_seconds: int = _env_field(
+        "DRAIN_SECONDS", 3,
+        "after SIGTERM: seconds of answering 503 (readiness too) before it stops accepting")
+    graceful_timeout_s: int = _env_field(
+        "GRACEFUL_TIMEOUT_S", 30, "after the drain: how long in-flight requests may finish")
+    api_keys: str = _env_field("API_KEYS", "", "comma-separated API keys; empty = no auth")
+    api_keys_file: str = _env_field("API_KEYS_FILE", "", "file of API keys, one per line")
+    metrics_auth: bool = _env_field("METRICS_AUTH", False, "require a key for /metrics too")
     refine_text: bool = _env_field("REFINE_TEXT", False,
                                    "default for the per-request refine_text option")
     default_seed: int = _env_field("DEFAULT_SEED", 1234, "voice and sampling seed when a request gives none")
@@ -141,6 +158,15 @@ class Settings:
             (0 <= self.segment_pause_ms <= 5000,
              "CHATTTS_SEGMENT_PAUSE_MS must be between 0 and 5000"),
             (self.max_control_tokens >= 0, "CHATTTS_MAX_CONTROL_TOKENS must be 0 or positive"),
+            (self.max_wait_s >= 0, "CHATTTS_MAX_WAIT_S must be 0 (off) or positive"),
+            (0 <= self.degrade_cpu_percent <= 100,
+             "CHATTTS_DEGRADE_CPU_PERCENT must be between 0 (off) and 100"),
+            (self.degrade_after_s >= 1, "CHATTTS_DEGRADE_AFTER_S must be at least 1"),
+            (self.degraded_max_new_tokens >= 16,
+             "CHATTTS_DEGRADED_MAX_NEW_TOKENS must be at least 16"),
+            (0 <= self.drain_seconds <= 60, "CHATTTS_DRAIN_SECONDS must be between 0 and 60"),
+            (1 <= self.graceful_timeout_s <= 600,
+             "CHATTTS_GRACEFUL_TIMEOUT_S must be between 1 and 600"),
             (1 <= self.max_new_tokens <= 4096, "CHATTTS_MAX_NEW_TOKENS must be between 1 and 4096"),
             (self.max_steps_per_char >= 1, "CHATTTS_MAX_STEPS_PER_CHAR must be at least 1"),
             (self.quantize in ("int8", "none"), "CHATTTS_QUANTIZE must be int8 or none"),

@@ -55,7 +55,12 @@ class NothingToSay(EngineError):
 
 
 class Overloaded(EngineError):
-    """The request queue is full."""
+    """No room: the queue is full, or the estimated wait is longer than allowed."""
+
+    def __init__(self, message: str, reason: str = "queue_full", retry_after: float = 5.0):
+        super().__init__(message)
+        self.reason = reason
+        self.retry_after = retry_after
 
 
 class Cancelled(EngineError):
@@ -105,9 +110,10 @@ class _SynthesisJob:
     same stretch of a decode of the whole, so streamed and non-streamed audio match."""
 
     def __init__(self, engine: "Engine", text: str, request: SynthesisRequest, voice,
-                 fixed_steps: int | None, stream: bool):
+                 fixed_steps: int | None, stream: bool, step_cap: int | None = None):
         self.engine, self.text, self.request, self.voice = engine, text, request, voice
-        self.fixed_steps = fixed_steps
+        self.fixed_steps, self.step_cap = fixed_steps, step_cap
+        self.started: float | None = None
         from .scheduler import JobFuture  # the scheduler imports torch; keep import time light
 
         self.future = JobFuture()
@@ -117,9 +123,11 @@ class _SynthesisJob:
         self._next_chunk = FIRST_CHUNK_STEPS
 
     def start(self):
+        self.started = time.monotonic()
         if self.request.refine_text:
             return self.engine._text_sequence(self.text, self.request)
-        return self.engine._code_sequence(self.text, self.request, self.voice, self.fixed_steps)
+        return self.engine._code_sequence(self.text, self.request, self.voice, self.fixed_steps,
+                                          self.step_cap)
 
     def progress(self, sequence) -> None:
         if self.chunks is None or sequence.kind != "code":
@@ -145,7 +153,7 @@ class _SynthesisJob:
             if not _speakable(self.text):
                 raise NothingToSay("text has nothing speakable after refinement")
             return self.engine._code_sequence(self.text, self.request, self.voice,
-                                              self.fixed_steps)
+                                              self.fixed_steps, self.step_cap)
         if finished.steps == 0:
             raise EngineError("the model ended speech before producing any audio")
         if self.chunks is not None:
@@ -158,6 +166,7 @@ class _SynthesisJob:
         if truncated:
             log.warning("a segment reached its step cap (%d steps) before ending its speech",
                         finished.max_steps)
+        self.engine._job_finished(time.monotonic() - self.started)
         self.future.set_result(Synthesis(audio=audio, sample_rate=SAMPLE_RATE,
                                          steps=finished.steps, spoken_text=self.text,
                                          truncated=int(truncated)))
@@ -275,6 +284,7 @@ class Engine:
         self.sample_rate = SAMPLE_RATE
         self.context_steps = 0  # decoder + vocoder receptive field, in GPT steps per side
         self.voices: VoiceStore | None = None
+        self._job_seconds: float | None = None  # recent average time of one job
         self.text_normaliser = Normaliser()
 
     # -- loading -------------------------------------------------------------------------------
@@ -405,7 +415,7 @@ class Engine:
         return input_ids, embeddings
 
     def _code_sequence(self, text: str, request: SynthesisRequest, voice,
-                       fixed_steps: int | None = None):
+                       fixed_steps: int | None = None, step_cap: int | None = None):
         import torch
 
         from .generation import CODE_SAMPLING, Sampling, Sequence
@@ -424,7 +434,7 @@ class Engine:
         room = self.scheduler.batch.transformer.max_positions - embeddings.shape[1]
         if room < 1:
             raise EngineError(f"text is too long for the model ({embeddings.shape[1]} tokens)")
-        max_steps = min(fixed_steps or self.max_steps_for(text), room)
+        max_steps = min(fixed_steps or self.max_steps_for(text), room, step_cap or room)
         # at least one step: a generation that ends at once would be an empty answer
         min_steps = min(fixed_steps or 1, max_steps)
         return Sequence(embeddings[0].clone(), self._heads, sampling, seed, max_steps,
@@ -471,10 +481,25 @@ class Engine:
             raise NothingToSay("text has nothing speakable after normalisation")
         return pack(sentences, self.settings.max_segment_chars)
 
+    def _job_finished(self, seconds: float) -> None:
+        """Scheduler thread: a job's time from start to audio, for the wait estimate."""
+        previous = self._job_seconds
+        self._job_seconds = seconds if previous is None else 0.8 * previous + 0.2 * seconds
+
+    def estimated_wait(self, segments: int = 1) -> float | None:
+        """Seconds until ``segments`` new jobs would be done: the jobs ahead and these, run
+        ``max_batch`` at a time, each taking the recent average. None before any job ran."""
+        if self._job_seconds is None or self.scheduler is None:
+            return None
+        ahead = self.scheduler.depth + segments
+        return -(-ahead // self.settings.max_batch) * self._job_seconds
+
     def start(self, request: SynthesisRequest, fixed_steps: int | None = None,
-              stream: bool = False) -> Run:
+              stream: bool = False, step_cap: int | None = None) -> Run:
         """Queue every segment of a request; they generate together, in one batch when
-        there is room. Raises Overloaded when the queue cannot take them all."""
+        there is room. Raises Overloaded when the queue cannot take them all or the estimated
+        wait is longer than ``CHATTTS_MAX_WAIT_S``. ``step_cap`` lowers the per-segment step
+        cap (degraded mode)."""
         from .scheduler import QueueFull
 
         if self._chat is None:
@@ -482,10 +507,15 @@ class Engine:
         segments = self.segments(request)
         voice = request.voice if request.voice is not None \
             else self.voices.from_seed(request.seed)
-        jobs = [_SynthesisJob(self, text, request, voice.embedding, fixed_steps, stream)
+        jobs = [_SynthesisJob(self, text, request, voice.embedding, fixed_steps, stream, step_cap)
                 for text in segments]
+        wait = self.estimated_wait(len(jobs))
         if self.scheduler.free_queue_slots() < len(jobs):
-            raise Overloaded(f"the queue has no room for {len(jobs)} segment(s)")
+            raise Overloaded(f"the queue has no room for {len(jobs)} segment(s)",
+                             retry_after=wait or 5.0)
+        if self.settings.max_wait_s and wait is not None and wait > self.settings.max_wait_s:
+            raise Overloaded(f"the estimated wait ({wait:.0f} s) is longer than "
+                             f"{self.settings.max_wait_s} s", reason="wait", retry_after=wait)
         run = Run(jobs, self.settings.segment_pause_ms / 1000.0)
         try:
             for job in jobs:

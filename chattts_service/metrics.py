@@ -55,6 +55,17 @@ class Metrics:
         self.segments_truncated = Counter(
             "chatts_segments_truncated", "Segments stopped by the step cap before their speech ended",
             registry=r)
+        self.rejected = Counter("chatts_rejected",
+                                "Requests refused at once with 503 (queue_full, wait, draining)",
+                                ["reason"], registry=r)
+        self.degraded = Gauge("chatts_degraded",
+                              "1 while degraded mode is on (CPU pressure: no refinement, "
+                              "shorter step cap)", registry=r)
+        self.segments_queued = Gauge("chatts_segments_queued",
+                                     "Segments queued, waiting for room, or generating",
+                                     registry=r)
+        self.auth_failures = Counter("chatts_auth_failures",
+                                     "Requests refused for a missing or wrong API key", registry=r)
         self.cache_bytes = Gauge("chatts_cache_bytes", "Bytes of audio in the cache", registry=r)
         self.requests_total = Counter("chatts_requests", "Answered speech requests",
                                       ["status"], registry=r)

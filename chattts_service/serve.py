@@ -5,10 +5,36 @@ from __future__ import annotations
 import logging
 import os
 import sys
+import threading
 
 from gunicorn.app.base import BaseApplication
+from gunicorn.workers.gthread import ThreadWorker
 
+from .auth import ApiKeys
 from .config import Settings, SettingsError
+
+log = logging.getLogger(__name__)
+
+
+class DrainingWorker(ThreadWorker):
+    """gunicorn's threaded worker with a drain before its graceful stop.
+
+    On SIGTERM the service first answers 503 to readiness and to new requests for
+    ``CHATTTS_DRAIN_SECONDS`` (load balancers take it out of rotation; a retrying proxy sends
+    the new requests elsewhere) while in-flight requests go on; then gunicorn stops accepting
+    and gives in-flight requests the rest of the grace period before the process exits."""
+
+    def handle_exit(self, sig, frame):
+        state = getattr(self.wsgi, "extensions", {}).get("chattts")
+        drain = state.settings.drain_seconds if state is not None else 0
+        if state is None or state.draining or drain <= 0:
+            if state is not None:
+                state.drain()
+            return super().handle_exit(sig, frame)
+        state.drain()
+        timer = threading.Timer(drain, super().handle_exit, args=(sig, frame))
+        timer.daemon = True
+        timer.start()
 
 
 def configure_logging(level: str) -> None:
@@ -35,12 +61,13 @@ class _Gunicorn(BaseApplication):
         options = {
             "bind": f"{s.host}:{s.port}",
             "workers": 1,
-            "worker_class": "gthread",
+            "worker_class": "chattts_service.serve.DrainingWorker",
             "threads": s.http_threads,
             # gthread workers heartbeat from their main thread, so a long synthesis is not
             # mistaken for a hung worker; the timeout only catches a truly stuck process.
             "timeout": s.worker_timeout,
-            "graceful_timeout": 30,
+            # the arbiter's limit for the whole stop: the drain, then the in-flight requests
+            "graceful_timeout": s.drain_seconds + s.graceful_timeout_s,
             "keepalive": 5,
             "accesslog": None,
             "errorlog": "-",
@@ -60,6 +87,7 @@ class _Gunicorn(BaseApplication):
 def main() -> int:
     try:
         settings = Settings.from_env()
+        ApiKeys.from_settings(settings)  # a missing or bad key file stops the start here
     except SettingsError as error:
         print(f"error: {error}", file=sys.stderr)
         return 2

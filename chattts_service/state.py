@@ -8,11 +8,13 @@ import threading
 import time
 from dataclasses import dataclass, field
 
+from .auth import ApiKeys
 from .cache import AudioCache
 from .config import Settings
 from .engine import Engine
 from .metrics import Metrics
 from .model_files import ModelFilesError
+from .pressure import Pressure
 
 log = logging.getLogger(__name__)
 
@@ -27,6 +29,9 @@ class ServiceState:
     engine: Engine
     cache: AudioCache
     metrics: Metrics
+    api_keys: ApiKeys = field(default_factory=lambda: ApiKeys([]))
+    pressure: Pressure | None = None
+    draining: bool = False  # SIGTERM received: refuse new work, finish what is running
     started_at: float = field(default_factory=time.monotonic)
     ready_event: threading.Event = field(default_factory=threading.Event)
     phase: str = "starting"  # starting -> loading -> warming -> ready | failed
@@ -34,7 +39,19 @@ class ServiceState:
 
     @property
     def ready(self) -> bool:
-        return self.ready_event.is_set()
+        return self.ready_event.is_set() and not self.draining
+
+    @property
+    def degraded(self) -> bool:
+        return self.pressure is not None and self.pressure.degraded
+
+    def drain(self) -> None:
+        """Stop taking new work: readiness and new requests answer 503 from now on."""
+        if not self.draining:
+            log.info("draining: new requests get 503; in-flight requests finish")
+        self.draining = True
+        self.phase = "draining"
+        self.metrics.ready.set(0)
 
     def start(self, exit_on_failure: bool) -> threading.Thread:
         thread = threading.Thread(target=self._load_and_warm, args=(exit_on_failure,),
@@ -60,6 +77,8 @@ class ServiceState:
                 os._exit(WORKER_BOOT_ERROR)
             return
         self.phase = "ready"
+        if self.pressure is not None:
+            self.pressure.start()
         self.metrics.ready.set(1)
         self.ready_event.set()
         log.info("ready %.2fs after start", time.monotonic() - self.started_at)

@@ -8,9 +8,11 @@ soon as the engine has decoded it; a client that leaves stops the generation.
 from __future__ import annotations
 
 import logging
+import math
 import select
 import socket
 import time
+from dataclasses import replace
 from typing import Callable
 
 import numpy as np
@@ -40,16 +42,24 @@ def handle_speech(parse) -> Response:
     status = 500
     streaming = False
     try:
+        if state.draining:
+            metrics.rejected.labels(reason="draining").inc()
+            raise NotReady("the server is shutting down", headers={"Retry-After": "1"})
         if not state.ready:
             raise NotReady(f"model is not ready ({state.phase})",
                            headers={"Retry-After": RETRY_AFTER_SECONDS})
         body = validation.json_body(request.mimetype, request.get_data(cache=False))
         synthesis_request, output = parse(body, state.settings, state.engine.voices)
+        step_cap = None
+        if state.degraded:  # cheaper settings while the CPU is saturated
+            synthesis_request = replace(synthesis_request, refine_text=False, refine_prompt="")
+            step_cap = state.settings.degraded_max_new_tokens
+            g.degraded = True
         if output.stream:
-            response = _stream(state, synthesis_request, output, started)
+            response = _stream(state, synthesis_request, output, started, step_cap)
             streaming = True
         else:
-            response = _whole(state, synthesis_request, output)
+            response = _whole(state, synthesis_request, output, step_cap)
         status = 200
         return response
     except ApiError as error:
@@ -70,7 +80,7 @@ def _headers(response: Response, cache_status: str, seconds: float | None, segme
     response.headers["Cache-Control"] = "no-store"
 
 
-def _whole(state, synthesis_request, output) -> Response:
+def _whole(state, synthesis_request, output, step_cap=None) -> Response:
     metrics, identity = state.metrics, state.engine.identity
     key = cache_key(synthesis_request, identity, output.format)
     cached = state.cache.get(key)
@@ -83,12 +93,14 @@ def _whole(state, synthesis_request, output) -> Response:
         if pcm is not None:  # the same speech was made for another format: encode it again
             audio, seconds, cache_status = _from_pcm(pcm[0]), pcm[1], "HIT"
         else:
-            result = _infer(state, synthesis_request)
+            result = _infer(state, synthesis_request, step_cap)
             audio, seconds, cache_status = result.audio, result.seconds, "MISS"
             segments = result.segments
-            state.cache.put(pcm_key, (to_pcm16(audio), seconds))
+            if step_cap is None:  # degraded answers may be shorter: never cached
+                state.cache.put(pcm_key, (to_pcm16(audio), seconds))
         body = encode(audio, state.engine.sample_rate, output.format)
-        state.cache.put(key, (body, seconds))
+        if step_cap is None or cache_status == "HIT":
+            state.cache.put(key, (body, seconds))
     (metrics.cache_hits if cache_status == "HIT" else metrics.cache_misses).inc()
     metrics.audio_seconds.inc(seconds)
     g.audio_seconds, g.cache = seconds, cache_status
@@ -101,7 +113,7 @@ def _from_pcm(pcm: bytes) -> np.ndarray:
     return np.frombuffer(pcm, dtype="<i2").astype(np.float32) / 32767.0
 
 
-def _stream(state, synthesis_request, output, started: float) -> Response:
+def _stream(state, synthesis_request, output, started: float, step_cap=None) -> Response:
     metrics, engine = state.metrics, state.engine
     rate = engine.sample_rate
     pcm_key = cache_key(synthesis_request, engine.identity, "pcm")
@@ -109,7 +121,8 @@ def _stream(state, synthesis_request, output, started: float) -> Response:
     cached = state.cache.get(pcm_key)
     run = None
     if cached is None:
-        run = _start(state, synthesis_request)  # queue full etc. is still a JSON error here
+        # queue full etc. is still a JSON error here
+        run = _start(state, synthesis_request, stream=True, step_cap=step_cap)
     should_stop = client_gone(request.environ)
     g.cache = "HIT" if cached is not None else "MISS"
 
@@ -143,7 +156,8 @@ def _stream(state, synthesis_request, output, started: float) -> Response:
                 raise StreamAborted(str(error)) from None
             metrics.infer_total.labels(outcome="ok").inc()
             metrics.infer_duration.observe(time.perf_counter() - started)
-            state.cache.put(pcm_key, (b"".join(parts), seconds))
+            if step_cap is None:
+                state.cache.put(pcm_key, (b"".join(parts), seconds))
         except GeneratorExit:  # the client went away while we were sending
             status = 499
             if run is not None:
@@ -199,17 +213,18 @@ def client_gone(environ) -> Callable[[], bool] | None:
     return gone
 
 
-def _start(state, synthesis_request, stream=True):
+def _start(state, synthesis_request, stream=True, step_cap=None):
     """Queue a request's segments; the queue depth gauge counts it until it is answered."""
     try:
-        run = state.engine.start(synthesis_request, stream=stream)
+        run = state.engine.start(synthesis_request, stream=stream, step_cap=step_cap)
     except NothingToSay as error:
         state.metrics.infer_total.labels(outcome="nothing_to_say").inc()
         raise Unprocessable(str(error)) from None
     except Overloaded as error:
         state.metrics.infer_total.labels(outcome="overloaded").inc()
-        raise NotReady(f"server is overloaded: {error}",
-                       headers={"Retry-After": RETRY_AFTER_SECONDS}) from None
+        state.metrics.rejected.labels(reason=error.reason).inc()
+        retry = str(max(1, min(300, math.ceil(error.retry_after))))
+        raise NotReady(f"server is overloaded: {error}", headers={"Retry-After": retry}) from None
     except EngineError as error:
         state.metrics.infer_total.labels(outcome="error").inc()
         raise ApiError(f"synthesis failed: {error}", status=500) from None
@@ -232,9 +247,9 @@ def _outcome(metrics, error: Exception) -> int:
     return 500
 
 
-def _infer(state, synthesis_request):
+def _infer(state, synthesis_request, step_cap=None):
     metrics = state.metrics
-    run = _start(state, synthesis_request, stream=False)
+    run = _start(state, synthesis_request, stream=False, step_cap=step_cap)
     started = time.perf_counter()
     try:
         result = run.result(state.settings.request_timeout_s, client_gone(request.environ))

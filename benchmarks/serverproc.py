@@ -1,0 +1,134 @@
+"""A ``python server.py`` child on a loopback port, optionally inside a cgroup v1 memory limit,
+for the overload and soak scripts."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import requests
+
+REPO = Path(__file__).resolve().parent.parent
+MEMORY_CGROUP_ROOT = Path("/sys/fs/cgroup/memory")
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def own_memory_cgroup() -> Path | None:
+    """This process's cgroup v1 memory directory, where child groups may be made."""
+    try:
+        for line in Path("/proc/self/cgroup").read_text().splitlines():
+            _, controllers, path = line.split(":", 2)
+            if "memory" in controllers.split(","):
+                directory = MEMORY_CGROUP_ROOT / path.lstrip("/")
+                return directory if directory.is_dir() else None
+    except OSError:
+        return None
+    return None
+
+
+class MemoryCgroup:
+    """A child memory cgroup with a hard limit; removed on close."""
+
+    def __init__(self, limit_bytes: int):
+        parent = own_memory_cgroup()
+        if parent is None:
+            raise RuntimeError("no cgroup v1 memory controller to make a limit with")
+        self.path = parent / f"chattts-bench-{os.getpid()}"
+        self.path.mkdir(exist_ok=True)
+        (self.path / "memory.limit_in_bytes").write_text(str(limit_bytes))
+        self.limit = limit_bytes
+
+    def read(self, name: str) -> str:
+        return (self.path / name).read_text()
+
+    def usage(self) -> int:
+        return int(self.read("memory.usage_in_bytes"))
+
+    def max_usage(self) -> int:
+        return int(self.read("memory.max_usage_in_bytes"))
+
+    def oom_kills(self) -> int:
+        for line in self.read("memory.oom_control").splitlines():
+            key, _, value = line.partition(" ")
+            if key == "oom_kill":
+                return int(value)
+        return 0
+
+    def failcnt(self) -> int:
+        return int(self.read("memory.failcnt"))
+
+    def close(self) -> None:
+        try:
+            self.path.rmdir()
+        except OSError:
+            pass
+
+
+class Server:
+    def __init__(self, model_dir: Path, log_path: Path, cgroup: MemoryCgroup | None = None,
+                 **settings: str):
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        env = {k: v for k, v in os.environ.items() if not k.startswith("CHATTTS_")}
+        env.update({"CHATTTS_HOST": "127.0.0.1", "CHATTTS_PORT": str(self.port),
+                    "CHATTTS_MODEL_DIR": str(model_dir), "CHATTTS_VERIFY_MODEL": "0",
+                    "PYTHONUNBUFFERED": "1", **settings})
+        command = [sys.executable, "server.py"]
+        if cgroup is not None:  # the shell joins the group, then becomes the server
+            command = ["sh", "-c", f'echo $$ > "{cgroup.path}/cgroup.procs" && exec "$@"',
+                       "sh", *command]
+        self._log = open(log_path, "wb")
+        self.log_path = log_path
+        self.process = subprocess.Popen(command, cwd=REPO, env=env, stdout=self._log,
+                                        stderr=subprocess.STDOUT, start_new_session=True)
+
+    def wait_ready(self, timeout: float = 300) -> float:
+        started = time.monotonic()
+        while time.monotonic() - started < timeout:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"server exited ({self.process.returncode}); see {self.log_path}")
+            try:
+                if requests.get(self.url + "/readyz", timeout=2).status_code == 200:
+                    return time.monotonic() - started
+            except requests.ConnectionError:
+                pass
+            time.sleep(0.2)
+        raise TimeoutError(f"not ready after {timeout} s; see {self.log_path}")
+
+    def pids(self) -> list[int]:
+        """The arbiter and its worker(s)."""
+        out = subprocess.run(["ps", "-o", "pid=", "--ppid", str(self.process.pid)],
+                             capture_output=True, text=True).stdout.split()
+        return [self.process.pid, *map(int, out)]
+
+    def rss_mb(self) -> float:
+        total = 0
+        for pid in self.pids():
+            try:
+                for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+                    if line.startswith("VmRSS:"):
+                        total += int(line.split()[1])
+            except OSError:
+                pass
+        return total / 1024
+
+    def stop(self) -> int | None:
+        if self.process.poll() is None:
+            os.killpg(self.process.pid, signal.SIGTERM)
+            try:
+                self.process.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.process.pid, signal.SIGKILL)
+                self.process.wait(timeout=10)
+        self._log.close()
+        return self.process.returncode
