@@ -15,7 +15,7 @@ from .errors import Unauthorized, register_error_handlers
 from .metrics import Metrics
 from .openapi import document
 from .pressure import Pressure
-from .routes import health, openai, synthesis
+from .routes import health, openai, playground, synthesis
 from .state import ServiceState
 
 log = logging.getLogger("chattts_service.access")
@@ -53,6 +53,7 @@ def create_app(settings: Settings | None = None, *, engine: Engine | None = None
     app.register_blueprint(health.blueprint)
     app.register_blueprint(synthesis.blueprint)
     app.register_blueprint(openai.blueprint)
+    app.register_blueprint(playground.blueprint)
 
     @app.get("/openapi.json")
     def openapi_document():

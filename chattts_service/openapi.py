@@ -118,6 +118,12 @@ def document(settings: Settings) -> dict:
                                               "503": _error("Loading, warming up or failed")}}},
             "/metrics": {"get": {"summary": "Prometheus metrics",
                                  "responses": plain("Prometheus text format")}},
+            "/": {"get": {"summary": "The playground page (HTML, no external assets)",
+                          "responses": plain("HTML")}},
+            "/status": {"get": {
+                "summary": "Service status for the playground: state, queue, cache, recent "
+                           "latency and real-time factor, degraded mode, model, uptime",
+                "responses": plain("Status object")}},
             "/openapi.json": {"get": {"summary": "This document",
                                       "responses": plain("OpenAPI 3.1")}},
         },

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import logging
 import os
+import statistics
 import threading
 import time
+from collections import deque
 from dataclasses import dataclass, field
 
 from .auth import ApiKeys
@@ -23,6 +25,44 @@ log = logging.getLogger(__name__)
 WORKER_BOOT_ERROR = 3
 
 
+class RecentRequests:
+    """The last answered speech requests, for the status page: latency, audio, cache."""
+
+    def __init__(self, size: int = 60):
+        self._items: deque = deque(maxlen=size)
+        self._lock = threading.Lock()
+        self.hits = 0
+        self.misses = 0
+        self.in_flight = 0
+
+    def begin(self) -> None:
+        with self._lock:
+            self.in_flight += 1
+
+    def end(self, seconds: float, audio_seconds: float, cache: str | None) -> None:
+        with self._lock:
+            self.in_flight -= 1
+            if cache is None:  # failed: counts as in-flight no more, nothing to show
+                return
+            self._items.append((round(seconds, 4), round(audio_seconds, 3), cache))
+            if cache == "HIT":
+                self.hits += 1
+            else:
+                self.misses += 1
+
+    def summary(self) -> dict:
+        with self._lock:
+            items = list(self._items)
+            hits, misses, in_flight = self.hits, self.misses, self.in_flight
+        synthesised = [s / a for s, a, c in items if c == "MISS" and a > 0]
+        return {
+            "in_flight": in_flight,
+            "cache_hit_rate": hits / (hits + misses) if hits + misses else None,
+            "recent_latency_seconds": [s for s, _, _ in items],
+            "recent_real_time_factor": statistics.median(synthesised) if synthesised else None,
+        }
+
+
 @dataclass
 class ServiceState:
     settings: Settings
@@ -32,6 +72,7 @@ class ServiceState:
     api_keys: ApiKeys = field(default_factory=lambda: ApiKeys([]))
     pressure: Pressure | None = None
     draining: bool = False  # SIGTERM received: refuse new work, finish what is running
+    recent: RecentRequests = field(default_factory=RecentRequests)
     started_at: float = field(default_factory=time.monotonic)
     ready_event: threading.Event = field(default_factory=threading.Event)
     phase: str = "starting"  # starting -> loading -> warming -> ready | failed

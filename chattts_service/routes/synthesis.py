@@ -41,6 +41,7 @@ def handle_speech(parse) -> Response:
     started = time.perf_counter()
     status = 500
     streaming = False
+    state.recent.begin()
     try:
         if state.draining:
             metrics.rejected.labels(reason="draining").inc()
@@ -69,6 +70,8 @@ def handle_speech(parse) -> Response:
         if not streaming:  # a stream counts itself when it ends
             metrics.requests_total.labels(status=str(status)).inc()
             metrics.request_duration.observe(time.perf_counter() - started)
+            state.recent.end(time.perf_counter() - started, g.get("audio_seconds", 0.0),
+                             g.get("cache") if status == 200 else None)
 
 
 def _headers(response: Response, cache_status: str, seconds: float | None, segments=None):
@@ -124,7 +127,7 @@ def _stream(state, synthesis_request, output, started: float, step_cap=None) -> 
         # queue full etc. is still a JSON error here
         run = _start(state, synthesis_request, stream=True, step_cap=step_cap)
     should_stop = client_gone(request.environ)
-    g.cache = "HIT" if cached is not None else "MISS"
+    g.cache = cache_status = "HIT" if cached is not None else "MISS"
 
     began = []  # set once the server starts sending the body
 
@@ -170,6 +173,8 @@ def _stream(state, synthesis_request, output, started: float, step_cap=None) -> 
             metrics.audio_seconds.inc(seconds)
             metrics.requests_total.labels(status=str(status)).inc()
             metrics.request_duration.observe(time.perf_counter() - started)
+            state.recent.end(time.perf_counter() - started, seconds,
+                             cache_status if status == 200 else None)
 
     def never_sent():
         # the connection closed before the body was started: generate()'s clean-up never ran
@@ -178,6 +183,7 @@ def _stream(state, synthesis_request, output, started: float, step_cap=None) -> 
         if run is not None:
             run.cancel()
             metrics.queue_depth.dec()
+        state.recent.end(0.0, 0.0, None)
         metrics.requests_total.labels(status="499").inc()
         metrics.request_duration.observe(time.perf_counter() - started)
 

@@ -1,0 +1,217 @@
+"use strict";
+// The playground: no framework, no build step, nothing loaded from anywhere but this service.
+
+const RATE = 24000;
+const $ = (id) => document.getElementById(id);
+const keyStore = window.sessionStorage;
+
+function authHeaders() {
+  const key = keyStore.getItem("chattts-api-key");
+  return key ? { Authorization: "Bearer " + key } : {};
+}
+
+function showMessage(text, kind) {
+  const box = $("message");
+  box.textContent = text;
+  box.className = "message" + (kind === "info" ? " info" : "");
+  box.hidden = !text;
+}
+
+function needKey(message) {
+  $("key-row").hidden = false;
+  showMessage(message || "This service needs an API key: enter it below.");
+  $("api-key").focus();
+}
+
+async function errorText(response) {
+  let detail = response.statusText;
+  try {
+    const body = await response.json();
+    detail = typeof body.error === "string" ? body.error : body.error.message;
+  } catch (ignored) { /* not JSON */ }
+  if (response.status === 503) {
+    const retry = response.headers.get("Retry-After");
+    return `Busy (503): ${detail}.` + (retry ? ` Try again in ${retry} s.` : "");
+  }
+  return `${response.status}: ${detail}`;
+}
+
+function wavFile(pcmParts, samples) {
+  const header = new DataView(new ArrayBuffer(44));
+  const text = (offset, s) => [...s].forEach((c, i) => header.setUint8(offset + i, c.charCodeAt(0)));
+  text(0, "RIFF"); header.setUint32(4, 36 + samples * 2, true); text(8, "WAVE");
+  text(12, "fmt "); header.setUint32(16, 16, true); header.setUint16(20, 1, true);
+  header.setUint16(22, 1, true); header.setUint32(24, RATE, true);
+  header.setUint32(28, RATE * 2, true); header.setUint16(32, 2, true);
+  header.setUint16(34, 16, true); text(36, "data"); header.setUint32(40, samples * 2, true);
+  return new Blob([header, ...pcmParts], { type: "audio/wav" });
+}
+
+function showResult(result) {
+  $("r-latency").textContent = result.latency.toFixed(2) + " s";
+  $("r-first").textContent = result.first == null ? "–" : result.first.toFixed(2) + " s";
+  $("r-audio").textContent = result.audio.toFixed(2) + " s";
+  $("r-rtf").textContent = result.audio > 0 ? (result.latency / result.audio).toFixed(2) : "–";
+  $("r-cache").textContent = result.cache || "–";
+}
+
+function setAudio(blob, extension) {
+  const player = $("player");
+  if (player.dataset.url) URL.revokeObjectURL(player.dataset.url);
+  const url = URL.createObjectURL(blob);
+  player.dataset.url = url;
+  player.src = url;
+  const link = $("download");
+  link.href = url;
+  link.download = "speech." + extension;
+  link.hidden = false;
+}
+
+// Streamed: raw PCM chunks played through Web Audio as they arrive, then kept as a WAV.
+async function speakStreamed(body, started) {
+  const response = await fetch("/synthesize", {
+    method: "POST", headers: { "Content-Type": "application/json", ...authHeaders() },
+    body: JSON.stringify({ ...body, format: "pcm", stream: true }),
+  });
+  if (!response.ok) return response;
+  let context = null;
+  try { context = new AudioContext({ sampleRate: RATE }); } catch (ignored) { /* no audio out */ }
+  let playAt = 0, samples = 0, first = null, carry = null;
+  const parts = [];
+  const reader = response.body.getReader();
+  for (;;) {
+    const { done, value } = await reader.read();
+    if (done) break;
+    let bytes = value;
+    if (carry) { bytes = new Uint8Array([carry, ...value]); carry = null; }
+    if (bytes.length % 2) { carry = bytes[bytes.length - 1]; bytes = bytes.slice(0, -1); }
+    if (!bytes.length) continue;
+    if (first === null) first = (performance.now() - started) / 1000;
+    const pcm = new Int16Array(bytes.buffer.slice(bytes.byteOffset, bytes.byteOffset + bytes.length));
+    parts.push(pcm);
+    samples += pcm.length;
+    if (context) {
+      const buffer = context.createBuffer(1, pcm.length, RATE);
+      const channel = buffer.getChannelData(0);
+      for (let i = 0; i < pcm.length; i++) channel[i] = pcm[i] / 32768;
+      const source = context.createBufferSource();
+      source.buffer = buffer;
+      source.connect(context.destination);
+      playAt = Math.max(playAt, context.currentTime + 0.05);
+      source.start(playAt);
+      playAt += buffer.duration;
+    }
+  }
+  setAudio(wavFile(parts, samples), "wav");
+  return { latency: (performance.now() - started) / 1000, first, audio: samples / RATE,
+           cache: response.headers.get("X-Cache") };
+}
+
+async function speakWhole(body, started) {
+  const response = await fetch("/synthesize", {
+    method: "POST", headers: { "Content-Type": "application/json", ...authHeaders() },
+    body: JSON.stringify(body),
+  });
+  if (!response.ok) return response;
+  const blob = await response.blob();
+  setAudio(blob, body.format === "opus" ? "ogg" : body.format);
+  $("player").play().catch(() => { /* autoplay refused: the controls are there */ });
+  return { latency: (performance.now() - started) / 1000, first: null,
+           audio: parseFloat(response.headers.get("X-Audio-Seconds") || "0"),
+           cache: response.headers.get("X-Cache") };
+}
+
+async function speak(event) {
+  event.preventDefault();
+  const key = $("api-key").value.trim();
+  if (key) keyStore.setItem("chattts-api-key", key);
+  const text = $("text").value.trim();
+  if (!text) { showMessage("Type something to say first."); $("text").focus(); return; }
+  const body = { text, seed: parseInt($("seed").value || "0", 10),
+                 speed: parseFloat($("speed").value), refine_text: $("refine").checked,
+                 format: $("format").value };
+  if ($("voice").value) body.voice = $("voice").value;
+  const button = $("speak");
+  button.disabled = true;
+  showMessage("Speaking…", "info");
+  const started = performance.now();
+  try {
+    const outcome = body.format === "wav" ? await speakStreamed(body, started)
+                                          : await speakWhole(body, started);
+    if (outcome instanceof Response) {
+      if (outcome.status === 401) needKey(await errorText(outcome));
+      else showMessage(await errorText(outcome));
+      return;
+    }
+    showMessage("");
+    showResult(outcome);
+  } catch (error) {
+    showMessage("The request failed: " + error.message);
+  } finally {
+    button.disabled = false;
+    refreshStatus();
+  }
+}
+
+function sparkline(values) {
+  const line = $("spark").querySelector("polyline");
+  if (!values.length) { line.setAttribute("points", ""); return; }
+  const top = Math.max(...values, 0.001);
+  const step = values.length > 1 ? 300 / (values.length - 1) : 0;
+  line.setAttribute("points", values.map((v, i) =>
+    `${(i * step).toFixed(1)},${(58 - (v / top) * 54).toFixed(1)}`).join(" "));
+}
+
+async function refreshStatus() {
+  let status;
+  try {
+    const response = await fetch("/status", { headers: authHeaders() });
+    if (response.status === 401) { $("key-row").hidden = false; return; }
+    status = await response.json();
+  } catch (ignored) {
+    $("s-state").textContent = "unreachable";
+    return;
+  }
+  const pct = (x) => x == null ? "–" : Math.round(x * 100) + "%";
+  $("s-state").textContent = status.status;
+  $("s-queue").textContent = `${status.queue_depth} (batch ${status.max_batch})`;
+  $("s-flight").textContent = status.in_flight;
+  $("s-cache").textContent = `${status.cache_entries} (${status.cache_megabytes} MB)`;
+  $("s-hits").textContent = pct(status.cache_hit_rate);
+  $("s-rtf").textContent = status.recent_real_time_factor == null ? "–"
+    : status.recent_real_time_factor.toFixed(2);
+  $("s-degraded").textContent = status.degraded ? "on" : "off";
+  $("s-model").textContent = `${status.model} (${status.quantization}, decoder ${status.decoder})`;
+  const up = status.uptime_seconds;
+  $("s-uptime").textContent = up < 120 ? `${Math.round(up)} s` : up < 7200 ?
+    `${Math.round(up / 60)} min` : `${(up / 3600).toFixed(1)} h`;
+  $("s-updated").textContent = "updated " + new Date().toLocaleTimeString();
+  sparkline(status.recent_latency_seconds);
+  if (status.auth_required && !keyStore.getItem("chattts-api-key")) $("key-row").hidden = false;
+}
+
+async function loadVoices() {
+  try {
+    const response = await fetch("/v1/audio/voices", { headers: authHeaders() });
+    if (!response.ok) return;
+    const select = $("voice");
+    for (const name of (await response.json()).voices) {
+      const option = document.createElement("option");
+      option.value = option.textContent = name;
+      select.appendChild(option);
+    }
+  } catch (ignored) { /* the seed's voice still works */ }
+}
+
+$("speed").addEventListener("input", () => {
+  $("speed-value").textContent = parseFloat($("speed").value).toFixed(2);
+});
+$("api-key").addEventListener("change", () => {
+  keyStore.setItem("chattts-api-key", $("api-key").value.trim());
+  loadVoices(); refreshStatus();
+});
+$("speak-form").addEventListener("submit", speak);
+$("api-key").value = keyStore.getItem("chattts-api-key") || "";
+loadVoices();
+refreshStatus();
+setInterval(refreshStatus, 3000);

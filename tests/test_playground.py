@@ -1,0 +1,188 @@
+"""The playground page in a real browser: headless Chromium (Debian's) driven by Selenium,
+against a real server on loopback with the tiny model. A screenshot of each run is kept in
+``artifacts/``."""
+
+from __future__ import annotations
+
+import shutil
+import time
+from pathlib import Path
+
+import pytest
+import requests
+
+from conftest import REPO
+
+CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
+CHROMEDRIVER = shutil.which("chromedriver") or "/usr/bin/chromedriver"
+ARTIFACTS = REPO / "artifacts"
+KEY = "playground-key-0123456789"
+
+if not (Path(CHROMIUM).exists() and Path(CHROMEDRIVER).exists()):
+    pytest.fail("the playground test needs Debian's chromium and chromium-driver "
+                "(script/test installs them)", pytrace=False)
+
+
+@pytest.fixture(scope="module")
+def browser(tmp_path_factory):
+    from selenium import webdriver
+    from selenium.webdriver.chrome.service import Service
+
+    options = webdriver.ChromeOptions()
+    options.binary_location = CHROMIUM
+    for flag in ("--headless=new", "--no-sandbox", "--disable-gpu", "--disable-quic",
+                 "--no-first-run", "--disable-background-networking",
+                 "--disable-component-update", "--disable-sync",
+                 "--autoplay-policy=no-user-gesture-required", "--window-size=1100,1400",
+                 f"--user-data-dir={tmp_path_factory.mktemp('chromium-profile')}"):
+        options.add_argument(flag)
+    driver = webdriver.Chrome(service=Service(CHROMEDRIVER), options=options)
+    driver.set_page_load_timeout(30)
+    yield driver
+    driver.quit()
+
+
+@pytest.fixture(scope="module")
+def server(start_server):
+    server = start_server(CHATTTS_MAX_NEW_TOKENS="150")
+    server.wait_ready()
+    return server
+
+
+def wait_for(predicate, timeout=60.0, interval=0.1):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(interval)
+    raise AssertionError(f"timed out waiting for {predicate.__doc__ or predicate}")
+
+
+def text_of(driver, element_id):
+    return driver.find_element("id", element_id).text
+
+
+def speak(driver, text, audio_format="wav"):
+    from selenium.webdriver.support.ui import Select
+
+    box = driver.find_element("id", "text")
+    box.clear()
+    box.send_keys(text)
+    Select(driver.find_element("id", "format")).select_by_value(audio_format)
+    driver.execute_script("document.getElementById('player').removeAttribute('src');"
+                          "document.getElementById('player').load();")
+    driver.find_element("id", "speak").click()
+
+
+def error_message(driver):
+    """an error message on the page (not the "Speaking…" notice)"""
+    text = text_of(driver, "message")
+    return text if text and not text.startswith("Speaking") else ""
+
+
+def player_duration(driver):
+    """the <audio> element's duration once its source has loaded"""
+    return driver.execute_script(
+        "const p = document.getElementById('player');"
+        "return p.src && isFinite(p.duration) && p.duration > 0 ? p.duration : 0;")
+
+
+def test_page_speaks_streams_reports_and_shows_errors(browser, server):
+    ARTIFACTS.mkdir(exist_ok=True)
+    browser.get(server.url + "/")
+    assert browser.title == "ChatTTS playground"
+    # no external assets: every script, stylesheet and image comes from this service
+    sources = browser.execute_script(
+        "return [...document.querySelectorAll('script[src],link[href],img[src]')]"
+        ".map(e => e.src || e.href);")
+    assert sources and all(s.startswith(server.url) for s in sources), sources
+    # every control has a label
+    unlabelled = browser.execute_script(
+        "return [...document.querySelectorAll('input,select,textarea')].filter(e =>"
+        " !document.querySelector(`label[for='${e.id}']`)).map(e => e.id);")
+    assert unlabelled == []
+
+    wait_for(lambda: text_of(browser, "s-state") == "ready")
+    voices = browser.execute_script(
+        "return [...document.querySelectorAll('#voice option')].map(o => o.value);")
+    wait_for(lambda: len(browser.execute_script(
+        "return document.querySelectorAll('#voice option');")) > 6)
+    voices = browser.execute_script(
+        "return [...document.querySelectorAll('#voice option')].map(o => o.value);")
+    assert {"alloy", "nova", "shimmer"} <= set(voices)
+
+    # streamed WAV: played as it arrives, then kept in <audio> with a download link
+    speak(browser, "你好，这是浏览器里的测试。")
+    duration = wait_for(lambda: player_duration(browser))
+    assert duration > 0
+    assert text_of(browser, "r-cache") == "MISS"
+    assert text_of(browser, "r-latency").endswith(" s")
+    assert text_of(browser, "r-first").endswith(" s")
+    audio_seconds = float(text_of(browser, "r-audio").split()[0])
+    assert abs(audio_seconds - duration) < 0.05
+    assert browser.find_element("id", "download").is_displayed()
+
+    # MP3 through the whole-file path, same words: the synthesis comes from the cache
+    speak(browser, "你好，这是浏览器里的测试。", "mp3")
+    wait_for(lambda: text_of(browser, "r-cache") == "HIT")
+    assert wait_for(lambda: player_duration(browser)) > 0
+
+    wait_for(lambda: text_of(browser, "s-hits") not in ("–", ""))
+    browser.save_screenshot(str(ARTIFACTS / "playground.png"))
+
+    # an API error is shown as a readable message
+    speak(browser, "[cough] 你好")
+    message = wait_for(lambda: error_message(browser))
+    assert "400" in message and "unknown control token" in message
+
+    # the status panel follows: requests counted, hit rate, a sparkline of latencies
+    wait_for(lambda: text_of(browser, "s-hits") not in ("–", ""))
+    points = wait_for(lambda: browser.find_element("css selector", "#spark polyline")
+                      .get_attribute("points"))
+    assert len(points.split()) >= 2
+    assert "int8" in text_of(browser, "s-model")
+    assert not browser.find_element("id", "key-row").is_displayed()  # no keys configured
+    browser.save_screenshot(str(ARTIFACTS / "playground-error.png"))
+
+    # a phone-sized screen: nothing wider than the viewport
+    browser.set_window_size(390, 844)
+    overflow = browser.execute_script(
+        "return document.documentElement.scrollWidth > window.innerWidth;")
+    browser.save_screenshot(str(ARTIFACTS / "playground-phone.png"))
+    browser.set_window_size(1100, 1400)
+    assert not overflow
+
+
+def test_keyboard_alone_can_speak(browser, server):
+    from selenium.webdriver.common.keys import Keys
+
+    browser.get(server.url + "/")
+    wait_for(lambda: text_of(browser, "s-state") == "ready")
+    box = browser.find_element("id", "text")
+    box.clear()
+    box.send_keys("键盘操作。")
+    for _ in range(30):  # tab to the Speak button and press Enter
+        browser.switch_to.active_element.send_keys(Keys.TAB)
+        if browser.switch_to.active_element.get_attribute("id") == "speak":
+            break
+    assert browser.switch_to.active_element.get_attribute("id") == "speak"
+    browser.switch_to.active_element.send_keys(Keys.ENTER)
+    assert wait_for(lambda: player_duration(browser)) > 0
+
+
+def test_page_asks_for_a_key_when_keys_are_configured(browser, start_server):
+    server = start_server(CHATTTS_API_KEYS=KEY, CHATTTS_MAX_NEW_TOKENS="100")
+    server.wait_ready()
+    assert requests.get(server.url + "/", timeout=10).status_code == 200  # the page is open
+    browser.get(server.url + "/")
+    wait_for(lambda: browser.find_element("id", "key-row").is_displayed())
+    speak(browser, "没有钥匙。")
+    assert "401" in wait_for(lambda: error_message(browser))
+    browser.find_element("id", "api-key").send_keys(KEY)
+    speak(browser, "有钥匙了。")
+    assert wait_for(lambda: player_duration(browser)) > 0
+    stored = browser.execute_script("return sessionStorage.getItem('chattts-api-key');")
+    local = browser.execute_script("return localStorage.length;")
+    assert stored == KEY and local == 0  # kept for the browser session only
+    wait_for(lambda: text_of(browser, "s-state") == "ready")
