@@ -15,7 +15,7 @@ from .errors import Unauthorized, register_error_handlers
 from .metrics import Metrics
 from .openapi import document
 from .pressure import Pressure
-from .routes import health, openai, playground, synthesis
+from .routes import admin, health, openai, playground, synthesis
 from .state import ServiceState
 
 log = logging.getLogger("chattts_service.access")
@@ -38,6 +38,10 @@ def create_app(settings: Settings | None = None, *, engine: Engine | None = None
                          pressure=Pressure(settings.degrade_cpu_percent, settings.degrade_after_s))
     app.extensions["chattts"] = state
     metrics.degraded.set_function(lambda: float(state.degraded))
+    for name in ("max_batch", "batch_wait_ms", "max_queue", "max_wait_s"):
+        metrics.config.labels(setting=name).set_function(
+            lambda name=name: float(admin.current(state)[name])
+            if engine.scheduler is not None else 0.0)
     metrics.segments_queued.set_function(
         lambda: float(engine.scheduler.depth) if engine.scheduler is not None else 0.0)
 
@@ -54,6 +58,7 @@ def create_app(settings: Settings | None = None, *, engine: Engine | None = None
     app.register_blueprint(synthesis.blueprint)
     app.register_blueprint(openai.blueprint)
     app.register_blueprint(playground.blueprint)
+    app.register_blueprint(admin.blueprint)
 
     @app.get("/openapi.json")
     def openapi_document():

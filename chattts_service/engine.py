@@ -285,6 +285,7 @@ class Engine:
         self.context_steps = 0  # decoder + vocoder receptive field, in GPT steps per side
         self.voices: VoiceStore | None = None
         self._job_seconds: float | None = None  # recent average time of one job
+        self.max_wait_s = settings.max_wait_s  # tunable at run time (routes/admin.py)
         self.text_normaliser = Normaliser()
 
     # -- loading -------------------------------------------------------------------------------
@@ -492,7 +493,7 @@ class Engine:
         if self._job_seconds is None or self.scheduler is None:
             return None
         ahead = self.scheduler.depth + segments
-        return -(-ahead // self.settings.max_batch) * self._job_seconds
+        return -(-ahead // self.scheduler.max_batch) * self._job_seconds
 
     def start(self, request: SynthesisRequest, fixed_steps: int | None = None,
               stream: bool = False, step_cap: int | None = None) -> Run:
@@ -513,9 +514,9 @@ class Engine:
         if self.scheduler.free_queue_slots() < len(jobs):
             raise Overloaded(f"the queue has no room for {len(jobs)} segment(s)",
                              retry_after=wait or 5.0)
-        if self.settings.max_wait_s and wait is not None and wait > self.settings.max_wait_s:
+        if self.max_wait_s and wait is not None and wait > self.max_wait_s:
             raise Overloaded(f"the estimated wait ({wait:.0f} s) is longer than "
-                             f"{self.settings.max_wait_s} s", reason="wait", retry_after=wait)
+                             f"{self.max_wait_s} s", reason="wait", retry_after=wait)
         run = Run(jobs, self.settings.segment_pause_ms / 1000.0)
         try:
             for job in jobs:

@@ -64,6 +64,8 @@ class Metrics:
         self.segments_queued = Gauge("chatts_segments_queued",
                                      "Segments queued, waiting for room, or generating",
                                      registry=r)
+        self.config = Gauge("chatts_config", "Batching settings in effect (tunable at run time)",
+                            ["setting"], registry=r)
         self.auth_failures = Counter("chatts_auth_failures",
                                      "Requests refused for a missing or wrong API key", registry=r)
         self.cache_bytes = Gauge("chatts_cache_bytes", "Bytes of audio in the cache", registry=r)

@@ -112,6 +112,16 @@ def document(settings: Settings) -> dict:
                                 "schema": {"type": "string"}}],
                 "responses": {**plain("Deleted"), "404": _error("No stored voice", True),
                               "400": _error("Invalid name", True)}}},
+            "/admin/config": {
+                "get": {"summary": "Batching settings in effect, and their limits (API key)",
+                        "responses": {**plain("Settings"),
+                                      "403": _error("No API keys configured")}},
+                "post": {"summary": "Change max_batch, batch_wait_ms, max_queue, max_wait_s "
+                                    "on the running server (API key)",
+                         "requestBody": json_body("#/components/schemas/TuningRequest"),
+                         "responses": {**plain("Settings now in effect"),
+                                       "400": _error("Out of range or unknown"),
+                                       "403": _error("No API keys configured")}}},
             "/healthz": {"get": {"summary": "Liveness", "responses": plain("Alive")}},
             "/readyz": {"get": {"summary": "Readiness: 200 once loaded and warmed up",
                                 "responses": {**plain("Ready"),
@@ -149,6 +159,13 @@ def document(settings: Settings) -> dict:
                                "embedding": {"type": "string", "maxLength": 16384,
                                              "description": "ChatTTS speaker embedding string"},
                                "replace": {"type": "boolean", "default": False}}},
+            "TuningRequest": {
+                "type": "object", "additionalProperties": False, "minProperties": 1,
+                "properties": {"max_batch": {"type": "integer", "minimum": 1,
+                                             "maximum": settings.max_batch},
+                               "batch_wait_ms": {"type": "integer", "minimum": 0, "maximum": 2000},
+                               "max_queue": {"type": "integer", "minimum": 1, "maximum": 4096},
+                               "max_wait_s": {"type": "integer", "minimum": 0, "maximum": 3600}}},
             "Error": {"type": "object", "required": ["error"],
                       "properties": {"error": {"type": "string"}}},
             "OpenAIError": {"type": "object", "required": ["error"], "properties": {"error": {

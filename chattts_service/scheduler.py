@@ -104,6 +104,22 @@ class Scheduler:
         self._wakeup.set()
         return job.future
 
+    def tune(self, max_batch: int | None = None, batch_wait_seconds: float | None = None,
+             max_queue: int | None = None) -> None:
+        """Change batching on a running server; takes effect between two steps. ``max_batch``
+        can go down from the batch's row count, never above it (the heads are evaluated on a
+        fixed number of rows so that a request's numbers never depend on its neighbours)."""
+        if max_batch is not None:
+            if not 1 <= max_batch <= (self.batch.max_rows if self.batch else max_batch):
+                raise ValueError("max_batch out of range")
+            self.max_batch = max_batch
+        if batch_wait_seconds is not None:
+            self.batch_wait = batch_wait_seconds
+        if max_queue is not None:
+            with self.queue.mutex:  # queue.Queue reads maxsize under this lock
+                self.queue.maxsize = max_queue
+        self._wakeup.set()
+
     def free_queue_slots(self) -> int:
         return self.queue.maxsize - self.queue.qsize()
 
@@ -194,7 +210,7 @@ class Scheduler:
                 pending.pop(0)
                 self._advance(sequence)
                 continue
-            fits = self.batch.free_rows > 0 and (
+            fits = self.batch.free_rows > 0 and len(self.batch) < self.max_batch and (
                 not len(self.batch)
                 or self.batch.reserved_positions() + sequence.kv_positions()
                 <= self.kv_budget_positions)

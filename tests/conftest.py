@@ -32,8 +32,9 @@ def free_port() -> int:
 class ServerProcess:
     """``python server.py`` as a user runs it, on a free loopback port."""
 
-    def __init__(self, model_dir: Path, log_path: Path, **settings: str):
-        self.port = free_port()
+    def __init__(self, model_dir: Path, log_path: Path, port: int | None = None, **settings: str):
+        self.port = port or free_port()
+        self.model_dir = model_dir
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_path
         env = {k: v for k, v in os.environ.items() if not k.startswith("CHATTTS_")}

@@ -272,3 +272,40 @@ def test_schema_fuzz_finds_no_server_errors(start_server):
          "--generation-deterministic", "--no-color"],
         capture_output=True, text=True, timeout=900)
     assert result.returncode == 0, result.stdout[-6000:] + result.stderr[-2000:]
+
+
+# -- tuning without a restart ---------------------------------------------------------------------
+
+def test_batching_can_be_tuned_on_a_running_server(keyed):
+    auth = {"Authorization": f"Bearer {KEY}"}
+    assert requests.get(keyed.url + "/admin/config", timeout=10).status_code == 401
+    shown = requests.get(keyed.url + "/admin/config", headers=auth, timeout=10).json()
+    assert shown["current"]["max_batch"] == 8 and shown["limits"]["max_batch"]["max"] == 8
+    changed = requests.post(keyed.url + "/admin/config", headers=auth, timeout=10,
+                            json={"max_batch": 2, "batch_wait_ms": 10, "max_queue": 5})
+    assert changed.status_code == 200
+    assert changed.json()["current"] == {"max_batch": 2, "batch_wait_ms": 10, "max_queue": 5,
+                                         "max_wait_s": 120}
+    assert metric(keyed, "chatts_config", 'setting="max_batch"') == 2
+    assert metric(keyed, "chatts_config", 'setting="max_queue"') == 5
+    # the new bound holds: 8 segments do not fit a queue of 5
+    refused = requests.post(keyed.url + "/synthesize", headers=auth, timeout=60,
+                            json={"text": "这是第一句话。" * 100, "seed": 1})
+    assert refused.status_code == 503 and "no room for 8 segment(s)" in refused.json()["error"]
+    for body, fragment in [({"max_batch": 9}, "from 1 to 8"), ({"max_batch": 0}, "from 1 to 8"),
+                           ({"batch_wait_ms": -1}, "from 0 to 2000"), ({"threads": 4}, "unknown"),
+                           ({}, "send one or more")]:
+        bad = requests.post(keyed.url + "/admin/config", headers=auth, json=body, timeout=10)
+        assert bad.status_code == 400 and fragment in bad.json()["error"], (body, bad.text)
+    ok = requests.post(keyed.url + "/synthesize", headers=auth, json={"text": "调好了", "seed": 2},
+                       timeout=60)
+    assert ok.status_code == 200
+    requests.post(keyed.url + "/admin/config", headers=auth, timeout=10,
+                  json={"max_batch": 8, "batch_wait_ms": 50, "max_queue": 64})
+
+
+def test_admin_endpoint_refuses_without_keys(start_server):
+    server = start_server(CHATTTS_MAX_NEW_TOKENS="50", CHATTTS_WARMUP="0")
+    server.wait_ready()
+    response = requests.post(server.url + "/admin/config", json={"max_batch": 2}, timeout=10)
+    assert response.status_code == 403 and "API keys" in response.json()["error"]

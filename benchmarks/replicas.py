@@ -1,0 +1,146 @@
+"""Replicas on one host: memory per replica and in total for 1..N replicas, and throughput
+through nginx (the shipped configuration) for 1 vs 2 replicas.
+
+    python benchmarks/replicas.py [--model-dir DIR] [--max-replicas 3] [--seconds 60]
+
+Memory: each replica's RSS, its PSS (shared pages divided among the processes sharing them)
+and its private memory, from /proc/PID/smaps_rollup once every replica is ready, and the host's
+used memory (MemTotal - MemAvailable) against the same reading with no replica. Throughput:
+``--clients`` clients (new seeds, so no cache hits) through nginx for ``--seconds``, with the
+CPUs split evenly among the replicas (taskset) and torch threads set to match.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+from benchmarks.serverproc import Server, free_port  # noqa: E402
+from chattts_service import loadtest  # noqa: E402
+
+
+def meminfo_used_mb() -> float:
+    values = {}
+    for line in Path("/proc/meminfo").read_text().splitlines():
+        key, _, rest = line.partition(":")
+        values[key] = int(rest.split()[0])
+    return (values["MemTotal"] - values["MemAvailable"]) / 1024
+
+
+def rollup(pid: int) -> dict[str, float]:
+    values = {}
+    for line in Path(f"/proc/{pid}/smaps_rollup").read_text().splitlines()[1:]:
+        key, _, rest = line.partition(":")
+        values[key] = int(rest.split()[0]) / 1024
+    return {"rss": values["Rss"], "pss": values["Pss"],
+            "private": values["Private_Clean"] + values["Private_Dirty"],
+            "shared": values["Shared_Clean"] + values["Shared_Dirty"]}
+
+
+def start_replicas(model_dir: Path, count: int, scratch: Path, cpus: list[int]) -> list[Server]:
+    share = max(1, len(cpus) // count)
+    servers = []
+    for index in range(count):
+        mine = cpus[index * share:(index + 1) * share] or cpus
+        server = Server(model_dir, scratch / f"replica-{count}-{index}.log",
+                        CHATTTS_THREADS=str(len(mine)))
+        os.sched_setaffinity(server.process.pid, mine)  # before it imports torch
+        servers.append(server)
+    for server in servers:
+        server.wait_ready()
+    return servers
+
+
+def nginx(scratch: Path, ports: list[int]) -> tuple[subprocess.Popen, str]:
+    port = free_port()
+    config = (REPO / "deploy" / "nginx" / "chattts.conf").read_text()
+    upstream = "".join(f"    server 127.0.0.1:{p} max_fails=2 fail_timeout=5s;\n" for p in ports)
+    lines = [line for line in config.splitlines(keepends=True) if "server chattts-" not in line]
+    config = "".join(lines).replace("    least_conn;\n", "    least_conn;\n" + upstream)
+    config = config.replace("listen 8090", f"listen 127.0.0.1:{port}")
+    prefix = scratch / f"nginx-{port}"
+    prefix.mkdir()
+    (prefix / "chattts.conf").write_text(config)
+    (prefix / "nginx.conf").write_text(
+        f"pid {prefix}/nginx.pid; error_log {prefix}/error.log warn; daemon off;\n"
+        "worker_processes 1;\nevents { worker_connections 512; }\n"
+        f"http {{ access_log off; client_body_temp_path {prefix}/body;"
+        f" proxy_temp_path {prefix}/proxy; include chattts.conf; }}\n")
+    process = subprocess.Popen(["nginx", "-p", str(prefix), "-c", str(prefix / "nginx.conf")])
+    time.sleep(0.5)
+    return process, f"http://127.0.0.1:{port}"
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model-dir", type=Path, default=REPO / "models" / "full-random")
+    parser.add_argument("--max-replicas", type=int, default=3)
+    parser.add_argument("--seconds", type=float, default=60)
+    parser.add_argument("--clients", type=int, default=8)
+    parser.add_argument("--json", action="store_true")
+    args = parser.parse_args()
+    cpus = sorted(os.sched_getaffinity(0))
+    result = {"cpus": len(cpus), "memory": {}, "throughput": {}}
+
+    with tempfile.TemporaryDirectory() as scratch:
+        scratch = Path(scratch)
+        baseline = meminfo_used_mb()
+        for count in range(1, args.max_replicas + 1):
+            servers = start_replicas(args.model_dir, count, scratch, cpus)
+            try:
+                time.sleep(2)
+                per = []
+                for server in servers:
+                    totals = {"rss": 0.0, "pss": 0.0, "private": 0.0, "shared": 0.0}
+                    for pid in server.pids():
+                        for key, value in rollup(pid).items():
+                            totals[key] += value
+                    per.append({k: round(v) for k, v in totals.items()})
+                result["memory"][count] = {"replicas": per,
+                                           "host_used_mb": round(meminfo_used_mb() - baseline)}
+                if count <= 2:
+                    proxy, url = nginx(scratch, [s.port for s in servers])
+                    try:
+                        loadtest.run(url, 2, 4, loadtest.DEFAULT_TEXT, 60, 120,
+                                     first_seed=10**6 * count)  # warm the path
+                        run = loadtest.run(url, args.clients, 10**6, loadtest.DEFAULT_TEXT,
+                                           args.seconds, 300, first_seed=10**7 * count)
+                    finally:
+                        proxy.terminate()
+                        proxy.wait()
+                    result["throughput"][count] = {
+                        k: run[k] for k in ("requests_ok", "errors", "latency_p50",
+                                            "latency_p95", "audio_seconds_per_wall_second",
+                                            "requests_per_second")}
+            finally:
+                for server in servers:
+                    server.stop()
+            time.sleep(2)
+
+    if args.json:
+        print(json.dumps(result))
+        return 0
+    print(f"{result['cpus']} CPUs; memory once ready (MB):")
+    for count, memory in result["memory"].items():
+        rows = "; ".join(f"RSS {r['rss']} PSS {r['pss']} private {r['private']}"
+                         for r in memory["replicas"])
+        print(f"  {count} replica(s): {rows}; host used +{memory['host_used_mb']}")
+    for count, run in result["throughput"].items():
+        print(f"  {count} replica(s) through nginx, {args.clients} clients: "
+              f"{run['audio_seconds_per_wall_second']:.2f} audio s per wall s, "
+              f"p50 {run['latency_p50']:.2f} s, p95 {run['latency_p95']:.2f} s, "
+              f"errors {run['errors'] or 'none'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,138 @@
+"""Two replicas behind the shipped nginx configuration (Debian's nginx), all on loopback: the
+load spreads over both; one replica killed mid-load costs no request more than a deliberate
+503; the replica rejoins once it is ready again."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import requests
+
+from conftest import REPO, ServerProcess, free_port
+
+NGINX = shutil.which("nginx") or "/usr/sbin/nginx"
+
+
+def served(server) -> float:
+    """Requests a replica answered with audio."""
+    text = requests.get(server.url + "/metrics", timeout=10).text
+    for line in text.splitlines():
+        if line.startswith('chatts_requests_total{status="200"}'):
+            return float(line.split()[-1])
+    return 0.0
+
+
+class Nginx:
+    """deploy/nginx/chattts.conf as shipped, with the replicas' loopback addresses."""
+
+    def __init__(self, prefix: Path, backends: list[int]):
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        config = (REPO / "deploy" / "nginx" / "chattts.conf").read_text()
+        for index, port in enumerate(backends, start=1):
+            config = config.replace(f"chattts-{index}:8090", f"127.0.0.1:{port}")
+        config = config.replace("listen 8090", f"listen 127.0.0.1:{self.port}")
+        prefix.mkdir(parents=True, exist_ok=True)
+        (prefix / "chattts.conf").write_text(config)
+        (prefix / "nginx.conf").write_text(
+            f"pid {prefix}/nginx.pid; error_log {prefix}/error.log warn; daemon off;\n"
+            "worker_processes 1;\nevents { worker_connections 256; }\n"
+            f"http {{ access_log off; client_body_temp_path {prefix}/body;"
+            f" proxy_temp_path {prefix}/proxy; include chattts.conf; }}\n")
+        self.process = subprocess.Popen([NGINX, "-p", str(prefix), "-c", str(prefix / "nginx.conf")],
+                                        stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            try:
+                requests.get(self.url + "/healthz", timeout=1)
+                return
+            except requests.ConnectionError:
+                time.sleep(0.05)
+        raise RuntimeError((prefix / "error.log").read_text())
+
+    def stop(self):
+        self.process.terminate()
+        self.process.wait(timeout=10)
+
+
+@pytest.fixture
+def replicas(tiny_model_dir, tmp_path):
+    settings = {"CHATTTS_MAX_NEW_TOKENS": "150", "CHATTTS_MAX_QUEUE": "16"}
+    servers = [ServerProcess(tiny_model_dir, tmp_path / f"replica-{i}.log", **settings)
+               for i in (1, 2)]
+    for server in servers:
+        server.wait_ready()
+    proxy = Nginx(tmp_path / "nginx", [server.port for server in servers])
+    yield servers, proxy, settings
+    proxy.stop()
+    for server in servers:
+        server.stop()
+
+
+def load(url: str, seconds: float, clients: int, outcomes: list, stop: threading.Event):
+    def client(offset: int):
+        session = requests.Session()
+        index = 0
+        deadline = time.monotonic() + seconds
+        while time.monotonic() < deadline and not stop.is_set():
+            index += 1
+            try:
+                response = session.post(url + "/synthesize", timeout=60, json={
+                    "text": "负载均衡测试，第几句话都可以。", "seed": offset * 10_000 + index})
+                ok = response.status_code != 200 or response.content[:4] == b"RIFF"
+                outcomes.append((response.status_code, ok))
+            except requests.RequestException as error:
+                outcomes.append((error.__class__.__name__, False))
+
+    threads = [threading.Thread(target=client, args=(i,)) for i in range(clients)]
+    for thread in threads:
+        thread.start()
+    return threads
+
+
+def test_load_spreads_survives_a_killed_replica_and_it_rejoins(replicas, tmp_path):
+    (first, second), proxy, settings = replicas
+    outcomes: list = []
+    stop = threading.Event()
+
+    threads = load(proxy.url, 6, 8, outcomes, stop)
+    for thread in threads:
+        thread.join()
+    assert outcomes and all(status == 200 and ok for status, ok in outcomes), outcomes[:5]
+    assert served(first) > 0 and served(second) > 0, "nginx sent everything to one replica"
+
+    # kill one replica in the middle of the load
+    outcomes.clear()
+    threads = load(proxy.url, 8, 8, outcomes, stop)
+    time.sleep(2)
+    os.killpg(second.process.pid, signal.SIGKILL)
+    second.process.wait(timeout=10)
+    for thread in threads:
+        thread.join()
+    statuses = {status for status, _ in outcomes}
+    assert statuses <= {200, 503}, statuses  # audio or a deliberate 503, nothing else
+    assert all(ok for _, ok in outcomes)
+    assert sum(1 for status, _ in outcomes if status == 200) > 0
+
+    # the replica comes back on its port and nginx sends it work again once it is ready
+    back = ServerProcess(second.model_dir, tmp_path / "replica-2-again.log", port=second.port,
+                         **settings)
+    try:
+        back.wait_ready()
+        outcomes.clear()
+        deadline = time.monotonic() + 30
+        while served(back) == 0 and time.monotonic() < deadline:
+            threads = load(proxy.url, 2, 4, outcomes, stop)
+            for thread in threads:
+                thread.join()
+        assert served(back) > 0, "the restarted replica got no work"
+        assert all(status == 200 and ok for status, ok in outcomes)
+    finally:
+        back.stop()
