@@ -6,8 +6,10 @@ through nginx (the shipped configuration) for 1 vs 2 replicas.
 Memory: each replica's RSS, its PSS (shared pages divided among the processes sharing them)
 and its private memory, from /proc/PID/smaps_rollup once every replica is ready, and the host's
 used memory (MemTotal - MemAvailable) against the same reading with no replica. Throughput:
-``--clients`` clients (new seeds, so no cache hits) through nginx for ``--seconds``, with the
-CPUs split evenly among the replicas (taskset) and torch threads set to match.
+``--clients`` clients (new seeds, so no cache hits; the overload script's mix, half of them
+streamed) through nginx for ``--seconds``, with the CPUs split evenly among the replicas
+(affinity set before torch loads) and torch threads set to match. ``--max-replicas 2`` for the
+throughput comparison alone.
 """
 
 from __future__ import annotations
@@ -24,8 +26,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
+from benchmarks.overload import drive, summarise  # noqa: E402
 from benchmarks.serverproc import Server, free_port  # noqa: E402
-from chattts_service import loadtest  # noqa: E402
 
 
 def meminfo_used_mb() -> float:
@@ -110,17 +112,16 @@ def main() -> int:
                 if count <= 2:
                     proxy, url = nginx(scratch, [s.port for s in servers])
                     try:
-                        loadtest.run(url, 2, 4, loadtest.DEFAULT_TEXT, 60, 120,
-                                     first_seed=10**6 * count)  # warm the path
-                        run = loadtest.run(url, args.clients, 10**6, loadtest.DEFAULT_TEXT,
-                                           args.seconds, 300, first_seed=10**7 * count)
+                        drive(url, 2, 5, 120)  # warm the path
+                        # clients keep going until --seconds, then in-flight requests finish
+                        outcomes, wall = drive(url, args.clients, args.seconds, 300)
                     finally:
                         proxy.terminate()
                         proxy.wait()
+                    run = summarise(outcomes, wall, [])
                     result["throughput"][count] = {
-                        k: run[k] for k in ("requests_ok", "errors", "latency_p50",
-                                            "latency_p95", "audio_seconds_per_wall_second",
-                                            "requests_per_second")}
+                        k: run[k] for k in ("requests", "statuses", "latency_p50", "latency_p95",
+                                            "audio_seconds_per_wall_second")}
             finally:
                 for server in servers:
                     server.stop()
@@ -138,7 +139,7 @@ def main() -> int:
         print(f"  {count} replica(s) through nginx, {args.clients} clients: "
               f"{run['audio_seconds_per_wall_second']:.2f} audio s per wall s, "
               f"p50 {run['latency_p50']:.2f} s, p95 {run['latency_p95']:.2f} s, "
-              f"errors {run['errors'] or 'none'}")
+              f"statuses {run['statuses']}")
     return 0
 
 
