@@ -186,3 +186,25 @@ def test_page_asks_for_a_key_when_keys_are_configured(browser, start_server):
     local = browser.execute_script("return localStorage.length;")
     assert stored == KEY and local == 0  # kept for the browser session only
     wait_for(lambda: text_of(browser, "s-state") == "ready")
+
+
+def test_page_explains_empty_too_long_and_overloaded(browser, start_server):
+    # a queue of one segment: a two-segment text is refused at once with 503 and Retry-After
+    server = start_server(CHATTTS_MAX_QUEUE="1", CHATTTS_MAX_CHARS="150",
+                          CHATTTS_MAX_NEW_TOKENS="100")
+    server.wait_ready()
+    browser.get(server.url + "/")
+    wait_for(lambda: text_of(browser, "s-state") == "ready")
+
+    browser.find_element("id", "text").clear()
+    browser.find_element("id", "speak").click()
+    assert "Type something" in wait_for(lambda: error_message(browser))
+
+    speak(browser, "这是一个比较长的句子，用来把文本分成两段。" * 6)  # 132 characters, 2 segments
+    busy = wait_for(lambda: error_message(browser))
+    assert busy.startswith("Busy (503)") and "no room" in busy and "Try again in" in busy
+
+    speak(browser, "太长了。" * 40)  # 160 characters
+    too_long = wait_for(lambda: error_message(browser))
+    assert "413" in too_long and "the limit is 150" in too_long
+    browser.save_screenshot(str(ARTIFACTS / "playground-busy.png"))
