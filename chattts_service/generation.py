@@ -18,6 +18,7 @@ because a CPU GEMM's rounding can change with the row count).
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 import numpy as np
@@ -29,6 +30,7 @@ from .transformer import Transformer, rounded_positions
 NUM_VQ = 4
 REPETITION_WINDOW = 16  # ChatTTS's past_window for its repetition penalty
 MIN_TOKENS_TO_KEEP = 3  # what ChatTTS passes to transformers' top-p/top-k warpers
+HOUSEKEEPING_SECONDS = 30
 
 
 @dataclass(frozen=True)
@@ -202,6 +204,7 @@ class Batch:
         self.max_rows = max_rows
         self.active: list[Sequence] = []
         self._on_empty = on_empty  # called when the last sequence leaves (memory housekeeping)
+        self._last_housekeeping = time.monotonic()
 
     def __len__(self) -> int:
         return len(self.active)
@@ -254,6 +257,10 @@ class Batch:
         for sequence in leaving:
             self.active.remove(sequence)
             sequence.cache = None
-        if leaving and not self.active and self._on_empty is not None:
+        if leaving and self._on_empty is not None and (
+                not self.active or time.monotonic() - self._last_housekeeping > HOUSEKEEPING_SECONDS):
+            # when the batch empties, and at least every HOUSEKEEPING_SECONDS under steady load
+            # (a batch that never empties would otherwise never give freed memory back)
+            self._last_housekeeping = time.monotonic()
             self._on_empty()
         return leaving

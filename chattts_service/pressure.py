@@ -4,8 +4,9 @@ A background thread samples the process's CPU use once a second. When it has sta
 ``CHATTTS_DEGRADE_CPU_PERCENT`` for ``CHATTTS_DEGRADE_AFTER_S`` seconds the service degrades:
 requests skip text refinement and each segment's step cap drops to
 ``CHATTTS_DEGRADED_MAX_NEW_TOKENS``. It returns to normal once the CPU has stayed below the
-threshold for as long. Degraded answers carry ``X-Degraded: 1`` and are not cached (they may
-differ from what the same request gets normally); ``chatts_degraded`` shows the state.
+threshold for as long. Degraded answers carry ``X-Degraded: 1``; they are cached under the key of
+what was actually made (no refinement) unless the lowered cap cut a segment short;
+``chatts_degraded`` shows the state.
 """
 
 from __future__ import annotations

@@ -99,10 +99,13 @@ def _whole(state, synthesis_request, output, step_cap=None) -> Response:
             result = _infer(state, synthesis_request, step_cap)
             audio, seconds, cache_status = result.audio, result.seconds, "MISS"
             segments = result.segments
-            if step_cap is None:  # degraded answers may be shorter: never cached
+            # a degraded answer is what the request gets normally unless the lowered step cap
+            # cut a segment short: only then is it kept out of the cache
+            cacheable = step_cap is None or result.truncated == 0
+            if cacheable:
                 state.cache.put(pcm_key, (to_pcm16(audio), seconds))
         body = encode(audio, state.engine.sample_rate, output.format)
-        if step_cap is None or cache_status == "HIT":
+        if cache_status == "HIT" or cacheable:
             state.cache.put(key, (body, seconds))
     (metrics.cache_hits if cache_status == "HIT" else metrics.cache_misses).inc()
     metrics.audio_seconds.inc(seconds)
@@ -159,7 +162,8 @@ def _stream(state, synthesis_request, output, started: float, step_cap=None) -> 
                 raise StreamAborted(str(error)) from None
             metrics.infer_total.labels(outcome="ok").inc()
             metrics.infer_duration.observe(time.perf_counter() - started)
-            if step_cap is None:
+            truncated = sum(job.future.result().truncated for job in run.jobs)
+            if step_cap is None or truncated == 0:
                 state.cache.put(pcm_key, (b"".join(parts), seconds))
         except GeneratorExit:  # the client went away while we were sending
             status = 499
