@@ -1,8 +1,10 @@
-"""Peak memory at full load: CHATTTS_MAX_BATCH requests of CHATTTS_MAX_CHARS characters at once.
+"""Peak memory at full load: CHATTTS_MAX_BATCH of the longest segments at once.
 
     python benchmarks/memory.py [--model-dir DIR] [--steps N]
 
-Every request is forced to run to its step cap (the worst case: no request ends early), so the
+A long text is split into segments of at most CHATTTS_MAX_SEGMENT_CHARS characters, each one
+generation, so the worst case is a full batch of segments that long (or of CHATTTS_MAX_CHARS, if
+smaller). Every request is forced to run to its step cap (no request ends early), so the
 KV-cache budget is what keeps memory bounded; requests that do not fit wait. Prints RSS after
 ready, the peak RSS while the burst runs, and how long the burst took. Settings come from the
 environment as for the server (CHATTTS_MAX_BATCH, CHATTTS_MAX_CHARS, CHATTTS_KV_CACHE_MB, ...).
@@ -43,8 +45,10 @@ def main(argv: list[str] | None = None) -> int:
     after_ready = rss_mb()
     reset_peak_rss()
 
-    text = (TEXT * (settings.max_chars // len(TEXT) + 1))[: settings.max_chars]
-    steps = args.steps or engine.max_steps_for(engine.normalise(text))
+    chars = min(settings.max_chars, settings.max_segment_chars)
+    text = (TEXT * (chars // len(TEXT) + 1))[:chars]
+    text = engine.segments(SynthesisRequest(text, 0))[0]  # the longest single generation
+    steps = args.steps or engine.max_steps_for(text)
     peak = [0.0]
     done = threading.Event()
 
@@ -56,7 +60,7 @@ def main(argv: list[str] | None = None) -> int:
     sampler = threading.Thread(target=sample_rss, daemon=True)
     sampler.start()
     burst_started = time.perf_counter()
-    futures = [engine.submit(SynthesisRequest(text, seed), fixed_steps=steps)
+    futures = [engine.submit(SynthesisRequest(text, seed, normalize=False), fixed_steps=steps)
                for seed in range(settings.max_batch)]
     results = [future.result() for future in futures]
     burst_seconds = time.perf_counter() - burst_started
@@ -64,7 +68,7 @@ def main(argv: list[str] | None = None) -> int:
     sampler.join()
     engine.close()
     report = {
-        "max_batch": settings.max_batch, "max_chars": settings.max_chars,
+        "max_batch": settings.max_batch, "max_chars": len(text),
         "kv_cache_mb": settings.kv_cache_mb, "steps_per_request": steps,
         "ready_seconds": ready_seconds, "rss_after_ready_mb": after_ready["VmRSS"],
         "peak_rss_mb": max(peak[0], rss_mb()["VmHWM"]), "burst_seconds": burst_seconds,
