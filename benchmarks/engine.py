@@ -36,6 +36,16 @@ TEXT = "今天天气很好，我们一起去公园散步吧。"
 DEFAULT_MODEL = REPO / "models" / "full-random"
 
 
+def default_model() -> Path:
+    """The full-size random-weight model the benchmarks use by default, built on first use."""
+    if not (DEFAULT_MODEL / "architecture.json").is_file():
+        from chattts_service.testmodel import build
+
+        print(f"building a full-size random-weight model in {DEFAULT_MODEL} ...", file=sys.stderr)
+        build(DEFAULT_MODEL, size="full")
+    return DEFAULT_MODEL
+
+
 def audio_seconds(steps: int) -> float:
     # 2 mel frames per step, hop 256, centred inverse STFT: (frames - 1) hops at 24 kHz
     return (2 * steps - 1) * 256 / 24_000
@@ -335,13 +345,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
 
     if args.model_dir is None:
-        args.model_dir = DEFAULT_MODEL
-        if not (args.model_dir / "architecture.json").is_file():
-            from chattts_service.testmodel import build
-
-            print(f"building a full-size random-weight model in {args.model_dir} ...",
-                  file=sys.stderr)
-            build(args.model_dir, size="full")
+        args.model_dir = default_model()
     data = {"model_dir": str(args.model_dir), "steps": args.steps,
             "threads": args.threads or len(os.sched_getaffinity(0))}
     data["baseline"] = run_child("baseline", args, ["--requests", str(args.requests)])

@@ -28,6 +28,7 @@ import requests
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
+from benchmarks.engine import default_model  # noqa: E402
 from benchmarks.serverproc import Server  # noqa: E402
 
 TEXTS = ("今天天气很好，我们一起去公园散步吧。", "The train leaves at 9:45 from platform 3.",
@@ -120,7 +121,7 @@ def summarise(results: list[dict], wall: float, rss: list[float]) -> dict:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model-dir", type=Path, help="default: models/full-random")
+    parser.add_argument("--model-dir", type=Path, help="default: models/full-random, built on first use")
     parser.add_argument("--tiny", action="store_true", help="build and use the tiny model")
     parser.add_argument("--clients", type=int, default=32)
     parser.add_argument("--seconds", type=float, default=180)
@@ -136,7 +137,7 @@ def main() -> int:
 
             model_dir = build(Path(scratch) / "tiny", size="tiny")
         else:
-            model_dir = args.model_dir or REPO / "models" / "full-random"
+            model_dir = args.model_dir or default_model()
         settings = dict(item.split("=", 1) for item in args.setting)
         server = Server(model_dir, Path(scratch) / "server.log", **settings)
         try:

@@ -26,6 +26,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
+from benchmarks.engine import default_model  # noqa: E402
 from benchmarks.overload import drive, summarise  # noqa: E402
 from benchmarks.serverproc import Server, free_port  # noqa: E402
 
@@ -84,12 +85,14 @@ def nginx(scratch: Path, ports: list[int]) -> tuple[subprocess.Popen, str]:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model-dir", type=Path, default=REPO / "models" / "full-random")
+    parser.add_argument("--model-dir", type=Path, default=None,
+                        help="default: the full random-weight model, built on first use")
     parser.add_argument("--max-replicas", type=int, default=3)
     parser.add_argument("--seconds", type=float, default=60)
     parser.add_argument("--clients", type=int, default=8)
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
+    args.model_dir = args.model_dir or default_model()
     cpus = sorted(os.sched_getaffinity(0))
     result = {"cpus": len(cpus), "memory": {}, "throughput": {}}
 

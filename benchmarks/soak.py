@@ -26,6 +26,7 @@ import requests
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
+from benchmarks.engine import default_model  # noqa: E402
 from benchmarks.serverproc import MemoryCgroup, Server  # noqa: E402
 
 TEXTS = ("今天天气很好，我们一起去公园散步吧。", "The meeting starts at 3:30 pm on March 5.",
@@ -48,13 +49,15 @@ def slope_per_hour(points: list[tuple[float, float]]) -> float:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model-dir", type=Path, default=REPO / "models" / "full-random")
+    parser.add_argument("--model-dir", type=Path, default=None,
+                        help="default: the full random-weight model, built on first use")
     parser.add_argument("--minutes", type=float, default=30)
     parser.add_argument("--clients", type=int, default=8)
     parser.add_argument("--limit-mb", type=int, default=3072)
     parser.add_argument("--max-slope", type=float, default=50.0, help="MB per hour")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
+    args.model_dir = args.model_dir or default_model()
 
     cgroup = MemoryCgroup(args.limit_mb * 2**20)
     samples: list[tuple[float, float, int]] = []

@@ -31,7 +31,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from benchmarks.engine import DEFAULT_MODEL, TEXT, audio_seconds  # noqa: E402
+from benchmarks.engine import TEXT, audio_seconds, default_model  # noqa: E402
 
 LONG_SENTENCES = (
     "第{n}段：今天是2024年3月{day}日，气温{deg}摄氏度，我们在公园里走了{km}公里。",
@@ -195,13 +195,7 @@ def main() -> int:
         return 0
 
     if args.model_dir is None:
-        args.model_dir = DEFAULT_MODEL
-        if not (args.model_dir / "architecture.json").is_file():
-            from chattts_service.testmodel import build
-
-            print(f"building a full-size random-weight model in {args.model_dir} ...",
-                  file=sys.stderr)
-            build(args.model_dir, size="full")
+        args.model_dir = default_model()
     data = {"steps": args.steps, "requests": args.requests,
             "upstream": run_child("upstream", args, []),
             "ours": run_child("ours", args, ["--long-chars", str(args.long_chars)])}
