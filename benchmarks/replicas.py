@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 import tempfile
 import time
@@ -28,7 +27,7 @@ sys.path.insert(0, str(REPO))
 
 from benchmarks.engine import default_model  # noqa: E402
 from benchmarks.overload import drive, summarise  # noqa: E402
-from benchmarks.serverproc import Server, free_port  # noqa: E402
+from benchmarks.serverproc import Nginx, Server  # noqa: E402
 
 
 def meminfo_used_mb() -> float:
@@ -63,26 +62,6 @@ def start_replicas(model_dir: Path, count: int, scratch: Path, cpus: list[int]) 
     return servers
 
 
-def nginx(scratch: Path, ports: list[int]) -> tuple[subprocess.Popen, str]:
-    port = free_port()
-    config = (REPO / "deploy" / "nginx" / "chattts.conf").read_text()
-    upstream = "".join(f"    server 127.0.0.1:{p} max_fails=2 fail_timeout=5s;\n" for p in ports)
-    lines = [line for line in config.splitlines(keepends=True) if "server chattts-" not in line]
-    config = "".join(lines).replace("    least_conn;\n", "    least_conn;\n" + upstream)
-    config = config.replace("listen 8090", f"listen 127.0.0.1:{port}")
-    prefix = scratch / f"nginx-{port}"
-    prefix.mkdir()
-    (prefix / "chattts.conf").write_text(config)
-    (prefix / "nginx.conf").write_text(
-        f"pid {prefix}/nginx.pid; error_log {prefix}/error.log warn; daemon off;\n"
-        "worker_processes 1;\nevents { worker_connections 512; }\n"
-        f"http {{ access_log off; client_body_temp_path {prefix}/body;"
-        f" proxy_temp_path {prefix}/proxy; include chattts.conf; }}\n")
-    process = subprocess.Popen(["nginx", "-p", str(prefix), "-c", str(prefix / "nginx.conf")])
-    time.sleep(0.5)
-    return process, f"http://127.0.0.1:{port}"
-
-
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model-dir", type=Path, default=None,
@@ -113,14 +92,14 @@ def main() -> int:
                 result["memory"][count] = {"replicas": per,
                                            "host_used_mb": round(meminfo_used_mb() - baseline)}
                 if count <= 2:
-                    proxy, url = nginx(scratch, [s.port for s in servers])
+                    proxy = Nginx(scratch / f"nginx-{count}", [s.port for s in servers])
+                    url = proxy.url
                     try:
                         drive(url, 2, 5, 120)  # warm the path
                         # clients keep going until --seconds, then in-flight requests finish
                         outcomes, wall = drive(url, args.clients, args.seconds, 300)
                     finally:
-                        proxy.terminate()
-                        proxy.wait()
+                        proxy.stop()
                     run = summarise(outcomes, wall, [])
                     result["throughput"][count] = {
                         k: run[k] for k in ("requests", "statuses", "latency_p50", "latency_p95",

@@ -1,9 +1,11 @@
 """A ``python server.py`` child on a loopback port, optionally inside a cgroup v1 memory limit,
-for the overload and soak scripts."""
+and nginx with the shipped configuration in front of such children: for the overload, soak and
+replica scripts and the replica test."""
 
 from __future__ import annotations
 
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -15,6 +17,7 @@ import requests
 
 REPO = Path(__file__).resolve().parent.parent
 MEMORY_CGROUP_ROOT = Path("/sys/fs/cgroup/memory")
+NGINX_CONFIG = REPO / "deploy" / "nginx" / "chattts.conf"
 
 
 def free_port() -> int:
@@ -132,3 +135,43 @@ class Server:
                 self.process.wait(timeout=10)
         self._log.close()
         return self.process.returncode
+
+
+class Nginx:
+    """Debian's nginx running deploy/nginx/chattts.conf as shipped, except that its replica
+    lines become one line per loopback ``backends`` port (same parameters) and it listens on a
+    free loopback port."""
+
+    def __init__(self, prefix: Path, backends: list[int], nginx: str = "nginx"):
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.prefix = prefix
+        lines = NGINX_CONFIG.read_text().splitlines(keepends=True)
+        shipped = [line for line in lines if line.strip().startswith("server chattts-")]
+        first = lines.index(shipped[0])
+        kept = [line for line in lines if line not in shipped]
+        kept.insert(first, "".join(re.sub(r"chattts-\d+:8090", f"127.0.0.1:{port}", shipped[0])
+                                   for port in backends))
+        config = "".join(kept).replace("listen 8090", f"listen 127.0.0.1:{self.port}")
+        prefix.mkdir(parents=True, exist_ok=True)
+        (prefix / "chattts.conf").write_text(config)
+        (prefix / "nginx.conf").write_text(
+            f"pid {prefix}/nginx.pid; error_log {prefix}/error.log warn; daemon off;\n"
+            "worker_processes 1;\nevents { worker_connections 512; }\n"
+            f"http {{ access_log off; client_body_temp_path {prefix}/body;"
+            f" proxy_temp_path {prefix}/proxy; include chattts.conf; }}\n")
+        self.process = subprocess.Popen([nginx, "-p", str(prefix), "-c", str(prefix / "nginx.conf")],
+                                        stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            try:
+                requests.get(self.url + "/healthz", timeout=1)
+                return
+            except requests.ConnectionError:
+                time.sleep(0.05)
+        self.stop()
+        raise RuntimeError((prefix / "error.log").read_text())
+
+    def stop(self) -> None:
+        self.process.terminate()
+        self.process.wait(timeout=10)

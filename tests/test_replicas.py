@@ -1,4 +1,5 @@
-"""Two replicas behind the shipped nginx configuration (Debian's nginx), all on loopback: the
+"""Two replicas behind the shipped nginx configuration (Debian's nginx; only the replicas'
+addresses are changed, see ``benchmarks.serverproc.Nginx``), all on loopback: the
 load spreads over both; one replica killed mid-load costs no request more than a deliberate
 503; the replica rejoins once it is ready again."""
 
@@ -8,15 +9,14 @@ import os
 import shutil
 from collections import Counter
 import signal
-import subprocess
 import threading
 import time
-from pathlib import Path
 
 import pytest
 import requests
 
-from conftest import REPO, ServerProcess, free_port
+from benchmarks.serverproc import Nginx
+from conftest import ServerProcess
 
 NGINX = shutil.which("nginx") or "/usr/sbin/nginx"
 
@@ -30,40 +30,6 @@ def served(server) -> float:
     return 0.0
 
 
-class Nginx:
-    """deploy/nginx/chattts.conf as shipped, with the replicas' loopback addresses."""
-
-    def __init__(self, prefix: Path, backends: list[int]):
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.prefix = prefix
-        config = (REPO / "deploy" / "nginx" / "chattts.conf").read_text()
-        for index, port in enumerate(backends, start=1):
-            config = config.replace(f"chattts-{index}:8090", f"127.0.0.1:{port}")
-        config = config.replace("listen 8090", f"listen 127.0.0.1:{self.port}")
-        prefix.mkdir(parents=True, exist_ok=True)
-        (prefix / "chattts.conf").write_text(config)
-        (prefix / "nginx.conf").write_text(
-            f"pid {prefix}/nginx.pid; error_log {prefix}/error.log warn; daemon off;\n"
-            "worker_processes 1;\nevents { worker_connections 256; }\n"
-            f"http {{ access_log off; client_body_temp_path {prefix}/body;"
-            f" proxy_temp_path {prefix}/proxy; include chattts.conf; }}\n")
-        self.process = subprocess.Popen([NGINX, "-p", str(prefix), "-c", str(prefix / "nginx.conf")],
-                                        stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
-        deadline = time.monotonic() + 10
-        while time.monotonic() < deadline:
-            try:
-                requests.get(self.url + "/healthz", timeout=1)
-                return
-            except requests.ConnectionError:
-                time.sleep(0.05)
-        raise RuntimeError((prefix / "error.log").read_text())
-
-    def stop(self):
-        self.process.terminate()
-        self.process.wait(timeout=10)
-
-
 @pytest.fixture
 def replicas(tiny_model_dir, tmp_path):
     settings = {"CHATTTS_MAX_NEW_TOKENS": "150", "CHATTTS_MAX_QUEUE": "16"}
@@ -71,7 +37,7 @@ def replicas(tiny_model_dir, tmp_path):
                for i in (1, 2)]
     for server in servers:
         server.wait_ready()
-    proxy = Nginx(tmp_path / "nginx", [server.port for server in servers])
+    proxy = Nginx(tmp_path / "nginx", [server.port for server in servers], NGINX)
     yield servers, proxy, settings
     proxy.stop()
     for server in servers:
