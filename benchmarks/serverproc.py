@@ -103,8 +103,8 @@ class Server:
             try:
                 if requests.get(self.url + "/readyz", timeout=2).status_code == 200:
                     return time.monotonic() - started
-            except requests.ConnectionError:
-                pass
+            except (requests.ConnectionError, requests.Timeout):
+                pass  # not listening yet, or too busy starting up to answer
             time.sleep(0.2)
         raise TimeoutError(f"not ready after {timeout} s; see {self.log_path}")
 

@@ -22,6 +22,7 @@ import time
 from pathlib import Path
 
 import requests
+from prometheus_client.parser import text_string_to_metric_families
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
@@ -47,6 +48,20 @@ def slope_per_hour(points: list[tuple[float, float]]) -> float:
     return sum((t - mean_t) * (v - mean_v) for t, v in points) / var * 3600
 
 
+HEAP_KINDS = ("in_use", "free", "mmapped")
+
+
+def heap_mb(url: str) -> dict[str, float]:
+    """The worker's chatts_heap_bytes gauges, in MB (empty if the scrape failed)."""
+    try:
+        text = requests.get(url + "/metrics", timeout=10).text
+    except requests.RequestException:
+        return {}
+    return {sample.labels["kind"]: sample.value / 2**20
+            for family in text_string_to_metric_families(text)
+            if family.name == "chatts_heap_bytes" for sample in family.samples}
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model-dir", type=Path, default=None,
@@ -61,6 +76,7 @@ def main() -> int:
 
     cgroup = MemoryCgroup(args.limit_mb * 2**20)
     samples: list[tuple[float, float, int]] = []
+    heap_samples: list[tuple[float, dict[str, float]]] = []
     outcomes: dict[str, int] = {}
     lock = threading.Lock()
     with tempfile.TemporaryDirectory() as scratch:
@@ -96,10 +112,16 @@ def main() -> int:
                 thread.start()
             while time.monotonic() < deadline:
                 samples.append((time.monotonic() - began, server.rss_mb(), cgroup.usage()))
+                heap = heap_mb(server.url)
+                if heap:
+                    heap_samples.append((samples[-1][0], heap))
                 if not args.json:
                     elapsed, rss, usage = samples[-1]
+                    heap_text = " ".join(f"{kind} {heap[kind]:6.0f}" for kind in HEAP_KINDS
+                                         if kind in heap)
                     print(f"{elapsed / 60:5.1f} min  RSS {rss:7.0f} MB  cgroup "
-                          f"{usage / 2**20:7.0f} MB  {dict(outcomes)}", flush=True)
+                          f"{usage / 2**20:7.0f} MB  heap MB: {heap_text}  {dict(outcomes)}",
+                          flush=True)
                 time.sleep(10)
             for thread in threads:
                 thread.join()
@@ -109,13 +131,19 @@ def main() -> int:
             oom_kills, peak = cgroup.oom_kills(), cgroup.max_usage()
             cgroup.close()
 
-    second_half = [(t, rss) for t, rss, _ in samples if t >= samples[-1][0] / 2]
+    half_time = samples[-1][0] / 2
+    second_half = [(t, rss) for t, rss, _ in samples if t >= half_time]
     result = {
         "minutes": args.minutes, "clients": args.clients, "limit_mb": args.limit_mb,
         "rss_first_mb": samples[0][1], "rss_last_mb": samples[-1][1],
         "rss_max_mb": max(rss for _, rss, _ in samples),
         "rss_slope_mb_per_hour": slope_per_hour(second_half),
         "rss_slope_whole_run_mb_per_hour": slope_per_hour([(t, r) for t, r, _ in samples]),
+        "heap_slopes_mb_per_hour": {
+            kind: slope_per_hour([(t, heap[kind]) for t, heap in heap_samples
+                                  if t >= half_time and kind in heap])
+            for kind in HEAP_KINDS},
+        "heap_last_mb": heap_samples[-1][1] if heap_samples else {},
         "cgroup_peak_mb": peak / 2**20, "oom_kills": oom_kills, "server_alive": alive,
         "outcomes": outcomes,
     }

@@ -32,6 +32,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from benchmarks.engine import TEXT, audio_seconds, default_model  # noqa: E402
+from chattts_service import heap  # noqa: E402
 
 LONG_SENTENCES = (
     "第{n}段：今天是2024年3月{day}日，气温{deg}摄氏度，我们在公园里走了{km}公里。",
@@ -141,6 +142,8 @@ def run_child(phase: str, args, extra: list[str]) -> dict:
     env = dict(os.environ)
     threads = str(len(os.sched_getaffinity(0)))
     env.update(OMP_NUM_THREADS=threads, MKL_NUM_THREADS=threads, CHATTTS_THREADS=threads)
+    if phase != "upstream":  # the service's settings for its engine; upstream runs as it comes
+        heap.bound_native_caches(env)
     result = subprocess.run(command, capture_output=True, text=True, env=env,
                             timeout=args.max_seconds)
     if result.returncode != 0:

@@ -10,7 +10,6 @@ speaker code build the prompt; a lean int8 decode loop (``transformer``, ``gener
 
 from __future__ import annotations
 
-import ctypes
 import gc
 import logging
 import queue
@@ -23,7 +22,7 @@ from typing import Callable, Iterator
 
 import numpy as np
 
-from . import model_files
+from . import heap, model_files
 from .architecture import config_from_architecture, read_architecture
 from .audio import silence
 from .config import Settings
@@ -390,9 +389,9 @@ class Engine:
                 f"the model expects {config.gpt.num_text_tokens}")
 
         gc.collect()
-        release_free_memory()
+        heap.release()
         kv_positions = settings.kv_cache_mb * 2**20 // transformer.bytes_per_position()
-        batch = Batch(transformer, self._heads, settings.max_batch, on_empty=release_free_memory)
+        batch = Batch(transformer, self._heads, settings.max_batch, on_empty=heap.release)
         self.scheduler.attach(batch, kv_positions)
         return chat
 
@@ -606,16 +605,6 @@ def voice_for_seed(speaker, seed: int):
     generator = torch.Generator().manual_seed(seed)
     noise = torch.randn(speaker.dim, generator=generator, dtype=torch.float32)
     return noise * speaker.std.float() + speaker.mean.float()
-
-
-def release_free_memory() -> None:
-    """Hand freed heap memory back to the OS. glibc keeps large freed blocks in its arenas, so
-    without this a burst of long requests leaves RSS high long after their caches are gone
-    (measured: 520 MB kept after loading the full model)."""
-    try:
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):  # not glibc
-        pass
 
 
 def _cache_normaliser_jit() -> None:

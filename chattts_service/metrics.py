@@ -8,6 +8,7 @@ import time
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
+from . import heap
 from .config import available_cpus
 
 LATENCY_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2, 4, 8, 15, 30, 60, 120)
@@ -36,6 +37,11 @@ class CpuSampler:
                 self._last_percent = max(0.0, min(100.0, used))
                 self._last_wall, self._last_cpu = wall, cpu
             return self._last_percent
+
+
+def _heap_value(kind: str) -> float:
+    numbers = heap.stats()
+    return float(numbers[kind]) if numbers else float("nan")
 
 
 class Metrics:
@@ -91,6 +97,12 @@ class Metrics:
                                     buckets=(1, 2, 3, 4, 6, 8, 12, 16, 32, 64), registry=r)
         self._cpu = CpuSampler()
         self.cpu_percent.set_function(self._cpu.percent)
+        self.heap_bytes = Gauge("chatts_heap_bytes",
+                                "glibc heap: in_use (live allocations), mmapped (live large "
+                                "ones), free (held in the arenas, not returned to the OS)",
+                                ["kind"], registry=r)
+        for kind in ("in_use", "free", "mmapped"):
+            self.heap_bytes.labels(kind).set_function(lambda kind=kind: _heap_value(kind))
 
     def observe_step(self, rows: int, seconds: float) -> None:
         self.step_duration.observe(seconds)

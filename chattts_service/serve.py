@@ -10,6 +10,7 @@ import threading
 from gunicorn.app.base import BaseApplication
 from gunicorn.workers.gthread import ThreadWorker
 
+from . import heap
 from .auth import ApiKeys
 from .config import Settings, SettingsError
 
@@ -42,22 +43,6 @@ def configure_logging(level: str) -> None:
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     # ChatTTS logs every stage of every inference at INFO.
     logging.getLogger("ChatTTS").setLevel(max(logging.WARNING, logging.getLevelName(level.upper())))
-
-
-def limit_malloc_arenas(arenas: int = 2) -> None:
-    """glibc gives each thread that allocates its own heap arena (up to 8 per core). The
-    request threads allocate audio buffers, the model thread tensors: with one arena each, freed
-    memory scatters over many arenas and RSS creeps up under steady load (measured: ~1.5 GB/h in
-    a soak). Two arenas, set before any thread starts, keep it compact. MALLOC_ARENA_MAX in the
-    environment wins."""
-    if os.environ.get("MALLOC_ARENA_MAX"):
-        return
-    try:
-        import ctypes
-
-        ctypes.CDLL("libc.so.6").mallopt(-8, arenas)  # M_ARENA_MAX
-    except (OSError, AttributeError):  # not glibc
-        pass
 
 
 def pin_compute_threads(settings: Settings) -> None:
@@ -108,7 +93,8 @@ def main() -> int:
         print(f"error: {error}", file=sys.stderr)
         return 2
     configure_logging(settings.log_level)
-    limit_malloc_arenas()
+    heap.limit_arenas()
+    heap.bound_native_caches()
     pin_compute_threads(settings)
     _Gunicorn(settings).run()
     return 0

@@ -186,6 +186,9 @@ def test_metrics_move_by_the_right_amounts(server):
     assert after["chatts_ready"] == 1
     assert 0 <= after["chatts_cpu_percent"] <= 100
     assert after["chatts_cache_entries"] >= 1
+    # the model's tensors are live heap memory (mmapped: the large ones)
+    assert after["chatts_heap_bytes{kind=mmapped}"] + after["chatts_heap_bytes{kind=in_use}"] > 2**20
+    assert after["chatts_heap_bytes{kind=free}"] >= 0
 
 
 def test_concurrent_requests_all_get_their_own_audio(server):

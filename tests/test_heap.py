@@ -1,0 +1,75 @@
+import os
+
+from chattts_service import heap
+
+
+def rss_bytes() -> int:
+    with open("/proc/self/statm") as statm:
+        return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def test_heap_stats_follow_a_large_allocation():
+    before = heap.stats()
+    block = bytearray(64 * 2**20)  # above glibc's mmap threshold: an mmapped chunk
+    during = heap.stats()
+    del block
+    after = heap.stats()
+    assert during["mmapped"] - before["mmapped"] >= 64 * 2**20
+    assert during["mmapped"] - after["mmapped"] >= 64 * 2**20
+
+
+def test_release_returns_freed_heap_memory_to_the_os():
+    # 1,500 blocks of 100 kB come from the arena (below the mmap threshold); the last one
+    # stays alive on top of them, so glibc cannot shrink the heap by itself when they are freed
+    blocks = [bytearray(b"x" * 100_000) for _ in range(1500)]
+    pin = blocks.pop()
+    del blocks
+    held = heap.stats()["free"]
+    before = rss_bytes()
+    heap.release()
+    assert held >= 140_000_000
+    assert before - rss_bytes() >= 100_000_000
+    assert pin[:1] == b"x"
+
+
+GROWTH_PROBE = """
+import sys, torch
+from chattts_service import heap
+linear = torch.nn.Linear(256, 1024)
+def run(rows):
+    with torch.inference_mode(), torch.autocast("cpu", dtype=torch.bfloat16):
+        linear(torch.randn(1, rows, 256))
+for rows in range(1, 80):  # settle: every shape one decode would use, and then some
+    run(rows)
+before = heap.stats()["in_use"]
+for rows in range(80, 480):  # 400 new lengths, as 400 requests of new lengths would bring
+    run(rows)
+print((heap.stats()["in_use"] - before) / 2**20)
+"""
+
+
+def heap_growth_mb(environment: dict) -> float:
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    result = subprocess.run([sys.executable, "-c", GROWTH_PROBE], capture_output=True,
+                            text=True, env=environment, timeout=300,
+                            cwd=Path(__file__).resolve().parent.parent, check=True)
+    return float(result.stdout.split()[-1])
+
+
+def test_bounded_native_caches_stop_growth_with_new_shapes():
+    """The decoders meet a new length with nearly every request; with the caches bounded the
+    heap stays put instead of keeping something for each length."""
+    environment = {k: v for k, v in os.environ.items() if k not in heap.NATIVE_CACHE_VARIABLES}
+    environment["OMP_NUM_THREADS"] = "1"
+    heap.bound_native_caches(environment)
+    assert heap_growth_mb(environment) < 16
+
+
+def test_bound_native_caches_leaves_operator_choices_alone():
+    environment = {"LRU_CACHE_CAPACITY": "8"}
+    heap.bound_native_caches(environment)
+    assert environment == {"LRU_CACHE_CAPACITY": "8",
+                           "ONEDNN_PRIMITIVE_CACHE_CAPACITY": str(heap.NATIVE_CACHE_ENTRIES)}
