@@ -550,8 +550,9 @@ class Engine:
     def decode(self, hiddens, decoder_dtype: str | None = None) -> np.ndarray:
         """GPT hidden states [steps, hidden] -> waveform, via ChatTTS's decoder and vocoder.
 
-        The decoder may run in bf16 (about 1.7x faster on CPUs with native bf16, measured
-        waveform error ~0.6%); the vocoder's complex inverse STFT stays in fp32."""
+        The decoder and the vocoder's ConvNeXt backbone may run in bf16 (on CPUs with native
+        bf16: 85 -> 55 ms for 150 steps, measured waveform difference ~0.7%); the vocoder's
+        head (its complex inverse STFT) stays in fp32."""
         import torch
 
         chat = self._chat
@@ -559,7 +560,8 @@ class Engine:
         with torch.inference_mode():
             with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
                 mel = chat.decoder(hiddens.T[None].contiguous())
-            audio = chat.vocos.decode(mel.float())[0]
+                features = chat.vocos.backbone(mel.float())
+            audio = chat.vocos.head(features.float())[0]
         return np.clip(audio.numpy().astype(np.float32, copy=False), -1.0, 1.0)
 
     def warm_up(self, texts=WARMUP_TEXTS, max_steps: int = WARMUP_MAX_STEPS) -> float:

@@ -51,3 +51,14 @@ def test_readme_documents_every_setting_with_its_default():
         row = next((line for line in readme.splitlines() if line.startswith(f"| `{variable}`")), None)
         assert row is not None, f"{variable} missing from the README settings table"
         assert f"`{default}`" in row, f"{variable}: README default differs from {default}"
+
+
+def test_readme_documents_every_metric():
+    from chattts_service.metrics import Metrics
+
+    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text(encoding="utf-8")
+    table = [line for line in readme.splitlines() if line.startswith("| `chatts_")]
+    names = {family.name for family in Metrics().registry.collect()}
+    assert names and all(name.startswith("chatts_") for name in names)
+    for name in names:
+        assert any(f"`{name}" in row for row in table), f"{name} missing from the README metrics table"
