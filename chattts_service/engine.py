@@ -551,7 +551,7 @@ class Engine:
         """GPT hidden states [steps, hidden] -> waveform, via ChatTTS's decoder and vocoder.
 
         The decoder and the vocoder's ConvNeXt backbone may run in bf16 (on CPUs with native
-        bf16: 85 -> 55 ms for 150 steps, measured waveform difference ~0.7%); the vocoder's
+        bf16: 85 -> 55 ms for 150 steps, measured waveform difference ~1%); the vocoder's
         head (its complex inverse STFT) stays in fp32."""
         import torch
 
