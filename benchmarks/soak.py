@@ -29,6 +29,7 @@ sys.path.insert(0, str(REPO))
 
 from benchmarks.engine import default_model  # noqa: E402
 from benchmarks.serverproc import MemoryCgroup, Server  # noqa: E402
+from chattts_service import heap  # noqa: E402
 
 TEXTS = ("今天天气很好，我们一起去公园散步吧。", "The meeting starts at 3:30 pm on March 5.",
          "请把2024年的报告在周五之前发给我，谢谢。",
@@ -46,9 +47,6 @@ def slope_per_hour(points: list[tuple[float, float]]) -> float:
     if var == 0:
         return 0.0
     return sum((t - mean_t) * (v - mean_v) for t, v in points) / var * 3600
-
-
-HEAP_KINDS = ("in_use", "free", "mmapped")
 
 
 def heap_mb(url: str) -> dict[str, float]:
@@ -112,13 +110,13 @@ def main() -> int:
                 thread.start()
             while time.monotonic() < deadline:
                 samples.append((time.monotonic() - began, server.rss_mb(), cgroup.usage()))
-                heap = heap_mb(server.url)
-                if heap:
-                    heap_samples.append((samples[-1][0], heap))
+                figures = heap_mb(server.url)
+                if figures:
+                    heap_samples.append((samples[-1][0], figures))
                 if not args.json:
                     elapsed, rss, usage = samples[-1]
-                    heap_text = " ".join(f"{kind} {heap[kind]:6.0f}" for kind in HEAP_KINDS
-                                         if kind in heap)
+                    heap_text = " ".join(f"{kind} {figures[kind]:6.0f}" for kind in heap.KINDS
+                                         if kind in figures)
                     print(f"{elapsed / 60:5.1f} min  RSS {rss:7.0f} MB  cgroup "
                           f"{usage / 2**20:7.0f} MB  heap MB: {heap_text}  {dict(outcomes)}",
                           flush=True)
@@ -140,9 +138,9 @@ def main() -> int:
         "rss_slope_mb_per_hour": slope_per_hour(second_half),
         "rss_slope_whole_run_mb_per_hour": slope_per_hour([(t, r) for t, r, _ in samples]),
         "heap_slopes_mb_per_hour": {
-            kind: slope_per_hour([(t, heap[kind]) for t, heap in heap_samples
-                                  if t >= half_time and kind in heap])
-            for kind in HEAP_KINDS},
+            kind: slope_per_hour([(t, figures[kind]) for t, figures in heap_samples
+                                  if t >= half_time and kind in figures])
+            for kind in heap.KINDS},
         "heap_last_mb": heap_samples[-1][1] if heap_samples else {},
         "cgroup_peak_mb": peak / 2**20, "oom_kills": oom_kills, "server_alive": alive,
         "outcomes": outcomes,

@@ -21,6 +21,7 @@ M_ARENA_MAX = -8
 # decode uses (measured: no slower), and bound the two caches to a few tens of MB.
 NATIVE_CACHE_ENTRIES = 64
 NATIVE_CACHE_VARIABLES = ("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "LRU_CACHE_CAPACITY")
+KINDS = ("in_use", "free", "mmapped")  # what ``stats`` reports
 
 
 class _MallInfo2(ctypes.Structure):
@@ -37,6 +38,9 @@ def _libc():
 
 
 _LIBC = _libc()
+_MALLINFO2 = getattr(_LIBC, "mallinfo2", None)  # glibc 2.33+
+if _MALLINFO2 is not None:
+    _MALLINFO2.restype = _MallInfo2
 
 
 def limit_arenas(arenas: int = 2) -> None:
@@ -75,10 +79,7 @@ def stats() -> dict[str, int] | None:
     """Bytes in use (``in_use``: live small and medium allocations; ``mmapped``: live large
     ones) and held free inside the arenas (``free``), over all arenas; None without glibc
     2.33+."""
-    try:
-        function = _LIBC.mallinfo2
-    except AttributeError:
+    if _MALLINFO2 is None:
         return None
-    function.restype = _MallInfo2
-    info = function()
+    info = _MALLINFO2()
     return {"in_use": info.uordblks, "free": info.fordblks, "mmapped": info.hblkhd}

@@ -7,6 +7,7 @@ import threading
 import time
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import GaugeMetricFamily
 
 from . import heap
 from .config import available_cpus
@@ -39,9 +40,18 @@ class CpuSampler:
             return self._last_percent
 
 
-def _heap_value(kind: str) -> float:
-    numbers = heap.stats()
-    return float(numbers[kind]) if numbers else float("nan")
+class HeapCollector:
+    """``chatts_heap_bytes{kind}``: one ``mallinfo2`` walk of the arenas per scrape, for all
+    three kinds (NaN where the C library cannot tell)."""
+
+    def collect(self):
+        numbers = heap.stats()
+        family = GaugeMetricFamily(
+            "chatts_heap_bytes", "glibc heap: in_use (live allocations), mmapped (live large "
+            "ones), free (held in the arenas, not returned to the OS)", labels=["kind"])
+        for kind in heap.KINDS:
+            family.add_metric([kind], float(numbers[kind]) if numbers else float("nan"))
+        yield family
 
 
 class Metrics:
@@ -97,12 +107,7 @@ class Metrics:
                                     buckets=(1, 2, 3, 4, 6, 8, 12, 16, 32, 64), registry=r)
         self._cpu = CpuSampler()
         self.cpu_percent.set_function(self._cpu.percent)
-        self.heap_bytes = Gauge("chatts_heap_bytes",
-                                "glibc heap: in_use (live allocations), mmapped (live large "
-                                "ones), free (held in the arenas, not returned to the OS)",
-                                ["kind"], registry=r)
-        for kind in ("in_use", "free", "mmapped"):
-            self.heap_bytes.labels(kind).set_function(lambda kind=kind: _heap_value(kind))
+        r.register(HeapCollector())
 
     def observe_step(self, rows: int, seconds: float) -> None:
         self.step_duration.observe(seconds)

@@ -7,10 +7,10 @@ from __future__ import annotations
 
 import os
 import shutil
-from collections import Counter
 import signal
 import threading
 import time
+from collections import Counter
 
 import pytest
 import requests
