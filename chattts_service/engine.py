@@ -200,7 +200,12 @@ class Run:
         return Synthesis(audio=np.concatenate(pieces), sample_rate=SAMPLE_RATE,
                          steps=sum(part.steps for part in parts),
                          spoken_text=" ".join(part.spoken_text for part in parts),
-                         segments=len(parts), truncated=sum(part.truncated for part in parts))
+                         segments=len(parts), truncated=self.truncated)
+
+    @property
+    def truncated(self) -> int:
+        """Segments stopped by their step cap; read once every segment has finished."""
+        return sum(job.future.result().truncated for job in self.jobs)
 
     def chunks(self, timeout: float | None = None,
                should_stop: Callable[[], bool] | None = None) -> Iterator[np.ndarray]:

@@ -99,9 +99,7 @@ def _whole(state, synthesis_request, output, step_cap=None) -> Response:
             result = _infer(state, synthesis_request, step_cap)
             audio, seconds, cache_status = result.audio, result.seconds, "MISS"
             segments = result.segments
-            # a degraded answer is what the request gets normally unless the lowered step cap
-            # cut a segment short: only then is it kept out of the cache
-            cacheable = step_cap is None or result.truncated == 0
+            cacheable = _cacheable(step_cap, result.truncated)
             if cacheable:
                 state.cache.put(pcm_key, (to_pcm16(audio), seconds))
         body = encode(audio, state.engine.sample_rate, output.format)
@@ -117,6 +115,12 @@ def _whole(state, synthesis_request, output, step_cap=None) -> Response:
 
 def _from_pcm(pcm: bytes) -> np.ndarray:
     return np.frombuffer(pcm, dtype="<i2").astype(np.float32) / 32767.0
+
+
+def _cacheable(step_cap: int | None, truncated: int) -> bool:
+    """A degraded answer (a lowered ``step_cap``) is what the request gets normally unless the
+    lowered cap cut a segment short: only then is it kept out of the cache."""
+    return step_cap is None or truncated == 0
 
 
 def _stream(state, synthesis_request, output, started: float, step_cap=None) -> Response:
@@ -162,8 +166,7 @@ def _stream(state, synthesis_request, output, started: float, step_cap=None) -> 
                 raise StreamAborted(str(error)) from None
             metrics.infer_total.labels(outcome="ok").inc()
             metrics.infer_duration.observe(time.perf_counter() - started)
-            truncated = sum(job.future.result().truncated for job in run.jobs)
-            if step_cap is None or truncated == 0:
+            if _cacheable(step_cap, run.truncated):
                 state.cache.put(pcm_key, (b"".join(parts), seconds))
         except GeneratorExit:  # the client went away while we were sending
             status = 499
