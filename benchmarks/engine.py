@@ -196,6 +196,7 @@ def phase_fidelity(model_dir: Path, steps: int, seeds: int) -> dict:
     from chattts_service.config import Settings
     from chattts_service.engine import Engine, SynthesisRequest
     from chattts_service.generation import Batch
+    from chattts_service.quantize import make_linear
     from chattts_service.transformer import Transformer
     from transformers import LlamaModel
 
@@ -208,6 +209,7 @@ def phase_fidelity(model_dir: Path, steps: int, seeds: int) -> dict:
     quantized = Transformer(llama, "int8")
     del llama
     heads = engine._heads
+    int8_head = make_linear(heads.code_head.weight, "int8")  # the service's int8 code head
 
     agreements, distances, snrs, decoder_errors = [], [], [], []
     for seed in range(seeds):
@@ -228,8 +230,8 @@ def phase_fidelity(model_dir: Path, steps: int, seeds: int) -> dict:
             length = sequence.prompt.shape[0]
             for step in range(tokens.shape[0]):
                 forced[step] = hidden
-                logits_int8 = (hidden @ heads.code_head).view(4, -1)
-                logits_fp32 = (hiddens[step] @ heads.code_head).view(4, -1)
+                logits_int8 = int8_head(hidden[None]).view(4, -1)
+                logits_fp32 = heads.code_head(hiddens[step][None]).view(4, -1)
                 agree += int((logits_int8.argmax(-1) == logits_fp32.argmax(-1)).sum())
                 embedding = heads.code_embeddings[torch.arange(4), tokens[step]].sum(0)
                 hidden = quantized.step(embedding[None], [cache], [length])[0]

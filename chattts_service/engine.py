@@ -370,7 +370,8 @@ class Engine:
         embed = Embed(config.embed.hidden_size, config.embed.num_audio_tokens,
                       config.embed.num_text_tokens, config.embed.num_vq)
         embed.load_state_dict(load_safetensors(str(paths.embed)), assign=True)
-        self._heads = Heads(embed.eval().requires_grad_(False), rows=settings.max_batch)
+        self._heads = Heads(embed.eval().requires_grad_(False), rows=settings.max_batch,
+                            quantization=settings.quantize)
         del embed.head_text, embed.head_code  # folded into Heads
         chat.embed = embed
 

@@ -12,8 +12,8 @@ any two steps.
 
 What a request samples never depends on its batch neighbours: every operation here is either
 per-row (sorting, softmax, the sampling draws from the row's own generator) or a matrix product
-run with a fixed number of rows (the heads are always evaluated on ``max_rows`` rows, zero-padded,
-because a CPU GEMM's rounding can change with the row count).
+exact per row (the int8 kernels), or run with a fixed number of rows (fp32 heads are evaluated on
+``max_rows`` rows, zero-padded, because a CPU GEMM's rounding can change with the row count).
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from .quantize import make_linear
 from .transformer import Transformer, rounded_positions
 
 NUM_VQ = 4
@@ -46,28 +47,35 @@ TEXT_SAMPLING = Sampling(temperature=0.7, top_p=0.7, top_k=20, repetition_penalt
 
 
 class Heads:
-    """Embeddings and output heads from ChatTTS's ``Embed``, weight norm folded in once."""
+    """Embeddings and output heads from ChatTTS's ``Embed``, weight norm folded in once.
 
-    def __init__(self, embed, rows: int):
+    The heads are linear layers of the given ``quantization``: int8 heads give each row the
+    same logits in any batch by construction; the fp32 ones are always run on exactly ``rows``
+    rows (zero-padded), because a CPU GEMM's rounding can change with the row count."""
+
+    def __init__(self, embed, rows: int, quantization: str = "none"):
         with torch.no_grad():
             self.code_embeddings = torch.stack(
                 [table.weight.detach().float() for table in embed.emb_code])  # [4, 626, D]
             self.text_embeddings = embed.emb_text.weight.detach().float()
             # weight_norm recomputes g * v / |v| on every call upstream; here it is done once
-            self.code_head = torch.cat(
-                [head.weight.detach().float() for head in embed.head_code]).T.contiguous()
-            self.text_head = embed.head_text.weight.detach().float().T.contiguous()
+            self.code_head = make_linear(
+                torch.cat([head.weight.detach().float() for head in embed.head_code]),
+                quantization)
+            self.text_head = make_linear(embed.head_text.weight.detach().float(), quantization)
         self.num_audio_tokens = self.code_embeddings.shape[1]
         self.rows = rows
-        self.hidden_size = self.code_head.shape[0]
+        self.hidden_size = self.code_head.in_features
 
     def logits(self, hiddens: torch.Tensor, kind: str) -> torch.Tensor:
-        """Logits for up to ``rows`` hidden states, always computed on exactly ``rows`` rows."""
+        """Logits [count, width * vocabulary] for up to ``rows`` hidden states."""
+        head = self.code_head if kind == "code" else self.text_head
+        if head.rows_independent:
+            return head(hiddens)
         count = hiddens.shape[0]
         padded = torch.zeros(self.rows, self.hidden_size)
         padded[:count] = hiddens
-        head = self.code_head if kind == "code" else self.text_head
-        return (padded @ head)[:count]
+        return head(padded)[:count]
 
 
 class Sequence:

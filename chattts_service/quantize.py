@@ -55,6 +55,7 @@ class PackedInt8Linear:
     """``y = x @ W.T`` on fbgemm, W packed once as int8 rows with per-row scales."""
 
     kernel = "fbgemm"
+    rows_independent = True  # exact integer sums, elementwise scales
 
     def __init__(self, weight: torch.Tensor):
         weight = weight.detach().float()
@@ -90,6 +91,7 @@ class MatmulInt8Linear:
     """``y = x @ W.T`` with ``torch._int_mm``: W as int8 rows plus per-row scales."""
 
     kernel = "int_mm"
+    rows_independent = True
 
     def __init__(self, weight: torch.Tensor):
         weight = weight.detach().float()
@@ -117,6 +119,7 @@ class FloatLinear:
     """The fp32 reference with the same interface."""
 
     kernel = "fp32"
+    rows_independent = False  # the GEMM's blocking, so its rounding, can follow the row count
 
     def __init__(self, weight: torch.Tensor):
         self.weight = weight.detach().float().contiguous()

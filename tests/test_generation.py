@@ -70,9 +70,10 @@ def test_min_steps_forbid_end_of_speech():
     assert not torch.isinf(shape_logits([sequence], logits)[0, :, 625]).any()
 
 
-def test_heads_give_each_row_the_same_logits_whatever_the_batch():
+@pytest.mark.parametrize("quantization", ["none", "int8"])
+def test_heads_give_each_row_the_same_logits_whatever_the_batch(quantization):
     torch.manual_seed(3)
-    heads = Heads(_FakeEmbed(hidden=64), rows=8)
+    heads = Heads(_FakeEmbed(hidden=64), rows=8, quantization=quantization)
     hiddens = torch.randn(8, 64)
     together = heads.logits(hiddens, "code")
     for row in range(8):
