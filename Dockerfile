@@ -22,7 +22,14 @@ RUN grep -E '^(torch|torchaudio)==' requirements.txt > torch-requirements.txt \
  && /opt/venv/bin/pip install --index-url "${TORCH_INDEX_URL}" -r torch-requirements.txt \
  && /opt/venv/bin/pip install -r requirements.txt \
  && find /opt/venv -name '__pycache__' -prune -exec rm -rf {} +
+# g++ builds the decode-attention kernel here only; the runtime image carries the library
+# hadolint ignore=DL3008
+RUN apt-get update \
+ && apt-get install -y --no-install-recommends g++ \
+ && rm -rf /var/lib/apt/lists/*
 COPY chattts_service ./chattts_service
+ENV CHATTTS_KERNEL_DIR=/opt/chattts-kernels
+RUN /opt/venv/bin/python -m chattts_service.attention
 RUN mkdir -p /models/chattts \
  && if [ "${DOWNLOAD_MODEL}" = "1" ]; then \
         HF_ENDPOINT="${HF_ENDPOINT}" \
@@ -39,6 +46,7 @@ RUN apt-get update \
  && useradd --system --uid 10001 --gid 10001 --create-home --home-dir /home/chattts chattts \
  && mkdir -p /voices && chown 10001:10001 /voices
 COPY --from=build /opt/venv /opt/venv
+COPY --from=build /opt/chattts-kernels /opt/chattts-kernels
 COPY --from=build --chown=10001:10001 /models /models
 WORKDIR /app
 COPY chattts_service ./chattts_service
@@ -49,6 +57,7 @@ ENV PATH=/opt/venv/bin:$PATH \
     PYTHONDONTWRITEBYTECODE=1 \
     NUMBA_CACHE_DIR=/tmp/numba_cache \
     HF_HUB_DISABLE_TELEMETRY=1 \
+    CHATTTS_KERNEL_DIR=/opt/chattts-kernels \
     CHATTTS_MODEL_DIR=/models/chattts \
     CHATTTS_VOICES_DIR=/voices \
     CHATTTS_PORT=8090

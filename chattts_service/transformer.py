@@ -3,7 +3,9 @@
 Weights are taken once from the loaded transformers ``LlamaModel`` (which is then released):
 q/k/v fused into one matrix and gate/up into another, so a layer costs four matrix products.
 Each sequence has its own KV cache with its own positions, so sequences of any lengths share a
-step without padding, and attention reads a view of each cache, never a gathered copy.
+step without padding, and attention reads each cache in place, never a gathered copy: in a decode
+step through the kernel of ``attention.py`` (one call per layer for all rows), or else torch's
+``scaled_dot_product_attention`` once per row.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import math
 import torch
 import torch.nn.functional as F
 
+from . import attention as decode_attention
 from .quantize import make_linear
 
 CAPACITY_CHUNK = 256
@@ -95,7 +98,7 @@ def rounded_positions(positions: int) -> int:
 
 
 class Transformer:
-    def __init__(self, llama_model, quantization: str = "int8"):
+    def __init__(self, llama_model, quantization: str = "int8", attention: str = "auto"):
         config = llama_model.config
         self.hidden_size = config.hidden_size
         self.heads = config.num_attention_heads
@@ -109,6 +112,9 @@ class Transformer:
             cos, sin = llama_model.rotary_emb(torch.zeros(1, dtype=torch.float32), positions)
         self.cos, self.sin = cos[0].float().contiguous(), sin[0].float().contiguous()  # [P, dim]
         self.max_positions = config.max_position_embeddings
+        self.scale = 1.0 / math.sqrt(self.head_dim)  # scaled_dot_product_attention's default
+        self.kernel = decode_attention.load(attention)
+        self.attention = "kernel" if self.kernel is not None else "sdpa"
 
     def new_cache(self, reserve: int = 0) -> KVCache:
         return KVCache(len(self.layers), self.heads, self.head_dim, reserve)
@@ -151,6 +157,19 @@ class Transformer:
             x = self._finish(layer, x, attended)
         return self.norm(x[0, -1])
 
+    def _attend_per_row(self, index: int, q, k, v, caches, lengths, attended) -> None:
+        k_rows, v_rows = k[:, :, 0].unbind(0), v[:, :, 0].unbind(0)
+        # Attention runs per row over exactly that row's positions: the CPU kernels'
+        # summation order depends on the key count, so padding a row to its neighbours'
+        # length would change its result in the last bits, and a request's audio would
+        # depend on its batch.
+        for row, (cache, length) in enumerate(zip(caches, lengths)):
+            keys, values = cache.layer_keys[index], cache.layer_values[index]
+            keys[:, length] = k_rows[row]
+            values[:, length] = v_rows[row]
+            attended[row] = F.scaled_dot_product_attention(
+                q[row], keys[:, : length + 1], values[:, : length + 1])
+
     @torch.inference_mode()
     def step(self, embeddings: torch.Tensor, caches: list[KVCache],
              lengths: list[int]) -> torch.Tensor:
@@ -169,18 +188,13 @@ class Transformer:
         sin = self.sin[positions][:, None, None]
         x = embeddings.float()[:, None]
         attended = torch.empty(rows, self.heads, 1, self.head_dim)
+        step_rows = decode_attention.StepRows(caches, lengths) if self.kernel else None
         for index, layer in enumerate(self.layers):
             q, k, v = self._project(layer, x, cos, sin)
-            k_rows, v_rows = k[:, :, 0].unbind(0), v[:, :, 0].unbind(0)
-            # Attention runs per row over exactly that row's positions: the CPU kernels'
-            # summation order depends on the key count, so padding a row to its neighbours'
-            # length would change its result in the last bits, and a request's audio would
-            # depend on its batch.
-            for row, (cache, length) in enumerate(zip(caches, lengths)):
-                keys, values = cache.layer_keys[index], cache.layer_values[index]
-                keys[:, length] = k_rows[row]
-                values[:, length] = v_rows[row]
-                attended[row] = F.scaled_dot_product_attention(
-                    q[row], keys[:, : length + 1], values[:, : length + 1])
+            if step_rows is not None:
+                self.kernel(index, q[:, :, 0], k[:, :, 0], v[:, :, 0], step_rows, attended,
+                            self.scale)
+            else:
+                self._attend_per_row(index, q, k, v, caches, lengths, attended)
             x = self._finish(layer, x, attended)
         return self.norm(x[:, 0])

@@ -144,7 +144,7 @@ def test_fp32_mode_runs_and_is_deterministic(tiny_model_dir):
                                     decoder_dtype="fp32"))
     fp32.load()
     try:
-        assert fp32.gpt_linear_bytes > 0 and fp32.identity.endswith("gpt-none/decoder-fp32")
+        assert fp32.gpt_linear_bytes > 0 and "/gpt-none/decoder-fp32/" in fp32.identity
         first = fp32.synthesize(SynthesisRequest("精度测试", 5))
         again = fp32.synthesize(SynthesisRequest("精度测试", 5))
         assert first.steps >= 1 and np.array_equal(first.audio, again.audio)

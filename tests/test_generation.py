@@ -80,8 +80,9 @@ def test_heads_give_each_row_the_same_logits_whatever_the_batch(quantization):
         assert torch.equal(heads.logits(hiddens[row:row + 1], "code")[0], together[row])
 
 
+@pytest.mark.parametrize("attention", ["kernel", "sdpa"])
 @pytest.mark.parametrize("quantization", ["none", "int8"])
-def test_lean_transformer_matches_transformers_llama(tiny_model_dir, quantization):
+def test_lean_transformer_matches_transformers_llama(tiny_model_dir, quantization, attention):
     llama = LlamaModel.from_pretrained(str(tiny_model_dir / "asset/gpt"))
     torch.manual_seed(0)
     hidden = llama.config.hidden_size
@@ -89,7 +90,7 @@ def test_lean_transformer_matches_transformers_llama(tiny_model_dir, quantizatio
     with torch.no_grad():
         reference = llama(inputs_embeds=torch.cat([prompt, steps])[None],
                           use_cache=False).last_hidden_state[0]
-    lean = Transformer(llama, quantization)
+    lean = Transformer(llama, quantization, attention)
     cache = lean.new_cache()
     outputs = [lean.prefill(prompt, cache)]
     for index in range(4):
@@ -100,11 +101,12 @@ def test_lean_transformer_matches_transformers_llama(tiny_model_dir, quantizatio
         assert error < tolerance, (position, float(error))
 
 
-def test_int8_rows_are_exactly_independent_of_their_batch(tiny_model_dir):
+@pytest.mark.parametrize("attention", ["kernel", "sdpa"])
+def test_int8_rows_are_exactly_independent_of_their_batch(tiny_model_dir, attention):
     llama = LlamaModel.from_pretrained(str(tiny_model_dir / "asset/gpt"))
     torch.manual_seed(1)
     hidden = llama.config.hidden_size
-    model = Transformer(llama, "int8")
+    model = Transformer(llama, "int8", attention)
     prompt = torch.randn(9, hidden)
     caches = [model.new_cache() for _ in range(4)]
     model.prefill(prompt, caches[0])

@@ -1,0 +1,107 @@
+"""The decode-step attention kernel against torch's attention, row by row."""
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from chattts_service import attention
+from chattts_service.transformer import KVCache
+
+HEADS, DIM, LAYERS = 4, 64, 3
+
+
+@pytest.fixture(scope="module")
+def kernel():
+    # the test environment has a compiler: the kernel must build and load here, not fall back
+    return attention.load("kernel")
+
+
+def _caches(lengths, seed=0):
+    generator = torch.Generator().manual_seed(seed)
+    caches = []
+    with torch.inference_mode():
+        for length in lengths:
+            cache = KVCache(LAYERS, HEADS, DIM, reserve=length + 1)
+            cache.keys[:, :, :length] = torch.randn(LAYERS, HEADS, length, DIM,
+                                                    generator=generator)
+            cache.values[:, :, :length] = torch.randn(LAYERS, HEADS, length, DIM,
+                                                      generator=generator) * 3
+            caches.append(cache)
+    return caches
+
+
+def _step(kernel, caches, lengths, q, k, v, layer=1):
+    out = torch.empty(len(caches), HEADS, 1, DIM)
+    with torch.inference_mode():
+        kernel(layer, q, k, v, attention.StepRows(caches, lengths), out, 1 / math.sqrt(DIM))
+    return out[:, :, 0]
+
+
+def test_kernel_matches_torch_attention_and_writes_the_new_position(kernel):
+    lengths = [0, 1, 37, 300]
+    caches = _caches(lengths)
+    q, k, v = (torch.randn(4, HEADS, DIM) for _ in range(3))
+    out = _step(kernel, caches, lengths, q, k, v)
+    for row, (cache, length) in enumerate(zip(caches, lengths)):
+        assert torch.equal(cache.keys[1, :, length], k[row])
+        assert torch.equal(cache.values[1, :, length], v[row])
+        expected = F.scaled_dot_product_attention(
+            q[row][:, None], cache.keys[1, :, :length + 1], cache.values[1, :, :length + 1])
+        torch.testing.assert_close(out[row], expected[:, 0], rtol=1e-5, atol=1e-5)
+    # a sequence's first token attends only to itself
+    assert torch.allclose(out[0], v[0])
+
+
+def test_a_row_is_bit_identical_alone_and_in_any_batch(kernel):
+    lengths = [90, 5, 400, 90]
+    q, k, v = (torch.randn(4, HEADS, DIM) for _ in range(3))
+    together = _step(kernel, _caches(lengths), lengths, q, k, v)
+    for row in range(4):
+        alone = _step(kernel, _caches(lengths)[row:row + 1], lengths[row:row + 1],
+                      q[row:row + 1], k[row:row + 1], v[row:row + 1])
+        assert torch.equal(alone[0], together[row]), row
+
+
+def test_rows_may_be_strided_views(kernel):
+    """q, k and v arrive as views into the projection's output, rows further apart."""
+    lengths = [20, 21]
+    wide = torch.randn(2, 3, HEADS, DIM)
+    q, k, v = wide[:, 0], wide[:, 1], wide[:, 2]
+    strided = _step(kernel, _caches(lengths), lengths, q, k, v)
+    packed = _step(kernel, _caches(lengths), lengths, q.contiguous(), k.contiguous(),
+                   v.contiguous())
+    assert torch.equal(strided, packed)
+
+
+def test_bad_arguments_are_refused(kernel):
+    caches = _caches([4])
+    q = torch.randn(1, HEADS, DIM)
+    with pytest.raises(ValueError, match="cache is full"):
+        _step(kernel, caches, [caches[0].capacity], q, q, q)
+    with pytest.raises(ValueError, match="contiguous rows"):
+        _step(kernel, caches, [4], q.transpose(1, 2).contiguous().transpose(1, 2), q, q)
+    with pytest.raises(ValueError, match="attention must be one of"):
+        attention.load("flash")
+    assert attention.load("sdpa") is None
+
+
+def test_build_names_the_library_by_its_source_and_flags(tmp_path, monkeypatch):
+    monkeypatch.setenv("CHATTTS_KERNEL_DIR", str(tmp_path))
+    path = attention.library_path()
+    assert path.parent == tmp_path and not path.exists()
+    assert attention.load("auto") is not None  # built on first use
+    assert path.exists()
+    monkeypatch.setattr(attention, "FLAGS", attention.FLAGS + ("-DUNUSED",))
+    assert attention.library_path() != path
+
+
+def test_auto_falls_back_to_torch_when_the_kernel_cannot_be_had(tmp_path, monkeypatch, caplog):
+    monkeypatch.setenv("CHATTTS_KERNEL_DIR", str(tmp_path))
+    monkeypatch.setenv("CXX", "no-such-compiler")
+    with caplog.at_level("WARNING"):
+        assert attention.load("auto") is None
+    assert "no C++ compiler" in caplog.text
+    with pytest.raises(RuntimeError, match="attention kernel is unavailable"):
+        attention.load("kernel")
