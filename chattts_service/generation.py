@@ -167,14 +167,17 @@ def shape_logits(sequences: list[Sequence], logits: torch.Tensor) -> torch.Tenso
 
     # repetition penalty (ChatTTS's CustomRepetitionPenaltyLogitsProcessorRepeat)
     windows = torch.stack([s.window(vocabulary) for s in sequences])  # [rows, width, 16]
-    frequency = F.one_hot(windows, vocabulary + 1).sum(2)[..., :vocabulary]
-    alpha = torch.pow(penalty, frequency)
+    frequency = torch.zeros(rows, width, vocabulary + 1, dtype=torch.long).scatter_add_(
+        2, windows, torch.ones(windows.shape, dtype=torch.long))[..., :vocabulary]
+    # penalty ** frequency, looked up from the 17 possible powers (a window holds 16 tokens)
+    powers = torch.pow(penalty, torch.arange(REPETITION_WINDOW + 1, dtype=torch.float32))
+    alpha = powers.expand(rows, width, -1).gather(-1, frequency)
     logits = torch.where(logits < 0, logits * alpha, logits / alpha)
 
     # top-p (transformers' TopPLogitsWarper): drop the low tail holding <= 1 - top_p.
     # NumPy's row-wise argsort is ~6x faster than torch.sort on these small rows here.
     order = torch.from_numpy(np.argsort(logits.numpy(), axis=-1))
-    ascending = torch.take_along_dim(logits, order, dim=-1)
+    ascending = logits.gather(-1, order)
     cumulative = ascending.softmax(dim=-1).cumsum(dim=-1)
     drop_sorted = cumulative <= keep_below
     drop_sorted[..., -MIN_TOKENS_TO_KEEP:] = False
@@ -194,12 +197,22 @@ def shape_logits(sequences: list[Sequence], logits: torch.Tensor) -> torch.Tenso
 
 
 def sample(sequences: list[Sequence], logits: torch.Tensor) -> torch.Tensor:
-    """Draw each row's tokens [rows, width] from its own generator."""
+    """Draw each row's tokens [rows, width] from its own generator.
+
+    Inverse-CDF sampling: one uniform number per codebook from the row's generator, looked up
+    in the cumulative probabilities. The same distribution as ``torch.multinomial``, which
+    draws an exponential number per vocabulary entry instead (2,504 per row for speech codes,
+    ~60 us a row here against ~8 us)."""
     probabilities = F.softmax(shape_logits(sequences, logits), dim=-1)
-    return torch.stack([
-        torch.multinomial(probabilities[row], 1, generator=sequence.generator)[:, 0]
-        for row, sequence in enumerate(sequences)
-    ])
+    cumulative = probabilities.cumsum(dim=-1)  # [rows, width, vocab]
+    total = cumulative[..., -1:]
+    uniform = torch.stack([torch.rand(sequence.width, generator=sequence.generator)
+                           for sequence in sequences])[..., None]
+    # strictly below the total, so the search never runs past the last token with mass
+    target = torch.minimum(uniform * total, total * (1 - 2**-23))
+    # the first entry whose cumulative probability exceeds the target: entries with zero
+    # probability add nothing to the sum and can never be that entry
+    return torch.searchsorted(cumulative, target, right=True)[..., 0]
 
 
 class Batch:

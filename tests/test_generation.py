@@ -6,7 +6,7 @@ from ChatTTS.model.processors import gen_logits
 from transformers import LlamaModel
 
 from chattts_service.generation import (CODE_SAMPLING, TEXT_SAMPLING, Heads, Sampling, Sequence,
-                                        TextSequence, shape_logits)
+                                        TextSequence, sample, shape_logits)
 from chattts_service.transformer import Transformer
 
 
@@ -118,3 +118,23 @@ def test_int8_rows_are_exactly_independent_of_their_batch(tiny_model_dir, attent
     theirs = model.step(torch.stack([step, torch.randn(hidden), torch.randn(hidden)]),
                         caches[1:], [9, 30, 2])[0]
     assert torch.equal(mine, theirs)
+
+
+def test_sampling_follows_the_distribution_and_never_draws_a_masked_token():
+    heads = Heads(_FakeEmbed(), rows=1)
+    sampling = Sampling(temperature=1.0, top_p=1.0, top_k=626, repetition_penalty=1.0)
+    sequence = Sequence(torch.zeros(3, 8), heads, sampling, seed=5, max_steps=8,
+                        min_steps=0, eos_token=625)
+    logits = torch.full((1, 4 * 626), -torch.inf)
+    chosen = torch.tensor([3, 10, 11, 624])
+    wanted = torch.tensor([0.1, 0.2, 0.3, 0.4])
+    logits.view(4, 626)[:, chosen] = wanted.log()
+    draws = torch.stack([sample([sequence], logits)[0] for _ in range(4000)])  # [4000, 4]
+    assert set(draws.unique().tolist()) <= set(chosen.tolist())
+    frequencies = torch.stack([(draws == token).float().mean() for token in chosen])
+    # 4 x 4000 draws: the standard error of each frequency is below 0.004
+    assert torch.allclose(frequencies, wanted, atol=0.02), frequencies
+    # the row's own generator decides: the same seed draws the same tokens
+    again = Sequence(torch.zeros(3, 8), heads, sampling, seed=5, max_steps=8, min_steps=0,
+                     eos_token=625)
+    assert torch.equal(sample([again], logits)[0], draws[0])
