@@ -22,14 +22,14 @@ RUN grep -E '^(torch|torchaudio)==' requirements.txt > torch-requirements.txt \
  && /opt/venv/bin/pip install --index-url "${TORCH_INDEX_URL}" -r torch-requirements.txt \
  && /opt/venv/bin/pip install -r requirements.txt \
  && find /opt/venv -name '__pycache__' -prune -exec rm -rf {} +
-# g++ builds the decode-attention kernel here only; the runtime image carries the library
+# g++ builds the decode loop's C++ kernels here only; the runtime image carries the library
 # hadolint ignore=DL3008
 RUN apt-get update \
  && apt-get install -y --no-install-recommends g++ \
  && rm -rf /var/lib/apt/lists/*
 COPY chattts_service ./chattts_service
 ENV CHATTTS_KERNEL_DIR=/opt/chattts-kernels
-RUN /opt/venv/bin/python -m chattts_service.attention
+RUN /opt/venv/bin/python -m chattts_service.kernels
 RUN mkdir -p /models/chattts \
  && if [ "${DOWNLOAD_MODEL}" = "1" ]; then \
         HF_ENDPOINT="${HF_ENDPOINT}" \

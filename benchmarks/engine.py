@@ -178,7 +178,7 @@ def phase_ours(model_dir: Path, steps: int, quantize: str, rounds: int) -> dict:
     return {
         "quantize": quantize,
         "decoder_dtype": engine.settings.resolved_decoder_dtype,
-        "attention": engine.attention,
+        "kernels": engine.kernels,
         "ready_seconds": ready_seconds,
         "load_seconds": engine.load_seconds,
         "rss_after_ready_mb": ready_rss["VmRSS"],
@@ -296,7 +296,7 @@ def report(data: dict) -> str:
     floor_ratio = one["ms_per_step"] / floor_ms if one["ms_per_step"] else float("nan")
     lines += [
         "",
-        f"ours: {ours['quantize']} GPT, {ours['attention']} attention, "
+        f"ours: {ours['quantize']} GPT, C++ kernels {ours['kernels']}, "
         f"{ours['decoder_dtype']} decoder",
         f"memory bandwidth {ours['bandwidth_gb_per_s']:.1f} GB/s; GPT linears "
         f"{ours['gpt_linear_mb']:.0f} MB ({ours['quantize']}) -> floor {floor_ms:.1f} ms/step; "

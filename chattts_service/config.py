@@ -82,9 +82,9 @@ class Settings:
         "MAX_STEPS_PER_CHAR", 25,
         "per-request step cap of 150 + this many steps per character (stops runaway speech)")
     quantize: str = _env_field("QUANTIZE", "int8", "GPT linear layers: int8 (per-row activation scales) or none (fp32)")
-    attention: str = _env_field(
-        "ATTENTION", "auto",
-        "decode-step attention: kernel (built-in C++), sdpa (torch), or auto (kernel if usable)")
+    kernels: str = _env_field(
+        "KERNELS", "auto",
+        "the built-in C++ kernels (decode attention, fused RMSNorm): on, off, or auto (if usable)")
     decoder_dtype: str = _env_field(
         "DECODER_DTYPE", "auto",
         "decoder precision: bf16, fp32, or auto (bf16 where the CPU has native bf16 dot products)")
@@ -173,8 +173,7 @@ class Settings:
             (1 <= self.max_new_tokens <= 4096, "CHATTTS_MAX_NEW_TOKENS must be between 1 and 4096"),
             (self.max_steps_per_char >= 1, "CHATTTS_MAX_STEPS_PER_CHAR must be at least 1"),
             (self.quantize in ("int8", "none"), "CHATTTS_QUANTIZE must be int8 or none"),
-            (self.attention in ("auto", "kernel", "sdpa"),
-             "CHATTTS_ATTENTION must be auto, kernel or sdpa"),
+            (self.kernels in ("auto", "on", "off"), "CHATTTS_KERNELS must be auto, on or off"),
             (self.decoder_dtype in ("auto", "bf16", "fp32"),
              "CHATTTS_DECODER_DTYPE must be auto, bf16 or fp32"),
             (1 <= self.max_batch <= 64, "CHATTTS_MAX_BATCH must be between 1 and 64"),

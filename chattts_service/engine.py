@@ -285,7 +285,7 @@ class Engine:
         self.model_name = "unloaded"
         self.load_seconds: float | None = None
         self.gpt_linear_bytes = 0
-        self.attention = "sdpa"  # until load() builds the transformer
+        self.kernels = "off"  # until load() builds the transformer
         self.sample_rate = SAMPLE_RATE
         self.context_steps = 0  # decoder + vocoder receptive field, in GPT steps per side
         self.voices: VoiceStore | None = None
@@ -335,9 +335,9 @@ class Engine:
                                  self.speaker_embedding)
         self.model_name = (architecture or {}).get("name", "chattts")
         self.load_seconds = time.perf_counter() - started
-        log.info("model %s loaded from %s in %.2fs (%s GPT linears, %.0f MB; %s attention; "
+        log.info("model %s loaded from %s in %.2fs (%s GPT linears, %.0f MB; C++ kernels %s; "
                  "%s decoder; %d torch threads)", self.model_name, model_dir, self.load_seconds,
-                 self.settings.quantize, self.gpt_linear_bytes / 1e6, self.attention,
+                 self.settings.quantize, self.gpt_linear_bytes / 1e6, self.kernels,
                  self.settings.resolved_decoder_dtype, self.settings.torch_threads)
 
     def _load_modules(self, paths: model_files.ModelPaths, architecture):
@@ -363,9 +363,9 @@ class Engine:
         config = chat.config = config_from_architecture(architecture)
 
         llama = LlamaModel.from_pretrained(str(paths.gpt))
-        transformer = Transformer(llama, settings.quantize, settings.attention)
+        transformer = Transformer(llama, settings.quantize, settings.kernels)
         self.gpt_linear_bytes = transformer.linear_bytes
-        self.attention = transformer.attention
+        self.kernels = "on" if transformer.kernels is not None else "off"
         del llama
         gc.collect()
 
@@ -553,7 +553,7 @@ class Engine:
     def identity(self) -> str:
         """Names everything that shapes the audio besides the request: model and precisions."""
         return (f"{self.model_name}/gpt-{self.settings.quantize}"
-                f"/decoder-{self.settings.resolved_decoder_dtype}/attention-{self.attention}")
+                f"/decoder-{self.settings.resolved_decoder_dtype}/kernels-{self.kernels}")
 
     def decode(self, hiddens, decoder_dtype: str | None = None) -> np.ndarray:
         """GPT hidden states [steps, hidden] -> waveform, via ChatTTS's decoder and vocoder.

@@ -82,9 +82,15 @@ class PackedInt8Linear:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         rows, row_max = _absmax_rows(x)
+        return self.on_unit_rows(rows / row_max, row_max, x.shape[:-1])
+
+    def on_unit_rows(self, unit: torch.Tensor, row_max: torch.Tensor,
+                     leading: tuple[int, ...]) -> torch.Tensor:
+        """The product for rows already divided by their largest magnitude ``row_max``
+        (as ``kernels.rms_norm_unit_rows`` gives them), shaped [*leading, out]."""
         out = torch.ops.quantized.linear_with_input_q_dq_qweight_dq_output_fp32(
-            rows / row_max, self.input_scale, self.input_zero_point, self.packed)
-        return out.mul_(row_max).reshape(*x.shape[:-1], self.out_features)
+            unit, self.input_scale, self.input_zero_point, self.packed)
+        return out.mul_(row_max).reshape(*leading, self.out_features)
 
 
 class MatmulInt8Linear:

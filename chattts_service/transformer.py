@@ -4,8 +4,9 @@ Weights are taken once from the loaded transformers ``LlamaModel`` (which is the
 q/k/v fused into one matrix and gate/up into another, so a layer costs four matrix products.
 Each sequence has its own KV cache with its own positions, so sequences of any lengths share a
 step without padding, and attention reads each cache in place, never a gathered copy: in a decode
-step through the kernel of ``attention.py`` (one call per layer for all rows), or else torch's
-``scaled_dot_product_attention`` once per row.
+step through the C++ kernel of ``kernels.py`` (one call per layer for all rows), or else torch's
+``scaled_dot_product_attention`` once per row. With the kernels, the RMSNorm before a projection
+is fused with the int8 kernel's per-row scaling.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from . import attention as decode_attention
+from . import kernels as cpp_kernels
 from .quantize import make_linear
 
 CAPACITY_CHUNK = 256
@@ -98,7 +99,7 @@ def rounded_positions(positions: int) -> int:
 
 
 class Transformer:
-    def __init__(self, llama_model, quantization: str = "int8", attention: str = "auto"):
+    def __init__(self, llama_model, quantization: str = "int8", kernels: str = "auto"):
         config = llama_model.config
         self.hidden_size = config.hidden_size
         self.heads = config.num_attention_heads
@@ -113,8 +114,7 @@ class Transformer:
         self.cos, self.sin = cos[0].float().contiguous(), sin[0].float().contiguous()  # [P, dim]
         self.max_positions = config.max_position_embeddings
         self.scale = 1.0 / math.sqrt(self.head_dim)  # scaled_dot_product_attention's default
-        self.kernel = decode_attention.load(attention)
-        self.attention = "kernel" if self.kernel is not None else "sdpa"
+        self.kernels = cpp_kernels.load(kernels)
 
     def new_cache(self, reserve: int = 0) -> KVCache:
         return KVCache(len(self.layers), self.heads, self.head_dim, reserve)
@@ -126,9 +126,17 @@ class Transformer:
     def linear_bytes(self) -> int:
         return sum(layer.linear_bytes for layer in self.layers)
 
+    def _normed(self, norm: RMSNorm, linear, x: torch.Tensor) -> torch.Tensor:
+        """``linear(norm(x))``, the norm fused into the int8 kernel's row scaling if possible."""
+        if self.kernels is not None and hasattr(linear, "on_unit_rows"):
+            unit, row_max = self.kernels.rms_norm_unit_rows(x, norm.weight, norm.eps)
+            return linear.on_unit_rows(unit, row_max, x.shape[:-1])
+        return linear(norm(x))
+
     def _project(self, layer: Layer, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
         rows, length, _ = x.shape
-        qkv = layer.qkv(layer.attention_norm(x)).view(rows, length, 3, self.heads, self.head_dim)
+        qkv = self._normed(layer.attention_norm, layer.qkv, x).view(
+            rows, length, 3, self.heads, self.head_dim)
         qkv = qkv.permute(2, 0, 3, 1, 4)  # [3, rows, heads, length, dim]
         qk = qkv[:2] * cos + _rotate_half(qkv[:2]) * sin  # q and k rotated together
         return qk[0], qk[1], qkv[2]
@@ -136,7 +144,7 @@ class Transformer:
     def _finish(self, layer: Layer, x: torch.Tensor, attended: torch.Tensor) -> torch.Tensor:
         rows, _, length, _ = attended.shape
         x = x + layer.out(attended.transpose(1, 2).reshape(rows, length, self.hidden_size))
-        gate, up = layer.gate_up(layer.mlp_norm(x)).chunk(2, dim=-1)
+        gate, up = self._normed(layer.mlp_norm, layer.gate_up, x).chunk(2, dim=-1)
         return x + layer.down(F.silu(gate) * up)
 
     @torch.inference_mode()
@@ -188,12 +196,12 @@ class Transformer:
         sin = self.sin[positions][:, None, None]
         x = embeddings.float()[:, None]
         attended = torch.empty(rows, self.heads, 1, self.head_dim)
-        step_rows = decode_attention.StepRows(caches, lengths) if self.kernel else None
+        step_rows = cpp_kernels.StepRows(caches, lengths) if self.kernels else None
         for index, layer in enumerate(self.layers):
             q, k, v = self._project(layer, x, cos, sin)
             if step_rows is not None:
-                self.kernel(index, q[:, :, 0], k[:, :, 0], v[:, :, 0], step_rows, attended,
-                            self.scale)
+                self.kernels.attention(index, q[:, :, 0], k[:, :, 0], v[:, :, 0], step_rows,
+                                       attended, self.scale)
             else:
                 self._attend_per_row(index, q, k, v, caches, lengths, attended)
             x = self._finish(layer, x, attended)

@@ -80,9 +80,9 @@ def test_heads_give_each_row_the_same_logits_whatever_the_batch(quantization):
         assert torch.equal(heads.logits(hiddens[row:row + 1], "code")[0], together[row])
 
 
-@pytest.mark.parametrize("attention", ["kernel", "sdpa"])
+@pytest.mark.parametrize("kernels", ["on", "off"])
 @pytest.mark.parametrize("quantization", ["none", "int8"])
-def test_lean_transformer_matches_transformers_llama(tiny_model_dir, quantization, attention):
+def test_lean_transformer_matches_transformers_llama(tiny_model_dir, quantization, kernels):
     llama = LlamaModel.from_pretrained(str(tiny_model_dir / "asset/gpt"))
     torch.manual_seed(0)
     hidden = llama.config.hidden_size
@@ -90,7 +90,7 @@ def test_lean_transformer_matches_transformers_llama(tiny_model_dir, quantizatio
     with torch.no_grad():
         reference = llama(inputs_embeds=torch.cat([prompt, steps])[None],
                           use_cache=False).last_hidden_state[0]
-    lean = Transformer(llama, quantization, attention)
+    lean = Transformer(llama, quantization, kernels)
     cache = lean.new_cache()
     outputs = [lean.prefill(prompt, cache)]
     for index in range(4):
@@ -101,12 +101,12 @@ def test_lean_transformer_matches_transformers_llama(tiny_model_dir, quantizatio
         assert error < tolerance, (position, float(error))
 
 
-@pytest.mark.parametrize("attention", ["kernel", "sdpa"])
-def test_int8_rows_are_exactly_independent_of_their_batch(tiny_model_dir, attention):
+@pytest.mark.parametrize("kernels", ["on", "off"])
+def test_int8_rows_are_exactly_independent_of_their_batch(tiny_model_dir, kernels):
     llama = LlamaModel.from_pretrained(str(tiny_model_dir / "asset/gpt"))
     torch.manual_seed(1)
     hidden = llama.config.hidden_size
-    model = Transformer(llama, "int8", attention)
+    model = Transformer(llama, "int8", kernels)
     prompt = torch.randn(9, hidden)
     caches = [model.new_cache() for _ in range(4)]
     model.prefill(prompt, caches[0])

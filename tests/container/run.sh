@@ -201,8 +201,8 @@ want_cpuset=$(grep -E '^\s+cpuset:' "$WORK/compose.merged.yml" | awk '{print $2}
 inside 'grep -q " /tmp/numba_cache tmpfs " /proc/mounts' || fail "no tmpfs at /tmp/numba_cache"
 inside 'test "$NUMBA_CACHE_DIR" = /tmp/numba_cache' || fail "NUMBA_CACHE_DIR is not the tmpfs"
 podman healthcheck run "$CONTAINER" >/dev/null || fail "the image's HEALTHCHECK fails"
-podman logs "$CONTAINER" 2>&1 | grep -q "kernel attention" \
-    || fail "the server does not use the image's prebuilt attention kernel"
+podman logs "$CONTAINER" 2>&1 | grep -q "C++ kernels on" \
+    || fail "the server does not use the image's prebuilt C++ kernels"
 inside 'for tool in gcc cc g++ make; do command -v "$tool" && exit 1; done; exit 0' \
     || fail "the runtime image carries a compiler"
 inside 'test ! -d /root/.cache/pip && test ! -d /home/chattts/.cache/pip && test -z "$(ls /var/lib/apt/lists 2>/dev/null | grep -v -e lock -e partial)"' \

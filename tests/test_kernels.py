@@ -1,4 +1,4 @@
-"""The decode-step attention kernel against torch's attention, row by row."""
+"""The C++ kernels against torch's operators, row by row."""
 
 import math
 
@@ -6,7 +6,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from chattts_service import attention
+from chattts_service import kernels as cpp_kernels
+from chattts_service.quantize import PackedInt8Linear, fbgemm_available
 from chattts_service.transformer import KVCache
 
 HEADS, DIM, LAYERS = 4, 64, 3
@@ -14,8 +15,8 @@ HEADS, DIM, LAYERS = 4, 64, 3
 
 @pytest.fixture(scope="module")
 def kernel():
-    # the test environment has a compiler: the kernel must build and load here, not fall back
-    return attention.load("kernel")
+    # the test environment has a compiler: the kernels must build and load here, not fall back
+    return cpp_kernels.load("on")
 
 
 def _caches(lengths, seed=0):
@@ -35,7 +36,8 @@ def _caches(lengths, seed=0):
 def _step(kernel, caches, lengths, q, k, v, layer=1):
     out = torch.empty(len(caches), HEADS, 1, DIM)
     with torch.inference_mode():
-        kernel(layer, q, k, v, attention.StepRows(caches, lengths), out, 1 / math.sqrt(DIM))
+        kernel.attention(layer, q, k, v, cpp_kernels.StepRows(caches, lengths), out,
+                         1 / math.sqrt(DIM))
     return out[:, :, 0]
 
 
@@ -82,26 +84,57 @@ def test_bad_arguments_are_refused(kernel):
         _step(kernel, caches, [caches[0].capacity], q, q, q)
     with pytest.raises(ValueError, match="contiguous rows"):
         _step(kernel, caches, [4], q.transpose(1, 2).contiguous().transpose(1, 2), q, q)
-    with pytest.raises(ValueError, match="attention must be one of"):
-        attention.load("flash")
-    assert attention.load("sdpa") is None
+    with pytest.raises(ValueError, match="kernels must be one of"):
+        cpp_kernels.load("flash")
+    assert cpp_kernels.load("off") is None
 
 
 def test_build_names_the_library_by_its_source_and_flags(tmp_path, monkeypatch):
     monkeypatch.setenv("CHATTTS_KERNEL_DIR", str(tmp_path))
-    path = attention.library_path()
+    path = cpp_kernels.library_path()
     assert path.parent == tmp_path and not path.exists()
-    assert attention.load("auto") is not None  # built on first use
+    assert cpp_kernels.load("auto") is not None  # built on first use
     assert path.exists()
-    monkeypatch.setattr(attention, "FLAGS", attention.FLAGS + ("-DUNUSED",))
-    assert attention.library_path() != path
+    monkeypatch.setattr(cpp_kernels, "FLAGS", cpp_kernels.FLAGS + ("-DUNUSED",))
+    assert cpp_kernels.library_path() != path
 
 
 def test_auto_falls_back_to_torch_when_the_kernel_cannot_be_had(tmp_path, monkeypatch, caplog):
     monkeypatch.setenv("CHATTTS_KERNEL_DIR", str(tmp_path))
     monkeypatch.setenv("CXX", "no-such-compiler")
     with caplog.at_level("WARNING"):
-        assert attention.load("auto") is None
+        assert cpp_kernels.load("auto") is None
     assert "no C++ compiler" in caplog.text
-    with pytest.raises(RuntimeError, match="attention kernel is unavailable"):
-        attention.load("kernel")
+    with pytest.raises(RuntimeError, match="C\\+\\+ kernels are unavailable"):
+        cpp_kernels.load("on")
+
+
+def test_fused_rms_norm_matches_torch_and_lies_within_unit_range(kernel):
+    torch.manual_seed(4)
+    x = torch.randn(5, 1, 96) * torch.logspace(-3, 3, 5)[:, None, None]
+    gain = torch.rand(96) + 0.5
+    unit, row_max = kernel.rms_norm_unit_rows(x, gain, 1e-5)
+    normed = F.rms_norm(x, (96,), gain, 1e-5).reshape(5, 96)
+    torch.testing.assert_close(unit * row_max, normed, rtol=1e-5, atol=1e-6)
+    assert torch.equal(unit.abs().amax(dim=1), torch.ones(5))  # the largest is exactly +-1
+    # each row alone gives the same bits
+    for row in range(5):
+        alone, alone_max = kernel.rms_norm_unit_rows(x[row], gain, 1e-5)
+        assert torch.equal(alone[0], unit[row]) and torch.equal(alone_max[0], row_max[row])
+    with pytest.raises(ValueError, match="gain must be"):
+        kernel.rms_norm_unit_rows(x, gain[:10], 1e-5)
+
+
+@pytest.mark.skipif(not fbgemm_available(), reason="fbgemm is not built into this torch")
+def test_fused_norm_then_int8_equals_norm_then_int8(kernel):
+    torch.manual_seed(5)
+    weight = torch.randn(64, 96) * 0.05
+    linear = PackedInt8Linear(weight)
+    x = torch.randn(3, 2, 96)
+    gain = torch.rand(96) + 0.5
+    unit, row_max = kernel.rms_norm_unit_rows(x, gain, 1e-5)
+    fused = linear.on_unit_rows(unit, row_max, x.shape[:-1])
+    reference = F.linear(F.rms_norm(x, (96,), gain, 1e-5), weight)
+    assert fused.shape == (3, 2, 64)
+    error = (fused - reference).norm() / reference.norm()
+    assert float(error) < 0.03

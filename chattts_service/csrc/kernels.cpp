@@ -1,6 +1,7 @@
-// Attention for one decode step: every sequence adds one token and attends over its own
-// keys and values. Called once per layer for all sequences of a batch.
+// The decode loop's fused kernels: plain C++ with OpenMP, called through ctypes.
 //
+// chatts_decode_attention: attention for one decode step. Every sequence adds one token and
+// attends over its own keys and values; one call per layer for all sequences of a batch.
 // Each (sequence, head) pair is computed start to finish by one thread, in a fixed order
 // that depends only on that sequence's own length, so a sequence's result is the same
 // whatever else shares its batch and however the threads split the work.
@@ -8,6 +9,7 @@
 // Layout: each sequence has its own cache, [layers, heads, capacity, dim] floats for keys and
 // another for values. q, k_new, v_new: per sequence, heads * dim contiguous floats, rows
 // `*_row_stride` floats apart. out: [rows, heads * dim].
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <vector>
@@ -94,4 +96,30 @@ extern "C" int chatts_decode_attention(
         }
     }
     return 0;
+}
+
+// chatts_rms_norm_unit_rows: LlamaRMSNorm (x / rms(x) * gain) of each row, then the row divided
+// by its largest magnitude, ready for the int8 kernel's fixed activation scale; `row_max`
+// receives that magnitude, by which the int8 product is multiplied back. One pass over the
+// row instead of the dozen operators of torch's rms_norm, absolute maximum and division.
+extern "C" void chatts_rms_norm_unit_rows(
+    int64_t rows, int64_t width, const float* x, int64_t x_row_stride, const float* gain,
+    float eps, float* out, float* row_max) {
+#pragma omp parallel for schedule(static) if (rows > 64)
+    for (int64_t row = 0; row < rows; ++row) {
+        const float* in = x + row * x_row_stride;
+        float* normed = out + row * width;
+        float squares = 0.0f;
+        for (int64_t i = 0; i < width; ++i) squares += in[i] * in[i];
+        const float inverse_rms = 1.0f / std::sqrt(squares / static_cast<float>(width) + eps);
+        float largest = 0.0f;
+        for (int64_t i = 0; i < width; ++i) {
+            normed[i] = in[i] * inverse_rms * gain[i];
+            const float magnitude = std::fabs(normed[i]);
+            largest = magnitude > largest ? magnitude : largest;
+        }
+        largest = largest > 1e-12f ? largest : 1e-12f;
+        for (int64_t i = 0; i < width; ++i) normed[i] = normed[i] / largest;
+        row_max[row] = largest;
+    }
 }
