@@ -157,12 +157,11 @@ def shape_logits(sequences: list[Sequence], logits: torch.Tensor) -> torch.Tenso
     logits = logits.view(rows, width, -1)
     vocabulary = logits.shape[-1]
 
-    def per_row(values):
-        return torch.tensor(values, dtype=torch.float32).view(rows, 1, 1)
-
-    temperature = per_row([s.sampling.temperature for s in sequences])
-    penalty = per_row([s.sampling.repetition_penalty for s in sequences])
-    keep_below = per_row([1 - s.sampling.top_p for s in sequences])
+    # every row's parameters in one tensor: one conversion instead of one per parameter
+    parameters = torch.tensor([[s.sampling.temperature, s.sampling.repetition_penalty,
+                                1 - s.sampling.top_p] for s in sequences],
+                              dtype=torch.float32).view(rows, 3, 1, 1)
+    temperature, penalty, keep_below = parameters.unbind(1)  # [rows, 1, 1] each
     logits = logits / temperature
 
     # repetition penalty (ChatTTS's CustomRepetitionPenaltyLogitsProcessorRepeat)
@@ -190,9 +189,11 @@ def shape_logits(sequences: list[Sequence], logits: torch.Tensor) -> torch.Tenso
                          .view(rows, 1, 1).expand(rows, width, 1))
     logits = logits.masked_fill(logits < kth, -torch.inf)
 
-    for row, sequence in enumerate(sequences):
-        if sequence.steps < sequence.min_steps:
-            logits[row, :, sequence.eos_token] = -torch.inf
+    # no end of sequence before min_steps: one indexed write for all such rows
+    early = [(row, s.eos_token) for row, s in enumerate(sequences) if s.steps < s.min_steps]
+    if early:
+        early_rows, early_tokens = torch.tensor(early).T
+        logits[early_rows[:, None], torch.arange(width), early_tokens[:, None]] = -torch.inf
     return logits
 
 
