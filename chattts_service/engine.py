@@ -373,7 +373,7 @@ class Engine:
                       config.embed.num_text_tokens, config.embed.num_vq)
         embed.load_state_dict(load_safetensors(str(paths.embed)), assign=True)
         self._heads = Heads(embed.eval().requires_grad_(False), rows=settings.max_batch,
-                            quantization=settings.quantize)
+                            quantization=settings.quantize, kernels=transformer.kernels)
         del embed.head_text, embed.head_code  # folded into Heads
         chat.embed = embed
 

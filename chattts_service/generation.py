@@ -53,7 +53,7 @@ class Heads:
     same logits in any batch by construction; the fp32 ones are always run on exactly ``rows``
     rows (zero-padded), because a CPU GEMM's rounding can change with the row count."""
 
-    def __init__(self, embed, rows: int, quantization: str = "none"):
+    def __init__(self, embed, rows: int, quantization: str = "none", kernels=None):
         with torch.no_grad():
             self.code_embeddings = torch.stack(
                 [table.weight.detach().float() for table in embed.emb_code])  # [4, 626, D]
@@ -61,8 +61,9 @@ class Heads:
             # weight_norm recomputes g * v / |v| on every call upstream; here it is done once
             self.code_head = make_linear(
                 torch.cat([head.weight.detach().float() for head in embed.head_code]),
-                quantization)
-            self.text_head = make_linear(embed.head_text.weight.detach().float(), quantization)
+                quantization, kernels)
+            self.text_head = make_linear(embed.head_text.weight.detach().float(), quantization,
+                                         kernels)
         self.num_audio_tokens = self.code_embeddings.shape[1]
         self.rows = rows
         self.hidden_size = self.code_head.in_features

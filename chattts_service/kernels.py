@@ -35,6 +35,7 @@ SOURCE = Path(__file__).parent / "csrc" / "kernels.cpp"
 FLAGS = ("-O3", "-mavx2", "-mfma", "-fopenmp", "-fno-math-errno", "-fassociative-math",
          "-fno-signed-zeros", "-fno-trapping-math", "-shared", "-fPIC")
 REQUIRED_CPU_FLAGS = ("avx2", "fma")
+VNNI_CPU_FLAGS = ("avx512f", "avx512bw", "avx512_vnni")
 MODES = ("auto", "on", "off")
 
 _pointer = ctypes.c_void_p
@@ -53,14 +54,14 @@ def library_path() -> Path:
     return kernel_dir() / f"kernels-{digest.hexdigest()[:16]}.so"
 
 
-def cpu_supports() -> bool:
+def cpu_supports(required: tuple[str, ...] = REQUIRED_CPU_FLAGS) -> bool:
     try:
         with open("/proc/cpuinfo", encoding="ascii", errors="replace") as cpuinfo:
             flags = next((line.split(":", 1)[1].split() for line in cpuinfo
                           if line.startswith("flags")), [])
     except OSError:
         return False
-    return all(flag in flags for flag in REQUIRED_CPU_FLAGS)
+    return all(flag in flags for flag in required)
 
 
 def build(path: Path | None = None) -> Path:
@@ -98,7 +99,19 @@ class Kernels:
         norm.argtypes = [_int64, _int64, _pointer, _int64, _pointer, ctypes.c_float,
                          _pointer, _pointer]
         self._norm = norm
+        quantize = self.library.chatts_quantize_rows
+        quantize.restype = None
+        quantize.argtypes = [_int64, _int64, _pointer, _int64, _pointer, ctypes.c_float,
+                             _pointer, _pointer]
+        self._quantize = quantize
+        gemm = self.library.chatts_int8_gemm
+        gemm.restype = ctypes.c_int
+        gemm.argtypes = [_int64, _int64, _int64, _pointer, _pointer, _pointer, _pointer,
+                         _pointer, _pointer, ctypes.c_int]
+        self._gemm = gemm
         self.path = path
+        # the int8 product needs AVX512-VNNI; without it the int8 layers stay on fbgemm
+        self.int8_gemm_supported = cpu_supports(VNNI_CPU_FLAGS)
 
     def attention(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                   rows: "StepRows", out: torch.Tensor, scale: float) -> None:
@@ -135,6 +148,41 @@ class Kernels:
         self._norm(count, width, rows.data_ptr(), rows.stride(0), gain.data_ptr(), eps,
                    out.data_ptr(), row_max.data_ptr())
         return out, row_max
+
+    def quantize_rows(self, x: torch.Tensor, gain: torch.Tensor | None = None,
+                      eps: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rows of ``x`` [..., width] (RMSNorm-ed first with ``gain``) as u8 for ``int8_gemm``:
+        round(127 * row / max|row|) + 128, and that max [count, 1]."""
+        width = x.shape[-1]
+        rows = x.reshape(-1, width)
+        if rows.dtype != torch.float32 or rows.stride(-1) != 1:
+            rows = rows.float().contiguous()
+        if gain is not None and (gain.dtype != torch.float32 or not gain.is_contiguous()
+                                 or gain.numel() != width):
+            raise ValueError("gain must be a contiguous float32 vector as wide as the rows")
+        count = rows.shape[0]
+        out, row_max = torch.empty(count, width, dtype=torch.uint8), torch.empty(count, 1)
+        self._quantize(count, width, rows.data_ptr(), rows.stride(0),
+                       None if gain is None else gain.data_ptr(), eps, out.data_ptr(),
+                       row_max.data_ptr())
+        return out, row_max
+
+    def int8_gemm(self, xq: torch.Tensor, row_max: torch.Tensor, packed: torch.Tensor,
+                  column_sums: torch.Tensor, weight_scale: torch.Tensor) -> torch.Tensor:
+        """[rows, n] float32 from ``quantize_rows`` output and weights packed as
+        ``quantize.VnniInt8Linear`` packs them."""
+        count, k = xq.shape
+        n = weight_scale.numel()
+        if not (xq.is_contiguous() and row_max.is_contiguous() and packed.is_contiguous()):
+            raise ValueError("int8_gemm takes contiguous tensors")
+        out = torch.empty(count, n)
+        status = self._gemm(count, n, k, xq.data_ptr(), packed.data_ptr(),
+                            column_sums.data_ptr(), weight_scale.data_ptr(), row_max.data_ptr(),
+                            out.data_ptr(), torch.get_num_threads())
+        if status:
+            raise ValueError({1: "int8_gemm needs n % 16 == 0 and k % 4 == 0",
+                              2: "this CPU lacks AVX512-VNNI"}.get(status, f"error {status}"))
+        return out
 
 
 class StepRows:

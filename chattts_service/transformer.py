@@ -34,14 +34,14 @@ class RMSNorm:
 
 
 class Layer:
-    def __init__(self, hf_layer, quantization: str):
+    def __init__(self, hf_layer, quantization: str, kernels=None):
         attention, mlp = hf_layer.self_attn, hf_layer.mlp
         self.qkv = make_linear(torch.cat([attention.q_proj.weight, attention.k_proj.weight,
-                                          attention.v_proj.weight]), quantization)
-        self.out = make_linear(attention.o_proj.weight, quantization)
+                                          attention.v_proj.weight]), quantization, kernels)
+        self.out = make_linear(attention.o_proj.weight, quantization, kernels)
         self.gate_up = make_linear(torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]),
-                                   quantization)
-        self.down = make_linear(mlp.down_proj.weight, quantization)
+                                   quantization, kernels)
+        self.down = make_linear(mlp.down_proj.weight, quantization, kernels)
         self.attention_norm = RMSNorm(hf_layer.input_layernorm.weight,
                                       hf_layer.input_layernorm.variance_epsilon)
         self.mlp_norm = RMSNorm(hf_layer.post_attention_layernorm.weight,
@@ -106,7 +106,8 @@ class Transformer:
         self.head_dim = getattr(config, "head_dim", None) or self.hidden_size // self.heads
         if getattr(config, "num_key_value_heads", self.heads) != self.heads:
             raise ValueError("grouped-query attention is not used by ChatTTS and not supported")
-        self.layers = [Layer(layer, quantization) for layer in llama_model.layers]
+        self.kernels = cpp_kernels.load(kernels)
+        self.layers = [Layer(layer, quantization, self.kernels) for layer in llama_model.layers]
         self.norm = RMSNorm(llama_model.norm.weight, llama_model.norm.variance_epsilon)
         positions = torch.arange(config.max_position_embeddings)[None]
         with torch.no_grad():
@@ -114,7 +115,6 @@ class Transformer:
         self.cos, self.sin = cos[0].float().contiguous(), sin[0].float().contiguous()  # [P, dim]
         self.max_positions = config.max_position_embeddings
         self.scale = 1.0 / math.sqrt(self.head_dim)  # scaled_dot_product_attention's default
-        self.kernels = cpp_kernels.load(kernels)
 
     def new_cache(self, reserve: int = 0) -> KVCache:
         return KVCache(len(self.layers), self.heads, self.head_dim, reserve)
@@ -128,9 +128,8 @@ class Transformer:
 
     def _normed(self, norm: RMSNorm, linear, x: torch.Tensor) -> torch.Tensor:
         """``linear(norm(x))``, the norm fused into the int8 kernel's row scaling if possible."""
-        if self.kernels is not None and hasattr(linear, "on_unit_rows"):
-            unit, row_max = self.kernels.rms_norm_unit_rows(x, norm.weight, norm.eps)
-            return linear.on_unit_rows(unit, row_max, x.shape[:-1])
+        if self.kernels is not None and hasattr(linear, "normed"):
+            return linear.normed(x, norm.weight, norm.eps)
         return linear(norm(x))
 
     def _project(self, layer: Layer, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):

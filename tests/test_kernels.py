@@ -129,12 +129,29 @@ def test_fused_rms_norm_matches_torch_and_lies_within_unit_range(kernel):
 def test_fused_norm_then_int8_equals_norm_then_int8(kernel):
     torch.manual_seed(5)
     weight = torch.randn(64, 96) * 0.05
-    linear = PackedInt8Linear(weight)
-    x = torch.randn(3, 2, 96)
+    linear = PackedInt8Linear(weight, kernel)
     gain = torch.rand(96) + 0.5
-    unit, row_max = kernel.rms_norm_unit_rows(x, gain, 1e-5)
-    fused = linear.on_unit_rows(unit, row_max, x.shape[:-1])
-    reference = F.linear(F.rms_norm(x, (96,), gain, 1e-5), weight)
-    assert fused.shape == (3, 2, 64)
-    error = (fused - reference).norm() / reference.norm()
-    assert float(error) < 0.03
+    for x in (torch.randn(1, 1, 96), torch.randn(3, 2, 96)):  # VNNI (where present), fbgemm
+        fused = linear.normed(x, gain, 1e-5)
+        reference = F.linear(F.rms_norm(x, (96,), gain, 1e-5), weight)
+        assert fused.shape == (*x.shape[:-1], 64)
+        error = (fused - reference).norm() / reference.norm()
+        assert float(error) < 0.03
+
+
+def test_int8_gemm_sums_exactly(kernel):
+    if not kernel.int8_gemm_supported:
+        pytest.skip("this CPU lacks AVX512-VNNI")
+    from chattts_service.quantize import _quantized_tensor, _vnni_packing
+
+    torch.manual_seed(7)
+    weight = torch.randn(40, 64)  # 40 channels: the last block of 16 is padded
+    quantized = _quantized_tensor(weight)
+    x = torch.randn(11, 64)
+    xq, row_max = kernel.quantize_rows(x)
+    assert xq.dtype == torch.uint8 and int(xq.min()) >= 1
+    out = kernel.int8_gemm(xq, row_max, *_vnni_packing(quantized))[:, :40]
+    sums = (xq.long() - 128) @ quantized.int_repr().long().T
+    scale = quantized.q_per_channel_scales().float() / 127 * row_max
+    # the integers are exact: dividing the scales back out recovers them
+    assert torch.equal(torch.round(out / scale).long(), sums)

@@ -3,12 +3,26 @@
 import pytest
 import torch
 
+from chattts_service import kernels as cpp_kernels
 from chattts_service.quantize import (FloatLinear, MatmulInt8Linear, PackedInt8Linear,
                                       activation_levels, fbgemm_available, make_linear)
 
+needs_fbgemm = pytest.mark.skipif(not fbgemm_available(),
+                                  reason="fbgemm is not built into this torch")
+CPP = cpp_kernels.load("auto")
+needs_vnni = pytest.mark.skipif(CPP is None or not CPP.int8_gemm_supported,
+                                reason="this CPU lacks AVX512-VNNI")
+
+
+def _with_vnni(weight):
+    linear = PackedInt8Linear(weight, CPP)
+    assert linear.vnni is not None
+    return linear
+
+
 KERNELS = [MatmulInt8Linear,
-           pytest.param(PackedInt8Linear, marks=pytest.mark.skipif(
-               not fbgemm_available(), reason="fbgemm is not built into this torch"))]
+           pytest.param(PackedInt8Linear, marks=needs_fbgemm),
+           pytest.param(_with_vnni, marks=[needs_fbgemm, needs_vnni])]
 
 
 def _rows_of_every_loudness(rows: int, width: int) -> torch.Tensor:
@@ -58,6 +72,28 @@ def test_activation_levels_fit_the_cpus_multiplier():
     assert levels == (127 if vnni else 63)
     # without VNNI two u8*s8 products are added in int16: they must fit
     assert vnni or 2 * (2 * levels + 1) * 127 <= 32767
+
+
+@needs_fbgemm
+@needs_vnni
+@pytest.mark.parametrize("shape", [(2304, 768), (768, 3072), (2504, 768), (48, 64)])
+def test_vnni_and_fbgemm_products_give_the_same_bits(shape):
+    """One or two rows go through the VNNI product, more through fbgemm: a row's result must
+    not depend on which (so on its batch), plain or with the RMSNorm fused in."""
+    torch.manual_seed(6)
+    weight = torch.randn(*shape) * 0.02
+    fbgemm_only, mixed = PackedInt8Linear(weight), PackedInt8Linear(weight, CPP)
+    x = torch.randn(8, shape[1]) * torch.logspace(-2, 2, 8)[:, None]
+    gain = torch.rand(shape[1]) + 0.5
+    for rows in (1, 2, 3, 8):
+        assert torch.equal(mixed(x[:rows]), fbgemm_only(x[:rows])), rows
+        assert torch.equal(mixed(x[:rows]), mixed(x)[:rows]), rows
+        assert torch.equal(mixed.normed(x[:rows], gain, 1e-5),
+                           mixed.normed(x, gain, 1e-5)[:rows]), rows
+    # the fused norm equals the norm then the product, within rounding
+    reference = fbgemm_only(torch.nn.functional.rms_norm(x, (shape[1],), gain, 1e-5))
+    fused = mixed.normed(x, gain, 1e-5)
+    assert float((fused - reference).norm() / reference.norm()) < 1e-3
 
 
 def test_make_linear_picks_the_packed_kernel_where_fbgemm_exists():
