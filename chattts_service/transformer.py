@@ -4,9 +4,9 @@ Weights are taken once from the loaded transformers ``LlamaModel`` (which is the
 q/k/v fused into one matrix and gate/up into another, so a layer costs four matrix products.
 Each sequence has its own KV cache with its own positions, so sequences of any lengths share a
 step without padding, and attention reads each cache in place, never a gathered copy: in a decode
-step through the C++ kernel of ``kernels.py`` (one call per layer for all rows), or else torch's
-``scaled_dot_product_attention`` once per row. With the kernels, the RMSNorm before a projection
-is fused with the int8 kernel's per-row scaling.
+step through the C++ kernel of ``kernels.py`` (one call per layer for all rows, over a bf16
+cache), or else torch's ``scaled_dot_product_attention`` once per row (over an fp32 cache). With
+the kernels, the RMSNorm before a projection is fused with the int8 kernel's per-row scaling.
 """
 
 from __future__ import annotations
@@ -66,10 +66,12 @@ class KVCache:
     only become resident when first written, so memory still grows with the positions used,
     and there is never a copy (or a moment holding two copies) when the sequence grows."""
 
-    def __init__(self, layers: int, heads: int, head_dim: int, reserve: int = 0):
+    def __init__(self, layers: int, heads: int, head_dim: int, reserve: int = 0,
+                 dtype: torch.dtype = torch.float32):
         self.shape = (layers, heads, 0, head_dim)
-        self.keys = torch.empty(self.shape)
-        self.values = torch.empty(self.shape)
+        self.dtype = dtype
+        self.keys = torch.empty(self.shape, dtype=dtype)
+        self.values = torch.empty(self.shape, dtype=dtype)
         self.layer_keys, self.layer_values = self.keys.unbind(0), self.values.unbind(0)
         if reserve:
             self.ensure(reserve)
@@ -84,8 +86,8 @@ class KVCache:
             return
         capacity = rounded_positions(positions)
         layers, heads, _, head_dim = self.shape
-        keys = torch.empty(layers, heads, capacity, head_dim)
-        values = torch.empty(layers, heads, capacity, head_dim)
+        keys = torch.empty(layers, heads, capacity, head_dim, dtype=self.dtype)
+        values = torch.empty(layers, heads, capacity, head_dim, dtype=self.dtype)
         if self.capacity:
             keys[:, :, : self.capacity].copy_(self.keys)
             values[:, :, : self.capacity].copy_(self.values)
@@ -116,11 +118,17 @@ class Transformer:
         self.max_positions = config.max_position_embeddings
         self.scale = 1.0 / math.sqrt(self.head_dim)  # scaled_dot_product_attention's default
 
+    @property
+    def cache_dtype(self) -> torch.dtype:
+        """bf16 where the kernels attend (half the bytes to read and hold), else fp32."""
+        return torch.bfloat16 if self.kernels is not None else torch.float32
+
     def new_cache(self, reserve: int = 0) -> KVCache:
-        return KVCache(len(self.layers), self.heads, self.head_dim, reserve)
+        return KVCache(len(self.layers), self.heads, self.head_dim, reserve, self.cache_dtype)
 
     def bytes_per_position(self) -> int:
-        return len(self.layers) * self.heads * self.head_dim * 4 * 2
+        element = torch.empty(0, dtype=self.cache_dtype).element_size()
+        return len(self.layers) * self.heads * self.head_dim * element * 2
 
     @property
     def linear_bytes(self) -> int:

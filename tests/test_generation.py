@@ -95,7 +95,9 @@ def test_lean_transformer_matches_transformers_llama(tiny_model_dir, quantizatio
     outputs = [lean.prefill(prompt, cache)]
     for index in range(4):
         outputs.append(lean.step(steps[index:index + 1], [cache], [12 + index])[0])
-    tolerance = 1e-5 if quantization == "none" else 0.05
+    # fp32 throughout: rounding only; the kernels keep the KV cache in bf16 (full-size model:
+    # ~6e-4 relative); int8 products: quantisation error
+    tolerance = 0.05 if quantization == "int8" else 1e-3 if kernels == "on" else 1e-5
     for position, output in zip(range(11, 16), outputs):
         error = (output - reference[position]).norm() / reference[position].norm()
         assert error < tolerance, (position, float(error))

@@ -24,7 +24,7 @@ def _caches(lengths, seed=0):
     caches = []
     with torch.inference_mode():
         for length in lengths:
-            cache = KVCache(LAYERS, HEADS, DIM, reserve=length + 1)
+            cache = KVCache(LAYERS, HEADS, DIM, reserve=length + 1, dtype=torch.bfloat16)
             cache.keys[:, :, :length] = torch.randn(LAYERS, HEADS, length, DIM,
                                                     generator=generator)
             cache.values[:, :, :length] = torch.randn(LAYERS, HEADS, length, DIM,
@@ -47,13 +47,16 @@ def test_kernel_matches_torch_attention_and_writes_the_new_position(kernel):
     q, k, v = (torch.randn(4, HEADS, DIM) for _ in range(3))
     out = _step(kernel, caches, lengths, q, k, v)
     for row, (cache, length) in enumerate(zip(caches, lengths)):
-        assert torch.equal(cache.keys[1, :, length], k[row])
-        assert torch.equal(cache.values[1, :, length], v[row])
+        # written as torch rounds to bf16 (to nearest even)
+        assert torch.equal(cache.keys[1, :, length], k[row].bfloat16())
+        assert torch.equal(cache.values[1, :, length], v[row].bfloat16())
+        # the same attention as torch's over the cache's values, computed in fp32
         expected = F.scaled_dot_product_attention(
-            q[row][:, None], cache.keys[1, :, :length + 1], cache.values[1, :, :length + 1])
+            q[row][:, None], cache.keys[1, :, :length + 1].float(),
+            cache.values[1, :, :length + 1].float())
         torch.testing.assert_close(out[row], expected[:, 0], rtol=1e-5, atol=1e-5)
     # a sequence's first token attends only to itself
-    assert torch.allclose(out[0], v[0])
+    assert torch.allclose(out[0], v[0].bfloat16().float())
 
 
 def test_a_row_is_bit_identical_alone_and_in_any_batch(kernel):
@@ -80,6 +83,8 @@ def test_rows_may_be_strided_views(kernel):
 def test_bad_arguments_are_refused(kernel):
     caches = _caches([4])
     q = torch.randn(1, HEADS, DIM)
+    with pytest.raises(ValueError, match="reads bf16 KV caches"):
+        cpp_kernels.StepRows([KVCache(LAYERS, HEADS, DIM, reserve=8)], [4])
     with pytest.raises(ValueError, match="cache is full"):
         _step(kernel, caches, [caches[0].capacity], q, q, q)
     with pytest.raises(ValueError, match="contiguous rows"):

@@ -6,8 +6,9 @@
 // that depends only on that sequence's own length, so a sequence's result is the same
 // whatever else shares its batch and however the threads split the work.
 //
-// Layout: each sequence has its own cache, [layers, heads, capacity, dim] floats for keys and
-// another for values. q, k_new, v_new: per sequence, heads * dim contiguous floats, rows
+// Layout: each sequence has its own cache, [layers, heads, capacity, dim] bf16 values for keys
+// and another for values (half the bytes of fp32 to read each step; rounded to nearest even,
+// as torch converts). q, k_new, v_new: per sequence, heads * dim contiguous floats, rows
 // `*_row_stride` floats apart. out: [rows, heads * dim].
 #include <cmath>
 #include <cstdint>
@@ -15,6 +16,20 @@
 #include <vector>
 
 namespace {
+
+inline float from_bf16(uint16_t value) {
+    const uint32_t bits = static_cast<uint32_t>(value) << 16;
+    float result;
+    std::memcpy(&result, &bits, sizeof result);
+    return result;
+}
+
+inline uint16_t to_bf16(float value) {  // round to nearest even (no NaNs arrive here)
+    uint32_t bits;
+    std::memcpy(&bits, &value, sizeof bits);
+    bits += 0x7fffu + ((bits >> 16) & 1u);
+    return static_cast<uint16_t>(bits >> 16);
+}
 
 // exp(x) for x <= 0, Cephes' single-precision polynomial (about 1 ulp); written without
 // branches or calls so the compiler vectorises the loops that use it.
@@ -42,7 +57,7 @@ extern "C" int chatts_decode_attention(
     const float* q, int64_t q_row_stride,
     const float* k_new, int64_t k_row_stride,
     const float* v_new, int64_t v_row_stride,
-    float* const* keys, float* const* values,  // per row: its cache's first element
+    uint16_t* const* keys, uint16_t* const* values,  // per row: its cache's first element
     const int64_t* capacity,                   // per row: positions its cache can hold
     const int64_t* lengths,                    // per row: positions already held
     float* out) {
@@ -60,20 +75,22 @@ extern "C" int chatts_decode_attention(
             const int64_t row = task / heads, head = task % heads;
             const int64_t positions = lengths[row] + 1;
             const int64_t head_offset = (layer * heads + head) * capacity[row] * dim;
-            float* key = keys[row] + head_offset;
-            float* value = values[row] + head_offset;
+            uint16_t* key = keys[row] + head_offset;
+            uint16_t* value = values[row] + head_offset;
             const float* query = q + row * q_row_stride + head * dim;
             // the new token's key and value go into the cache first
-            std::memcpy(key + lengths[row] * dim, k_new + row * k_row_stride + head * dim,
-                        dim * sizeof(float));
-            std::memcpy(value + lengths[row] * dim, v_new + row * v_row_stride + head * dim,
-                        dim * sizeof(float));
+            const float* new_key = k_new + row * k_row_stride + head * dim;
+            const float* new_value = v_new + row * v_row_stride + head * dim;
+            for (int64_t d = 0; d < dim; ++d) {
+                key[lengths[row] * dim + d] = to_bf16(new_key[d]);
+                value[lengths[row] * dim + d] = to_bf16(new_value[d]);
+            }
 
             float* score = scores.data();
             for (int64_t position = 0; position < positions; ++position) {
-                const float* k = key + position * dim;
+                const uint16_t* k = key + position * dim;
                 float dot = 0.0f;
-                for (int64_t d = 0; d < dim; ++d) dot += query[d] * k[d];
+                for (int64_t d = 0; d < dim; ++d) dot += query[d] * from_bf16(k[d]);
                 score[position] = dot * scale;
             }
             float largest = score[0];
@@ -86,9 +103,9 @@ extern "C" int chatts_decode_attention(
             }
             float accumulated[256] = {0.0f};
             for (int64_t position = 0; position < positions; ++position) {
-                const float* v = value + position * dim;
+                const uint16_t* v = value + position * dim;
                 const float weight = score[position];
-                for (int64_t d = 0; d < dim; ++d) accumulated[d] += weight * v[d];
+                for (int64_t d = 0; d < dim; ++d) accumulated[d] += weight * from_bf16(v[d]);
             }
             float* result = out + row * heads * dim + head * dim;
             const float inverse = 1.0f / total;
