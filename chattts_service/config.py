@@ -31,15 +31,20 @@ def available_cpus() -> int:
 
 
 @functools.cache
-def cpu_has_native_bf16() -> bool:
-    """AVX512-BF16 or AMX: without them bf16 is emulated and slower than fp32. Read once: it is
-    asked on every request (cache key) and every decode."""
+def cpu_flags() -> frozenset[str]:
+    """The CPU's feature flags from /proc/cpuinfo (empty where it cannot be read). Read once:
+    the questions asked of it come on every request (cache key) and every decode."""
     try:
-        with open("/proc/cpuinfo", encoding="utf-8") as handle:
-            flags = next((line for line in handle if line.startswith("flags")), "")
+        with open("/proc/cpuinfo", encoding="ascii", errors="replace") as handle:
+            line = next((line for line in handle if line.startswith("flags")), "")
     except OSError:
-        return False
-    return bool({"avx512_bf16", "amx_bf16"} & set(flags.split()))
+        return frozenset()
+    return frozenset(line.partition(":")[2].split())
+
+
+def cpu_has_native_bf16() -> bool:
+    """AVX512-BF16 or AMX: without them bf16 is emulated and slower than fp32."""
+    return bool({"avx512_bf16", "amx_bf16"} & cpu_flags())
 
 
 def _env_field(name: str, default, help_text: str):

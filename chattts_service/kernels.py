@@ -30,6 +30,8 @@ from pathlib import Path
 
 import torch
 
+from .config import cpu_flags
+
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).parent / "csrc" / "kernels.cpp"
@@ -56,13 +58,7 @@ def library_path() -> Path:
 
 
 def cpu_supports(required: tuple[str, ...] = REQUIRED_CPU_FLAGS) -> bool:
-    try:
-        with open("/proc/cpuinfo", encoding="ascii", errors="replace") as cpuinfo:
-            flags = next((line.split(":", 1)[1].split() for line in cpuinfo
-                          if line.startswith("flags")), [])
-    except OSError:
-        return False
-    return all(flag in flags for flag in required)
+    return cpu_flags().issuperset(required)
 
 
 def build(path: Path | None = None) -> Path:

@@ -18,10 +18,11 @@ Two kernels, both exact in their integer sums whatever the batch size:
 
 from __future__ import annotations
 
-import functools
 import warnings
 
 import torch
+
+from .config import cpu_flags
 
 QUANTIZATIONS = ("int8", "none")
 
@@ -32,20 +33,13 @@ def _absmax_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return rows, rows.abs().amax(dim=1, keepdim=True).clamp_(min=1e-12)
 
 
-@functools.cache
 def activation_levels() -> int:
     """Quantization levels either side of zero for activations on the fbgemm kernel.
 
     Without VNNI, fbgemm multiplies with ``vpmaddubsw``, which adds two u8*s8 products into a
     saturating int16: 8-bit activations (up to 255) with weights near +-127 can overflow it, so
     such CPUs get 7-bit activations (63 levels a side), whose pair sums always fit."""
-    try:
-        with open("/proc/cpuinfo", encoding="ascii", errors="replace") as cpuinfo:
-            flags = next((line.split(":", 1)[1].split() for line in cpuinfo
-                          if line.startswith("flags")), [])
-    except OSError:
-        flags = []
-    return 127 if "avx512_vnni" in flags else 63
+    return 127 if "avx512_vnni" in cpu_flags() else 63
 
 
 def _quantized_tensor(weight: torch.Tensor) -> torch.Tensor:
