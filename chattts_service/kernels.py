@@ -134,22 +134,19 @@ class Kernels:
                            eps: float) -> tuple[torch.Tensor, torch.Tensor]:
         """RMSNorm of each row of ``x`` [..., width], divided by its largest magnitude:
         returns (rows [count, width] within [-1, 1], that magnitude [count, 1])."""
-        width = x.shape[-1]
-        rows = x.reshape(-1, width)
-        if rows.dtype != torch.float32 or rows.stride(-1) != 1:
-            rows = rows.float().contiguous()
-        if gain.dtype != torch.float32 or not gain.is_contiguous() or gain.numel() != width:
-            raise ValueError("gain must be a contiguous float32 vector as wide as the rows")
-        count = rows.shape[0]
-        out, row_max = torch.empty(count, width), torch.empty(count, 1)
-        self._norm(count, width, rows.data_ptr(), rows.stride(0), gain.data_ptr(), eps,
-                   out.data_ptr(), row_max.data_ptr())
-        return out, row_max
+        return self._prepare_rows(self._norm, torch.float32, x, gain, eps)
 
     def quantize_rows(self, x: torch.Tensor, gain: torch.Tensor | None = None,
                       eps: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
         """Rows of ``x`` [..., width] (RMSNorm-ed first with ``gain``) as u8 for ``int8_gemm``:
         round(127 * row / max|row|) + 128, and that max [count, 1]."""
+        return self._prepare_rows(self._quantize, torch.uint8, x, gain, eps)
+
+    @staticmethod
+    def _prepare_rows(function, dtype: torch.dtype, x: torch.Tensor,
+                      gain: torch.Tensor | None, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """Call one of the row functions (rows, width, x, row stride, gain or NULL, eps, out,
+        row_max) on ``x`` as [count, width] float32 rows, into new ``dtype`` rows."""
         width = x.shape[-1]
         rows = x.reshape(-1, width)
         if rows.dtype != torch.float32 or rows.stride(-1) != 1:
@@ -158,16 +155,16 @@ class Kernels:
                                  or gain.numel() != width):
             raise ValueError("gain must be a contiguous float32 vector as wide as the rows")
         count = rows.shape[0]
-        out, row_max = torch.empty(count, width, dtype=torch.uint8), torch.empty(count, 1)
-        self._quantize(count, width, rows.data_ptr(), rows.stride(0),
-                       None if gain is None else gain.data_ptr(), eps, out.data_ptr(),
-                       row_max.data_ptr())
+        out, row_max = torch.empty(count, width, dtype=dtype), torch.empty(count, 1)
+        function(count, width, rows.data_ptr(), rows.stride(0),
+                 None if gain is None else gain.data_ptr(), eps, out.data_ptr(),
+                 row_max.data_ptr())
         return out, row_max
 
     def int8_gemm(self, xq: torch.Tensor, row_max: torch.Tensor, packed: torch.Tensor,
                   column_sums: torch.Tensor, weight_scale: torch.Tensor) -> torch.Tensor:
         """[rows, n] float32 from ``quantize_rows`` output and weights packed as
-        ``quantize.VnniInt8Linear`` packs them."""
+        ``quantize._vnni_packing`` packs them."""
         count, k = xq.shape
         n = weight_scale.numel()
         if not (xq.is_contiguous() and row_max.is_contiguous() and packed.is_contiguous()):
