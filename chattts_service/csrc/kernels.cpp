@@ -115,29 +115,51 @@ extern "C" int chatts_decode_attention(
     return 0;
 }
 
+namespace {
+
+// One row as both row preparations below see it: value(i) = x[i] * factor * gain[i], where
+// factor is LlamaRMSNorm's 1 / rms(x) when there is a gain (without one, value(i) is x[i]),
+// and the largest |value(i)| (at least 1e-12). Written once, so the fbgemm path (unit rows)
+// and the VNNI path (u8 rows) divide the same values by the same maximum.
+struct PreparedRow {
+    const float* in;
+    const float* gain;
+    float factor = 1.0f;
+    float largest = 0.0f;
+
+    PreparedRow(const float* row, int64_t width, const float* row_gain, float eps)
+        : in(row), gain(row_gain) {
+        if (gain != nullptr) {
+            float squares = 0.0f;
+            for (int64_t i = 0; i < width; ++i) squares += in[i] * in[i];
+            factor = 1.0f / std::sqrt(squares / static_cast<float>(width) + eps);
+        }
+        for (int64_t i = 0; i < width; ++i) {
+            const float magnitude = std::fabs(value(i));
+            largest = magnitude > largest ? magnitude : largest;
+        }
+        largest = largest > 1e-12f ? largest : 1e-12f;
+    }
+
+    float value(int64_t i) const { return in[i] * factor * (gain != nullptr ? gain[i] : 1.0f); }
+};
+
+}  // namespace
+
 // chatts_rms_norm_unit_rows: LlamaRMSNorm (x / rms(x) * gain) of each row, then the row divided
 // by its largest magnitude, ready for the int8 kernel's fixed activation scale; `row_max`
 // receives that magnitude, by which the int8 product is multiplied back. One pass over the
 // row instead of the dozen operators of torch's rms_norm, absolute maximum and division.
+// Without `gain`, the row is only divided by its largest magnitude.
 extern "C" void chatts_rms_norm_unit_rows(
     int64_t rows, int64_t width, const float* x, int64_t x_row_stride, const float* gain,
     float eps, float* out, float* row_max) {
 #pragma omp parallel for schedule(static) if (rows > 64)
     for (int64_t row = 0; row < rows; ++row) {
-        const float* in = x + row * x_row_stride;
-        float* normed = out + row * width;
-        float squares = 0.0f;
-        for (int64_t i = 0; i < width; ++i) squares += in[i] * in[i];
-        const float inverse_rms = 1.0f / std::sqrt(squares / static_cast<float>(width) + eps);
-        float largest = 0.0f;
-        for (int64_t i = 0; i < width; ++i) {
-            normed[i] = in[i] * inverse_rms * gain[i];
-            const float magnitude = std::fabs(normed[i]);
-            largest = magnitude > largest ? magnitude : largest;
-        }
-        largest = largest > 1e-12f ? largest : 1e-12f;
-        for (int64_t i = 0; i < width; ++i) normed[i] = normed[i] / largest;
-        row_max[row] = largest;
+        const PreparedRow prepared(x + row * x_row_stride, width, gain, eps);
+        float* unit = out + row * width;
+        for (int64_t i = 0; i < width; ++i) unit[i] = prepared.value(i) / prepared.largest;
+        row_max[row] = prepared.largest;
     }
 }
 
@@ -160,30 +182,17 @@ extern "C" void chatts_quantize_rows(
     float eps, uint8_t* out, float* row_max) {
 #pragma omp parallel for schedule(static) if (rows > 64)
     for (int64_t row = 0; row < rows; ++row) {
-        const float* in = x + row * x_row_stride;
-        float factor = 1.0f;
-        if (gain != nullptr) {
-            float squares = 0.0f;
-            for (int64_t i = 0; i < width; ++i) squares += in[i] * in[i];
-            factor = 1.0f / std::sqrt(squares / static_cast<float>(width) + eps);
-        }
-        float largest = 0.0f;
-        for (int64_t i = 0; i < width; ++i) {
-            const float value = in[i] * factor * (gain != nullptr ? gain[i] : 1.0f);
-            const float magnitude = std::fabs(value);
-            largest = magnitude > largest ? magnitude : largest;
-        }
-        largest = largest > 1e-12f ? largest : 1e-12f;
+        const PreparedRow prepared(x + row * x_row_stride, width, gain, eps);
         // as fbgemm quantizes the same rows (divided by their maximum, then times the inverse
         // of the scale 1/127, rounded to even), so both kernels see the same integers
         const float inverse_scale = 1.0f / static_cast<float>(1.0 / 127.0);
         uint8_t* quantized = out + row * width;
         for (int64_t i = 0; i < width; ++i) {
-            const float value = in[i] * factor * (gain != nullptr ? gain[i] : 1.0f);
-            const float level = __builtin_nearbyintf((value / largest) * inverse_scale);
+            const float level =
+                __builtin_nearbyintf((prepared.value(i) / prepared.largest) * inverse_scale);
             quantized[i] = static_cast<uint8_t>(static_cast<int32_t>(level) + 128);
         }
-        row_max[row] = largest;
+        row_max[row] = prepared.largest;
     }
 }
 
