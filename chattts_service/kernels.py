@@ -96,19 +96,14 @@ class Kernels:
         norm.argtypes = [_int64, _int64, _pointer, _int64, _pointer, ctypes.c_float,
                          _pointer, _pointer]
         self._norm = norm
-        quantize = self.library.chatts_quantize_rows
-        quantize.restype = None
-        quantize.argtypes = [_int64, _int64, _pointer, _int64, _pointer, ctypes.c_float,
-                             _pointer, _pointer]
-        self._quantize = quantize
-        gemm = self.library.chatts_int8_gemm
-        gemm.restype = ctypes.c_int
-        gemm.argtypes = [_int64, _int64, _int64, _pointer, _pointer, _pointer, _pointer,
-                         _pointer, _pointer, ctypes.c_int]
-        self._gemm = gemm
+        linear = self.library.chatts_int8_linear
+        linear.restype = ctypes.c_int
+        linear.argtypes = [_int64, _int64, _int64, _pointer, _int64, _pointer, ctypes.c_float,
+                           _pointer, _pointer, _pointer, _pointer, _int64, ctypes.c_int]
+        self._linear = linear
         self.path = path
-        # the int8 product needs AVX512-VNNI; without it the int8 layers stay on fbgemm
-        self.int8_gemm_supported = cpu_supports(VNNI_CPU_FLAGS)
+        # the int8 linear needs AVX512-VNNI; without it the int8 layers run on fbgemm
+        self.int8_linear_supported = cpu_supports(VNNI_CPU_FLAGS)
 
     def attention(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                   rows: "StepRows", out: torch.Tensor, scale: float) -> None:
@@ -134,49 +129,75 @@ class Kernels:
                            eps: float) -> tuple[torch.Tensor, torch.Tensor]:
         """RMSNorm of each row of ``x`` [..., width], divided by its largest magnitude:
         returns (rows [count, width] within [-1, 1], that magnitude [count, 1])."""
-        return self._prepare_rows(self._norm, torch.float32, x, gain, eps)
-
-    def quantize_rows(self, x: torch.Tensor, gain: torch.Tensor | None = None,
-                      eps: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
-        """Rows of ``x`` [..., width] (RMSNorm-ed first with ``gain``) as u8 for ``int8_gemm``:
-        round(127 * row / max|row|) + 128, and that max [count, 1]."""
-        return self._prepare_rows(self._quantize, torch.uint8, x, gain, eps)
-
-    @staticmethod
-    def _prepare_rows(function, dtype: torch.dtype, x: torch.Tensor,
-                      gain: torch.Tensor | None, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
-        """Call one of the row functions (rows, width, x, row stride, gain or NULL, eps, out,
-        row_max) on ``x`` as [count, width] float32 rows, into new ``dtype`` rows."""
-        width = x.shape[-1]
-        rows = x.reshape(-1, width)
-        if rows.dtype != torch.float32 or rows.stride(-1) != 1:
-            rows = rows.float().contiguous()
-        if gain is not None and (gain.dtype != torch.float32 or not gain.is_contiguous()
-                                 or gain.numel() != width):
-            raise ValueError("gain must be a contiguous float32 vector as wide as the rows")
-        count = rows.shape[0]
-        out, row_max = torch.empty(count, width, dtype=dtype), torch.empty(count, 1)
-        function(count, width, rows.data_ptr(), rows.stride(0),
-                 None if gain is None else gain.data_ptr(), eps, out.data_ptr(),
-                 row_max.data_ptr())
+        rows = _float_rows(x)
+        _check_gain(gain, rows.shape[1])
+        count, width = rows.shape
+        out, row_max = torch.empty(count, width), torch.empty(count, 1)
+        self._norm(count, width, rows.data_ptr(), rows.stride(0), gain.data_ptr(), eps,
+                   out.data_ptr(), row_max.data_ptr())
         return out, row_max
 
-    def int8_gemm(self, xq: torch.Tensor, row_max: torch.Tensor, packed: torch.Tensor,
-                  column_sums: torch.Tensor, weight_scale: torch.Tensor) -> torch.Tensor:
-        """[rows, n] float32 from ``quantize_rows`` output and weights packed as
-        ``quantize._vnni_packing`` packs them."""
-        count, k = xq.shape
-        n = weight_scale.numel()
-        if not (xq.is_contiguous() and row_max.is_contiguous() and packed.is_contiguous()):
-            raise ValueError("int8_gemm takes contiguous tensors")
-        out = torch.empty(count, n)
-        status = self._gemm(count, n, k, xq.data_ptr(), packed.data_ptr(),
-                            column_sums.data_ptr(), weight_scale.data_ptr(), row_max.data_ptr(),
-                            out.data_ptr(), torch.get_num_threads())
+    def int8_linear(self, x: torch.Tensor, packing: "Int8Packing",
+                    gain: torch.Tensor | None = None, eps: float = 0.0) -> torch.Tensor:
+        """[count, packing.out_features] float32: the rows of ``x`` [..., in_features]
+        (RMSNorm-ed first with ``gain``) quantized per row and multiplied by the int8 weights
+        that ``packing`` holds (``quantize.VnniInt8Linear`` makes it)."""
+        rows = _float_rows(x)
+        if gain is not None:
+            _check_gain(gain, rows.shape[1])
+        count, k = rows.shape
+        if k != packing.in_features:
+            raise ValueError(f"rows of {k} values for a layer of {packing.in_features} inputs")
+        out = torch.empty(count, packing.out_features)
+        status = self._linear(count, packing.out_features, k, rows.data_ptr(), rows.stride(0),
+                              None if gain is None else gain.data_ptr(), eps,
+                              *packing.pointers, out.data_ptr(), packing.out_features,
+                              torch.get_num_threads())
         if status:
-            raise ValueError({1: "int8_gemm needs n % 16 == 0 and k % 4 == 0",
+            raise ValueError({1: "int8_linear needs in_features % 4 == 0",
                               2: "this CPU lacks AVX512-VNNI"}.get(status, f"error {status}"))
         return out
+
+
+def _float_rows(x: torch.Tensor) -> torch.Tensor:
+    """``x`` [..., width] as [count, width] float32 rows with contiguous values."""
+    rows = x.reshape(-1, x.shape[-1])
+    if rows.dtype != torch.float32 or rows.stride(-1) != 1:
+        rows = rows.float().contiguous()
+    return rows
+
+
+def _check_gain(gain: torch.Tensor, width: int) -> None:
+    if gain.dtype != torch.float32 or not gain.is_contiguous() or gain.numel() != width:
+        raise ValueError("gain must be a contiguous float32 vector as wide as the rows")
+
+
+class Int8Packing:
+    """int8 weights as ``chatts_int8_linear`` reads them: blocks of 16 output channels (zero
+    channels pad the last), 4 inputs of 16 channels per 64 bytes; each channel's weight sum;
+    and each channel's scale divided by 127, in float32. Made from ``weights`` [out, in] int8
+    and ``scales`` [out] float32 (one per output channel)."""
+
+    def __init__(self, weights: torch.Tensor, scales: torch.Tensor):
+        self.out_features, self.in_features = weights.shape
+        if self.in_features % 4:
+            raise ValueError("the int8 linear needs in_features % 4 == 0")
+        padded = -self.out_features % 16
+        weights = torch.cat([weights, weights.new_zeros(padded, self.in_features)])
+        scales = torch.cat([scales.float(), scales.new_zeros(padded, dtype=torch.float32)])
+        blocks = weights.shape[0] // 16
+        self.packed = weights.view(blocks, 16, self.in_features // 4, 4).transpose(1, 2) \
+            .contiguous()
+        self.column_sums = weights.sum(dim=1, dtype=torch.int32).contiguous()
+        # the product fbgemm forms: the activations' scale (1/127) times the channel's scale
+        self.weight_scale = (torch.tensor(1 / 127, dtype=torch.float32) * scales).contiguous()
+        self.pointers = (self.packed.data_ptr(), self.column_sums.data_ptr(),
+                         self.weight_scale.data_ptr())
+
+    @property
+    def nbytes(self) -> int:
+        return (self.packed.numel() + self.column_sums.numel() * 4
+                + self.weight_scale.numel() * 4)
 
 
 class StepRows:

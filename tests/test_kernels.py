@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from chattts_service import kernels as cpp_kernels
-from chattts_service.quantize import PackedInt8Linear, fbgemm_available
+from chattts_service.quantize import PackedInt8Linear, VnniInt8Linear, fbgemm_available
 from chattts_service.transformer import KVCache
 
 HEADS, DIM, LAYERS = 4, 64, 3
@@ -130,13 +130,17 @@ def test_fused_rms_norm_matches_torch_and_lies_within_unit_range(kernel):
         kernel.rms_norm_unit_rows(x, gain[:10], 1e-5)
 
 
-@pytest.mark.skipif(not fbgemm_available(), reason="fbgemm is not built into this torch")
-def test_fused_norm_then_int8_equals_norm_then_int8(kernel):
+@pytest.mark.parametrize("layer", ["fbgemm", "vnni"])
+def test_fused_norm_then_int8_equals_norm_then_int8(kernel, layer):
+    if layer == "fbgemm" and not fbgemm_available():
+        pytest.skip("fbgemm is not built into this torch")
+    if layer == "vnni" and not kernel.int8_linear_supported:
+        pytest.skip("this CPU lacks AVX512-VNNI")
     torch.manual_seed(5)
     weight = torch.randn(64, 96) * 0.05
-    linear = PackedInt8Linear(weight, kernel)
+    linear = (PackedInt8Linear if layer == "fbgemm" else VnniInt8Linear)(weight, kernel)
     gain = torch.rand(96) + 0.5
-    for x in (torch.randn(1, 1, 96), torch.randn(3, 2, 96)):  # VNNI (where present), fbgemm
+    for x in (torch.randn(1, 1, 96), torch.randn(3, 2, 96)):
         fused = linear.normed(x, gain, 1e-5)
         reference = F.linear(F.rms_norm(x, (96,), gain, 1e-5), weight)
         assert fused.shape == (*x.shape[:-1], 64)
@@ -144,19 +148,28 @@ def test_fused_norm_then_int8_equals_norm_then_int8(kernel):
         assert float(error) < 0.03
 
 
-def test_int8_gemm_sums_exactly(kernel):
-    if not kernel.int8_gemm_supported:
+def test_int8_linear_sums_exactly(kernel):
+    """Each row quantized to round(127 * x / max|x|) + 128, times the int8 weights: the
+    integer sums are exact, and only the channels asked for are written."""
+    if not kernel.int8_linear_supported:
         pytest.skip("this CPU lacks AVX512-VNNI")
-    from chattts_service.quantize import _quantized_tensor, _vnni_packing
+    from chattts_service.kernels import Int8Packing
+    from chattts_service.quantize import _quantized_tensor
 
     torch.manual_seed(7)
     weight = torch.randn(40, 64)  # 40 channels: the last block of 16 is padded
     quantized = _quantized_tensor(weight)
+    packing = Int8Packing(quantized.int_repr(), quantized.q_per_channel_scales())
     x = torch.randn(11, 64)
-    xq, row_max = kernel.quantize_rows(x)
-    assert xq.dtype == torch.uint8 and int(xq.min()) >= 1
-    out = kernel.int8_gemm(xq, row_max, *_vnni_packing(quantized))[:, :40]
-    sums = (xq.long() - 128) @ quantized.int_repr().long().T
+    row_max = x.abs().amax(dim=1, keepdim=True)
+    inverse_scale = 1 / torch.tensor(1 / 127, dtype=torch.float32)  # in float32, as the kernel
+    levels = torch.round((x / row_max) * inverse_scale)
+    assert int(levels.abs().max()) == 127
+    out = kernel.int8_linear(x, packing)
+    assert out.shape == (11, 40)
+    sums = levels.long() @ quantized.int_repr().long().T
     scale = quantized.q_per_channel_scales().float() / 127 * row_max
     # the integers are exact: dividing the scales back out recovers them
     assert torch.equal(torch.round(out / scale).long(), sums)
+    with pytest.raises(ValueError, match="rows of 32 values"):
+        kernel.int8_linear(x[:, :32], packing)

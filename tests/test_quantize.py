@@ -5,24 +5,23 @@ import torch
 
 from chattts_service import kernels as cpp_kernels
 from chattts_service.quantize import (FloatLinear, MatmulInt8Linear, PackedInt8Linear,
-                                      activation_levels, fbgemm_available, make_linear)
+                                      VnniInt8Linear, activation_levels, fbgemm_available,
+                                      make_linear)
 
 needs_fbgemm = pytest.mark.skipif(not fbgemm_available(),
                                   reason="fbgemm is not built into this torch")
 CPP = cpp_kernels.load("auto")
-needs_vnni = pytest.mark.skipif(CPP is None or not CPP.int8_gemm_supported,
+needs_vnni = pytest.mark.skipif(CPP is None or not CPP.int8_linear_supported,
                                 reason="this CPU lacks AVX512-VNNI")
 
 
-def _with_vnni(weight):
-    linear = PackedInt8Linear(weight, CPP)
-    assert linear.vnni is not None
-    return linear
+def _vnni(weight):
+    return VnniInt8Linear(weight, CPP)
 
 
 KERNELS = [MatmulInt8Linear,
            pytest.param(PackedInt8Linear, marks=needs_fbgemm),
-           pytest.param(_with_vnni, marks=[needs_fbgemm, needs_vnni])]
+           pytest.param(_vnni, marks=needs_vnni)]
 
 
 def _rows_of_every_loudness(rows: int, width: int) -> torch.Tensor:
@@ -76,29 +75,38 @@ def test_activation_levels_fit_the_cpus_multiplier():
 
 @needs_fbgemm
 @needs_vnni
-@pytest.mark.parametrize("shape", [(2304, 768), (768, 3072), (2504, 768), (48, 64)])
+@pytest.mark.parametrize("shape", [(2304, 768), (768, 3072), (2504, 768), (48, 64), (40, 64)])
 def test_vnni_and_fbgemm_products_give_the_same_bits(shape):
-    """One or two rows go through the VNNI product, more through fbgemm: a row's result must
-    not depend on which (so on its batch), plain or with the RMSNorm fused in."""
+    """The VNNI product must give fbgemm's bits for every row count (fbgemm is the reference
+    for its integers and its float products), plain and with the RMSNorm fused in; and a row
+    must give the same bits alone and in any batch. (2504: the code head, 40: channels that
+    end inside a block of 16.)"""
     torch.manual_seed(6)
     weight = torch.randn(*shape) * 0.02
-    fbgemm_only, mixed = PackedInt8Linear(weight), PackedInt8Linear(weight, CPP)
-    x = torch.randn(8, shape[1]) * torch.logspace(-2, 2, 8)[:, None]
+    fbgemm, vnni = PackedInt8Linear(weight, CPP), VnniInt8Linear(weight, CPP)
+    x = torch.randn(20, shape[1]) * torch.logspace(-2, 2, 20)[:, None]
     gain = torch.rand(shape[1]) + 0.5
-    for rows in (1, 2, 3, 8):
-        assert torch.equal(mixed(x[:rows]), fbgemm_only(x[:rows])), rows
-        assert torch.equal(mixed(x[:rows]), mixed(x)[:rows]), rows
-        assert torch.equal(mixed.normed(x[:rows], gain, 1e-5),
-                           mixed.normed(x, gain, 1e-5)[:rows]), rows
+    batch, batch_normed = vnni(x), vnni.normed(x, gain, 1e-5)
+    for rows in (1, 2, 3, 5, 8, 9, 17, 20):
+        assert torch.equal(vnni(x[:rows]), fbgemm(x[:rows])), rows
+        assert torch.equal(vnni.normed(x[:rows], gain, 1e-5),
+                           fbgemm.normed(x[:rows], gain, 1e-5)), rows
+        assert torch.equal(vnni(x[:rows]), batch[:rows]), rows
+        assert torch.equal(vnni.normed(x[-rows:], gain, 1e-5), batch_normed[-rows:]), rows
     # the fused norm equals the norm then the product, within rounding
-    reference = fbgemm_only(torch.nn.functional.rms_norm(x, (shape[1],), gain, 1e-5))
-    fused = mixed.normed(x, gain, 1e-5)
-    assert float((fused - reference).norm() / reference.norm()) < 1e-3
+    reference = fbgemm(torch.nn.functional.rms_norm(x, (shape[1],), gain, 1e-5))
+    assert float((batch_normed - reference).norm() / reference.norm()) < 1e-3
 
 
-def test_make_linear_picks_the_packed_kernel_where_fbgemm_exists():
+def test_make_linear_picks_the_fastest_int8_kernel_present():
     linear = make_linear(torch.randn(8, 8), "int8")
     assert linear.kernel == ("fbgemm" if fbgemm_available() else "int_mm")
+    if CPP is not None:
+        with_kernels = make_linear(torch.randn(8, 8), "int8", CPP)
+        assert with_kernels.kernel == ("vnni" if CPP.int8_linear_supported
+                                       else linear.kernel)
+        # the VNNI product takes inputs in groups of four
+        assert make_linear(torch.randn(8, 6), "int8", CPP).kernel == linear.kernel
     assert make_linear(torch.randn(8, 8), "none").kernel == "fp32"
     with pytest.raises(ValueError, match="quantization must be one of"):
         make_linear(torch.randn(8, 8), "int4")

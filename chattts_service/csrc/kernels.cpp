@@ -134,14 +134,32 @@ struct PreparedRow {
             for (int64_t i = 0; i < width; ++i) squares += in[i] * in[i];
             factor = 1.0f / std::sqrt(squares / static_cast<float>(width) + eps);
         }
-        for (int64_t i = 0; i < width; ++i) {
-            const float magnitude = std::fabs(value(i));
-            largest = magnitude > largest ? magnitude : largest;
+        // the largest magnitude as the largest bit pattern: without the sign bit, floats order
+        // as their bits do, and GCC vectorises an integer maximum where it keeps a float one
+        // scalar (for NaN's sake), 4x slower on a row of 3072 here
+        uint32_t largest_bits = 0;
+        if (gain != nullptr) {
+            for (int64_t i = 0; i < width; ++i) {
+                const uint32_t bits = magnitude_bits(in[i] * factor * gain[i]);
+                largest_bits = bits > largest_bits ? bits : largest_bits;
+            }
+        } else {
+            for (int64_t i = 0; i < width; ++i) {
+                const uint32_t bits = magnitude_bits(in[i]);
+                largest_bits = bits > largest_bits ? bits : largest_bits;
+            }
         }
+        std::memcpy(&largest, &largest_bits, sizeof largest);
         largest = largest > 1e-12f ? largest : 1e-12f;
     }
 
     float value(int64_t i) const { return in[i] * factor * (gain != nullptr ? gain[i] : 1.0f); }
+
+    static uint32_t magnitude_bits(float x) {
+        uint32_t bits;
+        std::memcpy(&bits, &x, sizeof bits);
+        return bits & 0x7fffffffu;
+    }
 };
 
 }  // namespace
@@ -164,84 +182,95 @@ extern "C" void chatts_rms_norm_unit_rows(
 }
 
 // ---------------------------------------------------------------------------------------------
-// int8 matrix products with AVX512-VNNI (x86 CPUs that have it: Ice Lake and later, Zen 4).
+// chatts_int8_linear: int8 linear layers with AVX512-VNNI (x86 CPUs that have it: Ice Lake and
+// later, Zen 4), the norm and the activations' quantization included.
 //
-// Activations: each row divided by its largest magnitude and quantized to u8 as
-// round(127 * x) + 128, so in [1, 255]; `row_max` keeps the magnitude. Weights: s8 with one
-// scale per output channel, packed once in blocks of 16 output channels so that one 64-byte
-// load holds 4 consecutive inputs of 16 channels: packed[block][k / 4][channel][k % 4].
+// Activations: each row (RMSNorm-ed first when there is a gain) divided by its largest
+// magnitude and quantized to u8 as round(127 * x) + 128, so in [1, 255]; the magnitude
+// multiplies the result back. Weights: s8 with one scale per output channel, packed once in
+// blocks of 16 output channels so that one 64-byte load holds 4 consecutive inputs of 16
+// channels: packed[block][k / 4][channel][k % 4] (zero channels pad the last block).
 // vpdpbusd multiplies u8 by s8 and adds groups of four into int32 lanes, exactly, so the sum is
 // the same whatever the row count or thread split; subtracting 128 * (sum of the channel's
-// weights) removes the u8 offset. Every row of a block is computed against the same 64-byte
-// loads, so the weights stream from memory once per call for up to 8 rows (more rows find the
-// block in cache).
-
-// Quantize rows for chatts_int8_gemm; with `gain`, apply LlamaRMSNorm (x / rms(x) * gain) first.
-extern "C" void chatts_quantize_rows(
-    int64_t rows, int64_t width, const float* x, int64_t x_row_stride, const float* gain,
-    float eps, uint8_t* out, float* row_max) {
-#pragma omp parallel for schedule(static) if (rows > 64)
-    for (int64_t row = 0; row < rows; ++row) {
-        const PreparedRow prepared(x + row * x_row_stride, width, gain, eps);
-        // as fbgemm quantizes the same rows (divided by their maximum, then times the inverse
-        // of the scale 1/127, rounded to even), so both kernels see the same integers
-        const float inverse_scale = 1.0f / static_cast<float>(1.0 / 127.0);
-        uint8_t* quantized = out + row * width;
-        for (int64_t i = 0; i < width; ++i) {
-            const float level =
-                __builtin_nearbyintf((prepared.value(i) / prepared.largest) * inverse_scale);
-            quantized[i] = static_cast<uint8_t>(static_cast<int32_t>(level) + 128);
-        }
-        row_max[row] = prepared.largest;
-    }
-}
-
+// weights) removes the u8 offset, and each row's epilogue is its own. So a row's result never
+// depends on the other rows of its batch. The integers and the float products are the ones
+// fbgemm forms for the same quantized tensors, in the same order (a test holds the two to the
+// same bits). Up to 8 rows share each 64-byte load of weights, so they stream from memory once
+// per call for a decode step's batch; more rows find each block in cache.
 #include <immintrin.h>
+
+#include <memory>
 
 namespace {
 
-// BLOCKS (1 or 2) neighbouring blocks of 16 channels for ROWS (1..8) rows: each broadcast
-// input serves both blocks, and 2 * ROWS independent accumulators keep the multiply unit busy.
-// optimize: at -O3 GCC 12 copies the accumulators between registers (and the stack) around
-// every vpdpbusd of this loop, -O2 keeps them in place; and without -fassociative-math the
-// epilogue multiplies in the written order for every ROWS (with it, GCC regrouped the two
-// products for some row counts, and a row's result changed in its last bit with its batch).
+// Quantize one row as described above; returns its largest magnitude.
+float quantize_row(const float* x, int64_t width, const float* gain, float eps,
+                   uint8_t* quantized) {
+    const PreparedRow prepared(x, width, gain, eps);
+    // as fbgemm quantizes the same rows (divided by their maximum, then times the inverse of
+    // the scale 1/127, rounded to even), so both kernels see the same integers
+    const float inverse_scale = 1.0f / static_cast<float>(1.0 / 127.0);
+    for (int64_t i = 0; i < width; ++i) {
+        const float level =
+            __builtin_nearbyintf((prepared.value(i) / prepared.largest) * inverse_scale);
+        quantized[i] = static_cast<uint8_t>(static_cast<int32_t>(level) + 128);
+    }
+    return prepared.largest;
+}
+
+// BLOCKS (1 or 2) neighbouring blocks of 16 channels for ROWS (1..8) rows: each broadcast input
+// serves both blocks, and 2 * ROWS accumulators keep the multiply unit busy. The accumulators
+// are named variables, not an array: GCC 12 kept an array of them on the stack, or copied them
+// between registers around every vpdpbusd (1.4x slower at 8 rows). `valid`: how many of the
+// last block's 16 channels are real (the rest are padding and are not stored).
+// optimize: without -fassociative-math the epilogue multiplies in the written order for every
+// ROWS (with it, GCC regrouped the two products for some row counts, and a row's result
+// changed in its last bit with its batch).
 template <int ROWS, int BLOCKS>
 __attribute__((target("avx512f,avx512bw,avx512vnni"),
-               optimize("O2", "no-associative-math", "signed-zeros", "trapping-math")))
+               optimize("no-associative-math", "signed-zeros", "trapping-math")))
 void gemm_blocks(int64_t k_groups, const uint8_t* xq, int64_t x_stride, const int8_t* blocks,
                  int64_t block_bytes, const int32_t* column_sums, const float* weight_scale,
-                 const float* row_max, float* out, int64_t out_stride) {
-    __m512i accumulators[BLOCKS][ROWS];
-    for (int b = 0; b < BLOCKS; ++b)
-        for (int r = 0; r < ROWS; ++r) accumulators[b][r] = _mm512_setzero_si512();
-    for (int64_t group = 0; group < k_groups; ++group) {
-        __m512i weights[BLOCKS];
-        for (int b = 0; b < BLOCKS; ++b)
-            weights[b] = _mm512_loadu_si512(blocks + b * block_bytes + group * 64);
-        for (int r = 0; r < ROWS; ++r) {
-            int32_t four;
-            std::memcpy(&four, xq + r * x_stride + group * 4, sizeof four);
-            const __m512i inputs = _mm512_set1_epi32(four);
-            for (int b = 0; b < BLOCKS; ++b)
-                accumulators[b][r] = _mm512_dpbusd_epi32(accumulators[b][r], inputs, weights[b]);
+                 const float* row_max, float* out, int64_t out_stride, int valid) {
+    __m512i a0 = _mm512_setzero_si512(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0,
+            a7 = a0, b0 = a0, b1 = a0, b2 = a0, b3 = a0, b4 = a0, b5 = a0, b6 = a0, b7 = a0;
+    const uint8_t* x = xq;
+    const int8_t* w = blocks;
+    for (int64_t group = 0; group < k_groups; ++group, x += 4, w += 64) {
+        const __m512i w0 = _mm512_loadu_si512(w);
+        __m512i w1 = w0;
+        if constexpr (BLOCKS == 2) w1 = _mm512_loadu_si512(w + block_bytes);
+#define CHATTS_ROW(R)                                                                     \
+        if constexpr (ROWS > R) {                                                         \
+            int32_t four;                                                                 \
+            std::memcpy(&four, x + R * x_stride, sizeof four);                            \
+            const __m512i inputs = _mm512_set1_epi32(four);                               \
+            a##R = _mm512_dpbusd_epi32(a##R, inputs, w0);                                 \
+            if constexpr (BLOCKS == 2) b##R = _mm512_dpbusd_epi32(b##R, inputs, w1);      \
         }
+        CHATTS_ROW(0) CHATTS_ROW(1) CHATTS_ROW(2) CHATTS_ROW(3)
+        CHATTS_ROW(4) CHATTS_ROW(5) CHATTS_ROW(6) CHATTS_ROW(7)
+#undef CHATTS_ROW
     }
+    const __m512i accumulators[2][8] = {{a0, a1, a2, a3, a4, a5, a6, a7},
+                                        {b0, b1, b2, b3, b4, b5, b6, b7}};
     for (int b = 0; b < BLOCKS; ++b) {
         // 128 * (sum of the channel's weights): the u8 offset of the activations
         const __m512i offset = _mm512_slli_epi32(_mm512_loadu_si512(column_sums + b * 16), 7);
         const __m512 scale = _mm512_loadu_ps(weight_scale + b * 16);
+        const int channels = b + 1 < BLOCKS ? 16 : valid;
+        const __mmask16 mask = static_cast<__mmask16>((1u << channels) - 1u);
         for (int r = 0; r < ROWS; ++r) {
             const __m512 sums = _mm512_cvtepi32_ps(_mm512_sub_epi32(accumulators[b][r], offset));
-            _mm512_storeu_ps(out + r * out_stride + b * 16,
-                             _mm512_mul_ps(_mm512_mul_ps(sums, scale),
-                                           _mm512_set1_ps(row_max[r])));
+            _mm512_mask_storeu_ps(out + r * out_stride + b * 16, mask,
+                                  _mm512_mul_ps(_mm512_mul_ps(sums, scale),
+                                                _mm512_set1_ps(row_max[r])));
         }
     }
 }
 
 using BlockFunction = void (*)(int64_t, const uint8_t*, int64_t, const int8_t*, int64_t,
-                               const int32_t*, const float*, const float*, float*, int64_t);
+                               const int32_t*, const float*, const float*, float*, int64_t, int);
 template <int BLOCKS>
 constexpr BlockFunction kBlockFunctions[9] = {
     nullptr, gemm_blocks<1, BLOCKS>, gemm_blocks<2, BLOCKS>, gemm_blocks<3, BLOCKS>,
@@ -251,32 +280,42 @@ constexpr BlockFunction kBlockFunctions[9] = {
 __attribute__((target("avx512f,avx512bw,avx512vnni")))
 void gemm(int64_t rows, int64_t n, int64_t k, const uint8_t* xq, const int8_t* packed,
           const int32_t* column_sums, const float* weight_scale, const float* row_max,
-          float* out, int threads) {
-    const int64_t blocks = n / 16, pairs = (blocks + 1) / 2, block_bytes = 16 * k;
+          float* out, int64_t out_stride, int threads) {
+    const int64_t blocks = (n + 15) / 16, pairs = (blocks + 1) / 2, block_bytes = 16 * k;
 #pragma omp parallel for num_threads(threads) schedule(static)
     for (int64_t pair = 0; pair < pairs; ++pair) {
         const int64_t block = pair * 2;
         const bool both = block + 1 < blocks;
+        const int64_t last = both ? block + 1 : block;
+        const int valid = static_cast<int>(n - last * 16 < 16 ? n - last * 16 : 16);
         for (int64_t first = 0; first < rows; first += 8) {
             const int64_t count = rows - first < 8 ? rows - first : 8;
             (both ? kBlockFunctions<2> : kBlockFunctions<1>)[count](
                 k / 4, xq + first * k, k, packed + block * block_bytes, block_bytes,
                 column_sums + block * 16, weight_scale + block * 16, row_max + first,
-                out + first * n + block * 16, n);
+                out + first * out_stride + block * 16, out_stride, valid);
         }
     }
 }
 
 }  // namespace
 
-// out[rows, n] = dequantized (xq [rows, k] u8) x (packed weights)^T; n % 16 == 0, k % 4 == 0.
-// `weight_scale` is each channel's scale divided by 127 (the activations' levels).
-extern "C" int chatts_int8_gemm(
-    int64_t rows, int64_t n, int64_t k, const uint8_t* xq, const int8_t* packed,
-    const int32_t* column_sums, const float* weight_scale, const float* row_max, float* out,
-    int threads) {
-    if (n % 16 != 0 || k % 4 != 0) return 1;
+// out[rows, n] (rows `out_stride` floats apart) = the rows of x (`x_row_stride` floats apart,
+// RMSNorm-ed with `gain` when it is not NULL) times the packed weights, transposed. k % 4 == 0;
+// `packed`, `column_sums` and `weight_scale` cover n rounded up to 16 channels; `weight_scale`
+// is each channel's scale divided by 127 (the activations' levels).
+extern "C" int chatts_int8_linear(
+    int64_t rows, int64_t n, int64_t k, const float* x, int64_t x_row_stride, const float* gain,
+    float eps, const int8_t* packed, const int32_t* column_sums, const float* weight_scale,
+    float* out, int64_t out_stride, int threads) {
+    if (k % 4 != 0) return 1;
     if (!__builtin_cpu_supports("avx512vnni") || !__builtin_cpu_supports("avx512bw")) return 2;
-    gemm(rows, n, k, xq, packed, column_sums, weight_scale, row_max, out, threads);
+    std::unique_ptr<uint8_t[]> xq(new uint8_t[rows * k]);
+    std::unique_ptr<float[]> row_max(new float[rows]);
+#pragma omp parallel for num_threads(threads) schedule(static) if (rows > 16)
+    for (int64_t row = 0; row < rows; ++row)
+        row_max[row] = quantize_row(x + row * x_row_stride, k, gain, eps, xq.get() + row * k);
+    gemm(rows, n, k, xq.get(), packed, column_sums, weight_scale, row_max.get(), out,
+         out_stride, threads);
     return 0;
 }
