@@ -7,14 +7,18 @@
   layer for all rows in one call, writes the new token's key and value on the way, and keeps
   each (row, head) on one thread in a fixed order, so a row's result never depends on its batch.
   The cache it reads holds bf16 (half the bytes of fp32), converted to fp32 as it is read.
-- RMSNorm fused with the int8 linear's per-row scaling: one pass instead of a dozen small
+- The int8 linear layers on CPUs with AVX512-VNNI: one call per projection that RMSNorms
+  (where the layer has a norm before it), quantizes each row and multiplies by the int8
+  weights (``Int8Packing``), exact in its integer sums (see ``quantize.VnniInt8Linear``).
+- Elsewhere, RMSNorm fused with fbgemm's per-row scaling: one pass instead of a dozen small
   operators (13 -> 3 us a row here), before the two normed projections of every layer.
 
 Plain C++ with OpenMP and no torch headers: a compile takes about a second, and it runs on
 torch's own OpenMP runtime (the same ``libgomp.so.1``, already loaded by torch). Built for
-x86-64-v3 (AVX2, FMA). The container image builds it at image build time; elsewhere it is built
-on first use into ``CHATTTS_KERNEL_DIR`` (default: ``_build`` beside this file). Where it cannot
-be built or loaded, ``load()`` says why and the caller keeps torch's operators.
+x86-64-v3 (AVX2, FMA), the int8 product for AVX512-VNNI (checked at run time). The container
+image builds it at image build time; elsewhere it is built on first use into
+``CHATTTS_KERNEL_DIR`` (default: ``_build`` beside this file). Where it cannot be built or
+loaded, ``load()`` says why and the caller keeps torch's operators.
 """
 
 from __future__ import annotations
