@@ -226,6 +226,8 @@ float quantize_row(const float* x, int64_t width, const float* gain, float eps,
 // optimize: without -fassociative-math the epilogue multiplies in the written order for every
 // ROWS (with it, GCC regrouped the two products for some row counts, and a row's result
 // changed in its last bit with its batch).
+constexpr int64_t kPrefetchGroups = 16;  // groups of 64 bytes of weights
+
 template <int ROWS, int BLOCKS>
 __attribute__((target("avx512f,avx512bw,avx512vnni"),
                optimize("no-associative-math", "signed-zeros", "trapping-math")))
@@ -237,6 +239,13 @@ void gemm_blocks(int64_t k_groups, const uint8_t* xq, int64_t x_stride, const in
     const uint8_t* x = xq;
     const int8_t* w = blocks;
     for (int64_t group = 0; group < k_groups; ++group, x += 4, w += 64) {
+        // the weights are read once per call: fetch them 1 KB ahead of use, marked
+        // non-temporal (a decode step at 8 rows 14.6-15.1 -> 12.5-13.2 ms here; the T0 hint
+        // measured the same, and the hardware prefetcher alone falls behind)
+        _mm_prefetch(reinterpret_cast<const char*>(w + kPrefetchGroups * 64), _MM_HINT_NTA);
+        if constexpr (BLOCKS == 2)
+            _mm_prefetch(reinterpret_cast<const char*>(w + block_bytes + kPrefetchGroups * 64),
+                         _MM_HINT_NTA);
         const __m512i w0 = _mm512_loadu_si512(w);
         __m512i w1 = w0;
         if constexpr (BLOCKS == 2) w1 = _mm512_loadu_si512(w + block_bytes);
