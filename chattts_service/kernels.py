@@ -93,7 +93,8 @@ class Kernels:
         attention.restype = ctypes.c_int
         attention.argtypes = [_int64, _int64, _int64, _int64, ctypes.c_float, ctypes.c_int,
                               _pointer, _int64, _pointer, _int64, _pointer, _int64,
-                              _pointer, _pointer, _pointer, _pointer, _pointer]
+                              _pointer, _pointer, _pointer, _pointer, _pointer, _pointer,
+                              _pointer]
         self._attention = attention
         norm = self.library.chatts_rms_norm_unit_rows
         norm.restype = None
@@ -110,21 +111,34 @@ class Kernels:
         self.int8_linear_supported = cpu_supports(VNNI_CPU_FLAGS)
 
     def attention(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                  rows: "StepRows", out: torch.Tensor, scale: float) -> None:
+                  rows: "StepRows", out: torch.Tensor, scale: float,
+                  rotary: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
         """Write row i's ``k[i]``/``v[i]`` [heads, dim] at position ``lengths[i]`` of its cache
         (layer ``layer``) and attend with ``q[i]`` over positions 0..lengths[i] into
-        ``out[i]``. ``q``, ``k``, ``v``: [rows, heads, dim] with each row contiguous."""
+        ``out[i]``. ``q``, ``k``, ``v``: [rows, heads, dim] with each row contiguous. With
+        ``rotary`` = (cos, sin) tables [positions, dim], q and k are rotated at the new
+        token's position first."""
         count, heads, dim = q.shape
         for tensor in (q, k, v):
             if tensor.dtype != torch.float32 or tensor.stride()[1:] != (dim, 1):
                 raise ValueError("q, k, v must be float32 with contiguous rows")
         if not out.is_contiguous() or out.numel() != count * heads * dim:
             raise ValueError("out must be a contiguous [rows, heads * dim] float32 tensor")
+        cos = sin = None
+        if rotary is not None:
+            cos, sin = rotary
+            for table in rotary:
+                if (table.dtype != torch.float32 or not table.is_contiguous()
+                        or table.dim() != 2 or table.shape[1] != dim):
+                    raise ValueError("rotary tables must be contiguous float32 [positions, dim]")
+            if rows.longest >= min(cos.shape[0], sin.shape[0]):
+                raise ValueError("a position beyond the rotary tables")
+            cos, sin = cos.data_ptr(), sin.data_ptr()
         status = self._attention(
             count, heads, dim, layer, scale, torch.get_num_threads(),
             q.data_ptr(), q.stride(0), k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0),
             rows.keys.data_ptr(), rows.values.data_ptr(), rows.capacity.data_ptr(),
-            rows.lengths.data_ptr(), out.data_ptr())
+            rows.lengths.data_ptr(), cos, sin, out.data_ptr())
         if status:
             raise ValueError({1: "head dimension above 256",
                               2: "a sequence's cache is full"}.get(status, f"error {status}"))
@@ -217,6 +231,7 @@ class StepRows:
                                    dtype=torch.int64)
         self.capacity = torch.tensor([cache.capacity for cache in caches], dtype=torch.int64)
         self.lengths = torch.tensor(lengths, dtype=torch.int64)
+        self.longest = max(lengths)
 
 
 def load(mode: str = "auto") -> Kernels | None:

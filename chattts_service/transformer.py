@@ -198,18 +198,23 @@ class Transformer:
             raise ValueError(f"sequence would exceed {self.max_positions} positions")
         for cache, length in zip(caches, lengths):
             cache.ensure(length + 1)
+        x = embeddings.float()[:, None]
+        attended = torch.empty(rows, self.heads, 1, self.head_dim)
+        if self.kernels is not None:
+            # the kernel rotates q and k itself, straight from the fused projection's output
+            step_rows = cpp_kernels.StepRows(caches, lengths)
+            for index, layer in enumerate(self.layers):
+                qkv = self._normed(layer.attention_norm, layer.qkv, x).view(
+                    rows, 3, self.heads, self.head_dim)
+                self.kernels.attention(index, qkv[:, 0], qkv[:, 1], qkv[:, 2], step_rows,
+                                       attended, self.scale, (self.cos, self.sin))
+                x = self._finish(layer, x, attended)
+            return self.norm(x[:, 0])
         positions = torch.tensor(lengths)
         cos = self.cos[positions][:, None, None]  # [rows, 1, 1, dim]
         sin = self.sin[positions][:, None, None]
-        x = embeddings.float()[:, None]
-        attended = torch.empty(rows, self.heads, 1, self.head_dim)
-        step_rows = cpp_kernels.StepRows(caches, lengths) if self.kernels else None
         for index, layer in enumerate(self.layers):
             q, k, v = self._project(layer, x, cos, sin)
-            if step_rows is not None:
-                self.kernels.attention(index, q[:, :, 0], k[:, :, 0], v[:, :, 0], step_rows,
-                                       attended, self.scale)
-            else:
-                self._attend_per_row(index, q, k, v, caches, lengths, attended)
+            self._attend_per_row(index, q, k, v, caches, lengths, attended)
             x = self._finish(layer, x, attended)
         return self.norm(x[:, 0])

@@ -33,12 +33,20 @@ def _caches(lengths, seed=0):
     return caches
 
 
-def _step(kernel, caches, lengths, q, k, v, layer=1):
+def _step(kernel, caches, lengths, q, k, v, layer=1, rotary=None):
     out = torch.empty(len(caches), HEADS, 1, DIM)
     with torch.inference_mode():
         kernel.attention(layer, q, k, v, cpp_kernels.StepRows(caches, lengths), out,
-                         1 / math.sqrt(DIM))
+                         1 / math.sqrt(DIM), rotary)
     return out[:, :, 0]
+
+
+def _rotary_tables(positions):
+    """Llama's tables: cos/sin of position x frequency, the frequencies repeated twice."""
+    frequencies = 1.0 / 10000 ** (torch.arange(0, DIM, 2).float() / DIM)
+    angles = torch.outer(torch.arange(positions).float(), frequencies)
+    angles = torch.cat([angles, angles], dim=-1)
+    return angles.cos().contiguous(), angles.sin().contiguous()
 
 
 def test_kernel_matches_torch_attention_and_writes_the_new_position(kernel):
@@ -78,6 +86,35 @@ def test_rows_may_be_strided_views(kernel):
     packed = _step(kernel, _caches(lengths), lengths, q.contiguous(), k.contiguous(),
                    v.contiguous())
     assert torch.equal(strided, packed)
+
+
+def test_rotary_in_the_kernel_is_torchs_rotation_to_the_bit(kernel):
+    """Rotating q and k inside the kernel gives the bits of rotating them with torch's
+    operators (transformers' apply_rotary_pos_emb) and passing them in rotated."""
+    lengths = [0, 7, 300]
+    cos, sin = _rotary_tables(512)
+    q, k, v = (torch.randn(3, HEADS, DIM) for _ in range(3))
+    positions = torch.tensor(lengths)
+    c, s = cos[positions][:, None], sin[positions][:, None]  # [rows, 1, dim]
+
+    def rotate_half(x):
+        return torch.cat((-x[..., DIM // 2:], x[..., :DIM // 2]), dim=-1)
+
+    inside, outside = _caches(lengths), _caches(lengths)
+    rotated_inside = _step(kernel, inside, lengths, q, k, v, rotary=(cos, sin))
+    rotated_outside = _step(kernel, outside, lengths, q * c + rotate_half(q) * s,
+                            k * c + rotate_half(k) * s, v)
+    assert torch.equal(rotated_inside, rotated_outside)
+    for a, b, length in zip(inside, outside, lengths):  # layer 1's positions, the new one too
+        assert torch.equal(a.keys[1, :, :length + 1], b.keys[1, :, :length + 1])
+        assert torch.equal(a.values[1, :, :length + 1], b.values[1, :, :length + 1])
+    # and it does rotate: position 7 differs from no rotation
+    assert not torch.equal(rotated_inside[1], _step(kernel, _caches(lengths), lengths,
+                                                    q, k, v)[1])
+    with pytest.raises(ValueError, match="beyond the rotary tables"):
+        _step(kernel, _caches(lengths), lengths, q, k, v, rotary=(cos[:300], sin[:300]))
+    with pytest.raises(ValueError, match="rotary tables must be"):
+        _step(kernel, _caches(lengths), lengths, q, k, v, rotary=(cos[:, :8], sin[:, :8]))
 
 
 def test_bad_arguments_are_refused(kernel):

@@ -9,7 +9,9 @@
 // Layout: each sequence has its own cache, [layers, heads, capacity, dim] bf16 values for keys
 // and another for values (half the bytes of fp32 to read each step; rounded to nearest even,
 // as torch converts). q, k_new, v_new: per sequence, heads * dim contiguous floats, rows
-// `*_row_stride` floats apart. out: [rows, heads * dim].
+// `*_row_stride` floats apart. out: [rows, heads * dim]. With rotary tables, q and k_new are
+// rotated here at the new token's position first (so they can come straight from the fused
+// q/k/v projection).
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -52,6 +54,17 @@ inline float exp_nonpositive(float x) {
 
 constexpr int64_t kPrefetchPositions = 32;  // (dim 64: 128 bytes of bf16 a position)
 
+// Rotary position embedding of one head's vector, as transformers' Llama applies it:
+// x * cos + rotate_half(x) * sin, rotate_half(x) = (-x[half:], x[:half]). Two products and a
+// sum, each rounded as torch rounds them (no fused multiply-add), so the rotated key that
+// goes into the cache is the one torch's operators would have written.
+__attribute__((noinline, optimize("fp-contract=off")))
+void rotate(const float* x, const float* cos, const float* sin, int64_t dim, float* out) {
+    const int64_t half = dim / 2;
+    for (int64_t d = 0; d < half; ++d) out[d] = x[d] * cos[d] - x[d + half] * sin[d];
+    for (int64_t d = half; d < dim; ++d) out[d] = x[d] * cos[d] + x[d - half] * sin[d];
+}
+
 }  // namespace
 
 extern "C" int chatts_decode_attention(
@@ -62,6 +75,7 @@ extern "C" int chatts_decode_attention(
     uint16_t* const* keys, uint16_t* const* values,  // per row: its cache's first element
     const int64_t* capacity,                   // per row: positions its cache can hold
     const int64_t* lengths,                    // per row: positions already held
+    const float* cos, const float* sin,        // [positions, dim] rotary tables, or NULL
     float* out) {
     if (dim > 256) return 1;
     int64_t longest = 0;
@@ -83,6 +97,15 @@ extern "C" int chatts_decode_attention(
             // the new token's key and value go into the cache first
             const float* new_key = k_new + row * k_row_stride + head * dim;
             const float* new_value = v_new + row * v_row_stride + head * dim;
+            float rotated_query[256], rotated_key[256];
+            if (cos != nullptr) {  // at the new token's position, lengths[row]
+                rotate(query, cos + lengths[row] * dim, sin + lengths[row] * dim, dim,
+                       rotated_query);
+                rotate(new_key, cos + lengths[row] * dim, sin + lengths[row] * dim, dim,
+                       rotated_key);
+                query = rotated_query;
+                new_key = rotated_key;
+            }
             for (int64_t d = 0; d < dim; ++d) {
                 key[lengths[row] * dim + d] = to_bf16(new_key[d]);
                 value[lengths[row] * dim + d] = to_bf16(new_value[d]);
