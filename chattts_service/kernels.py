@@ -104,7 +104,8 @@ class Kernels:
         linear = self.library.chatts_int8_linear
         linear.restype = ctypes.c_int
         linear.argtypes = [_int64, _int64, _int64, _pointer, _int64, _pointer, ctypes.c_float,
-                           _pointer, _pointer, _pointer, _pointer, _int64, ctypes.c_int]
+                           ctypes.c_int, _pointer, _pointer, _pointer, _pointer, _int64,
+                           _pointer, _int64, ctypes.c_int]
         self._linear = linear
         self.path = path
         # the int8 linear needs AVX512-VNNI; without it the int8 layers run on fbgemm
@@ -156,21 +157,32 @@ class Kernels:
         return out, row_max
 
     def int8_linear(self, x: torch.Tensor, packing: "Int8Packing",
-                    gain: torch.Tensor | None = None, eps: float = 0.0) -> torch.Tensor:
+                    gain: torch.Tensor | None = None, eps: float = 0.0,
+                    residual: torch.Tensor | None = None, swiglu: bool = False) -> torch.Tensor:
         """[count, packing.out_features] float32: the rows of ``x`` [..., in_features]
         (RMSNorm-ed first with ``gain``) quantized per row and multiplied by the int8 weights
-        that ``packing`` holds (``quantize.VnniInt8Linear`` makes it)."""
+        that ``packing`` holds (``quantize.VnniInt8Linear`` makes it); plus ``residual``
+        [..., out_features] if given. With ``swiglu``, rows of ``x`` hold 2 * in_features
+        values, gate then up, and ``silu(gate) * up`` is multiplied."""
         rows = _float_rows(x)
         if gain is not None:
             _check_gain(gain, rows.shape[1])
-        count, k = rows.shape
-        if k != packing.in_features:
-            raise ValueError(f"rows of {k} values for a layer of {packing.in_features} inputs")
+        count, width = rows.shape
+        k = packing.in_features
+        if width != (2 * k if swiglu else k):
+            raise ValueError(f"rows of {width} values for a layer of {k} inputs"
+                             + (" (gate and up: twice that)" if swiglu else ""))
+        residual_pointer, residual_stride = None, 0
+        if residual is not None:
+            residual = _float_rows(residual)
+            if residual.shape != (count, packing.out_features):
+                raise ValueError("residual must be [rows, out_features]")
+            residual_pointer, residual_stride = residual.data_ptr(), residual.stride(0)
         out = torch.empty(count, packing.out_features)
         status = self._linear(count, packing.out_features, k, rows.data_ptr(), rows.stride(0),
-                              None if gain is None else gain.data_ptr(), eps,
-                              *packing.pointers, out.data_ptr(), packing.out_features,
-                              torch.get_num_threads())
+                              None if gain is None else gain.data_ptr(), eps, int(swiglu),
+                              *packing.pointers, residual_pointer, residual_stride,
+                              out.data_ptr(), packing.out_features, torch.get_num_threads())
         if status:
             raise ValueError({1: "int8_linear needs in_features % 4 == 0",
                               2: "this CPU lacks AVX512-VNNI"}.get(status, f"error {status}"))

@@ -127,14 +127,22 @@ class VnniInt8Linear:
     def nbytes(self) -> int:
         return self.packing.nbytes
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        return self.kernels.int8_linear(x, self.packing).reshape(*x.shape[:-1],
-                                                                  self.out_features)
+    def __call__(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        """``x @ W.T``, plus ``residual`` (added in the same call) if given."""
+        return self.kernels.int8_linear(x, self.packing, residual=residual).reshape(
+            *x.shape[:-1], self.out_features)
 
     def normed(self, x: torch.Tensor, gain: torch.Tensor, eps: float) -> torch.Tensor:
         """``self(rms_norm(x, gain, eps))``, the norm done in the same call."""
         return self.kernels.int8_linear(x, self.packing, gain, eps).reshape(
             *x.shape[:-1], self.out_features)
+
+    def swiglu(self, gate_up: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        """``residual + self(silu(gate) * up)`` for ``gate, up = gate_up.chunk(2, -1)``, in
+        one call (the MLP's down projection)."""
+        return self.kernels.int8_linear(gate_up, self.packing, residual=residual,
+                                        swiglu=True).reshape(*gate_up.shape[:-1],
+                                                             self.out_features)
 
 
 class MatmulInt8Linear:

@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from . import kernels as cpp_kernels
-from .quantize import make_linear
+from .quantize import VnniInt8Linear, make_linear
 
 CAPACITY_CHUNK = 256
 
@@ -42,6 +42,9 @@ class Layer:
         self.gate_up = make_linear(torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]),
                                    quantization, kernels)
         self.down = make_linear(mlp.down_proj.weight, quantization, kernels)
+        # the C++ int8 layers add the residual and do SwiGLU in their own call
+        self.fused_epilogue = all(isinstance(linear, VnniInt8Linear)
+                                  for linear in (self.out, self.down))
         self.attention_norm = RMSNorm(hf_layer.input_layernorm.weight,
                                       hf_layer.input_layernorm.variance_epsilon)
         self.mlp_norm = RMSNorm(hf_layer.post_attention_layernorm.weight,
@@ -150,7 +153,11 @@ class Transformer:
 
     def _finish(self, layer: Layer, x: torch.Tensor, attended: torch.Tensor) -> torch.Tensor:
         rows, _, length, _ = attended.shape
-        x = x + layer.out(attended.transpose(1, 2).reshape(rows, length, self.hidden_size))
+        attended = attended.transpose(1, 2).reshape(rows, length, self.hidden_size)
+        if layer.fused_epilogue:
+            x = layer.out(attended, residual=x)
+            return layer.down.swiglu(self._normed(layer.mlp_norm, layer.gate_up, x), x)
+        x = x + layer.out(attended)
         gate, up = self._normed(layer.mlp_norm, layer.gate_up, x).chunk(2, dim=-1)
         return x + layer.down(F.silu(gate) * up)
 

@@ -98,6 +98,35 @@ def test_vnni_and_fbgemm_products_give_the_same_bits(shape):
     assert float((batch_normed - reference).norm() / reference.norm()) < 1e-3
 
 
+@needs_vnni
+def test_vnni_residual_and_swiglu_in_the_same_call():
+    """The residual is added as torch adds it (same bits); SwiGLU before the product is
+    torch's silu(gate) * up within rounding; and a row stays the same alone or in a batch."""
+    torch.manual_seed(8)
+    weight = torch.randn(40, 96) * 0.05
+    vnni = VnniInt8Linear(weight, CPP)
+    x = torch.randn(9, 1, 96) * torch.logspace(-2, 2, 9)[:, None, None]
+    residual = torch.randn(9, 1, 40)
+    assert torch.equal(vnni(x, residual=residual), residual + vnni(x))
+
+    gate_up = torch.randn(9, 1, 192) * 3
+    gate, up = gate_up.chunk(2, dim=-1)
+    fused = vnni.swiglu(gate_up, residual)
+    reference = residual + FloatLinear(weight)(torch.nn.functional.silu(gate) * up)
+    assert fused.shape == (9, 1, 40)
+    assert float((fused - reference).norm() / reference.norm()) < 0.03  # int8's error
+    # silu itself: the same integers as torch's silu nearly everywhere
+    unfused = residual + vnni(torch.nn.functional.silu(gate) * up)
+    assert float((fused - unfused).norm() / unfused.norm()) < 1e-3
+    for row in range(9):
+        assert torch.equal(vnni.swiglu(gate_up[row:row + 1], residual[row:row + 1])[0],
+                           fused[row])
+    with pytest.raises(ValueError, match="gate and up"):
+        vnni.swiglu(x, residual)
+    with pytest.raises(ValueError, match="residual must be"):
+        vnni(x, residual=residual[:, :, :8])
+
+
 def test_make_linear_picks_the_fastest_int8_kernel_present():
     linear = make_linear(torch.randn(8, 8), "int8")
     assert linear.kernel == ("fbgemm" if fbgemm_available() else "int_mm")

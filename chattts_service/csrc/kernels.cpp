@@ -267,10 +267,12 @@ constexpr int64_t kPrefetchGroups = 16;  // groups of 64 bytes of weights
 
 template <int ROWS, int BLOCKS>
 __attribute__((target("avx512f,avx512bw,avx512vnni"),
-               optimize("no-associative-math", "signed-zeros", "trapping-math")))
+               optimize("no-associative-math", "signed-zeros", "trapping-math",
+                        "fp-contract=off")))
 void gemm_blocks(int64_t k_groups, const uint8_t* xq, int64_t x_stride, const int8_t* blocks,
                  int64_t block_bytes, const int32_t* column_sums, const float* weight_scale,
-                 const float* row_max, float* out, int64_t out_stride, int valid) {
+                 const float* row_max, const float* residual, int64_t residual_stride,
+                 float* out, int64_t out_stride, int valid) {
     __m512i a0 = _mm512_setzero_si512(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0,
             a7 = a0, b0 = a0, b1 = a0, b2 = a0, b3 = a0, b4 = a0, b5 = a0, b6 = a0, b7 = a0;
     const uint8_t* x = xq;
@@ -308,15 +310,18 @@ void gemm_blocks(int64_t k_groups, const uint8_t* xq, int64_t x_stride, const in
         const __mmask16 mask = static_cast<__mmask16>((1u << channels) - 1u);
         for (int r = 0; r < ROWS; ++r) {
             const __m512 sums = _mm512_cvtepi32_ps(_mm512_sub_epi32(accumulators[b][r], offset));
-            _mm512_mask_storeu_ps(out + r * out_stride + b * 16, mask,
-                                  _mm512_mul_ps(_mm512_mul_ps(sums, scale),
-                                                _mm512_set1_ps(row_max[r])));
+            __m512 result = _mm512_mul_ps(_mm512_mul_ps(sums, scale), _mm512_set1_ps(row_max[r]));
+            if (residual != nullptr)  // added after the product is rounded, as torch adds
+                result = _mm512_add_ps(
+                    _mm512_maskz_loadu_ps(mask, residual + r * residual_stride + b * 16), result);
+            _mm512_mask_storeu_ps(out + r * out_stride + b * 16, mask, result);
         }
     }
 }
 
 using BlockFunction = void (*)(int64_t, const uint8_t*, int64_t, const int8_t*, int64_t,
-                               const int32_t*, const float*, const float*, float*, int64_t, int);
+                               const int32_t*, const float*, const float*, const float*,
+                               int64_t, float*, int64_t, int);
 template <int BLOCKS>
 constexpr BlockFunction kBlockFunctions[9] = {
     nullptr, gemm_blocks<1, BLOCKS>, gemm_blocks<2, BLOCKS>, gemm_blocks<3, BLOCKS>,
@@ -326,7 +331,8 @@ constexpr BlockFunction kBlockFunctions[9] = {
 __attribute__((target("avx512f,avx512bw,avx512vnni")))
 void gemm(int64_t rows, int64_t n, int64_t k, const uint8_t* xq, const int8_t* packed,
           const int32_t* column_sums, const float* weight_scale, const float* row_max,
-          float* out, int64_t out_stride, int threads) {
+          const float* residual, int64_t residual_stride, float* out, int64_t out_stride,
+          int threads) {
     const int64_t blocks = (n + 15) / 16, pairs = (blocks + 1) / 2, block_bytes = 16 * k;
 #pragma omp parallel for num_threads(threads) schedule(static)
     for (int64_t pair = 0; pair < pairs; ++pair) {
@@ -339,29 +345,53 @@ void gemm(int64_t rows, int64_t n, int64_t k, const uint8_t* xq, const int8_t* p
             (both ? kBlockFunctions<2> : kBlockFunctions<1>)[count](
                 k / 4, xq + first * k, k, packed + block * block_bytes, block_bytes,
                 column_sums + block * 16, weight_scale + block * 16, row_max + first,
-                out + first * out_stride + block * 16, out_stride, valid);
+                residual == nullptr ? nullptr : residual + first * residual_stride + block * 16,
+                residual_stride, out + first * out_stride + block * 16, out_stride, valid);
         }
+    }
+}
+
+// SwiGLU's product silu(gate) * up, as torch computes it: silu(x) = x / (1 + exp(-x)), rounded,
+// then times up. exp(-x) from the non-positive exponential: exp(-x) itself for x >= 0, its
+// reciprocal exp(x) for x < 0 (about 1 ulp from torch's exp either way).
+void silu_times(const float* gate, const float* up, int64_t width, float* out) {
+    for (int64_t i = 0; i < width; ++i) {
+        const float x = gate[i];
+        const float decay = exp_nonpositive(-std::fabs(x));
+        const float exp_minus_x = x >= 0.0f ? decay : 1.0f / decay;
+        out[i] = (x / (1.0f + exp_minus_x)) * up[i];
     }
 }
 
 }  // namespace
 
-// out[rows, n] (rows `out_stride` floats apart) = the rows of x (`x_row_stride` floats apart,
-// RMSNorm-ed with `gain` when it is not NULL) times the packed weights, transposed. k % 4 == 0;
-// `packed`, `column_sums` and `weight_scale` cover n rounded up to 16 channels; `weight_scale`
-// is each channel's scale divided by 127 (the activations' levels).
+// out[rows, n] (rows `out_stride` floats apart) = the rows of x (`x_row_stride` floats apart)
+// times the packed weights, transposed; plus `residual` [rows, n] (`residual_stride` apart)
+// when it is not NULL. The rows are RMSNorm-ed with `gain` first when it is not NULL; with
+// `swiglu`, each row of x holds 2k values, gate then up, and the row multiplied is
+// silu(gate) * up. k % 4 == 0; `packed`, `column_sums` and `weight_scale` cover n rounded up
+// to 16 channels; `weight_scale` is each channel's scale divided by 127 (the activations'
+// levels).
 extern "C" int chatts_int8_linear(
     int64_t rows, int64_t n, int64_t k, const float* x, int64_t x_row_stride, const float* gain,
-    float eps, const int8_t* packed, const int32_t* column_sums, const float* weight_scale,
-    float* out, int64_t out_stride, int threads) {
+    float eps, int swiglu, const int8_t* packed, const int32_t* column_sums,
+    const float* weight_scale, const float* residual, int64_t residual_stride, float* out,
+    int64_t out_stride, int threads) {
     if (k % 4 != 0) return 1;
     if (!__builtin_cpu_supports("avx512vnni") || !__builtin_cpu_supports("avx512bw")) return 2;
     std::unique_ptr<uint8_t[]> xq(new uint8_t[rows * k]);
     std::unique_ptr<float[]> row_max(new float[rows]);
+    std::unique_ptr<float[]> products(swiglu ? new float[rows * k] : nullptr);
 #pragma omp parallel for num_threads(threads) schedule(static) if (rows > 16)
-    for (int64_t row = 0; row < rows; ++row)
-        row_max[row] = quantize_row(x + row * x_row_stride, k, gain, eps, xq.get() + row * k);
-    gemm(rows, n, k, xq.get(), packed, column_sums, weight_scale, row_max.get(), out,
-         out_stride, threads);
+    for (int64_t row = 0; row < rows; ++row) {
+        const float* values = x + row * x_row_stride;
+        if (swiglu) {
+            silu_times(values, values + k, k, products.get() + row * k);
+            values = products.get() + row * k;
+        }
+        row_max[row] = quantize_row(values, k, gain, eps, xq.get() + row * k);
+    }
+    gemm(rows, n, k, xq.get(), packed, column_sums, weight_scale, row_max.get(), residual,
+         residual_stride, out, out_stride, threads);
     return 0;
 }
