@@ -65,6 +65,7 @@ class Heads:
             self.text_head = make_linear(embed.head_text.weight.detach().float(), quantization,
                                          kernels)
         self.num_audio_tokens = self.code_embeddings.shape[1]
+        self.kernels = kernels  # the C++ kernels, which also sample (or None: torch samples)
         self.rows = rows
         self.hidden_size = self.code_head.in_features
 
@@ -199,7 +200,40 @@ def shape_logits(sequences: list[Sequence], logits: torch.Tensor) -> torch.Tenso
 
 
 def sample(sequences: list[Sequence], logits: torch.Tensor) -> torch.Tensor:
-    """Draw each row's tokens [rows, width] from its own generator.
+    """Draw each row's tokens [rows, width] from its own generator: with the C++ kernels where
+    the heads have them (``sample_with_kernels``), else with torch's operators."""
+    kernels = sequences[0].heads.kernels
+    if kernels is not None:
+        return sample_with_kernels(kernels, sequences, logits)
+    return sample_with_torch(sequences, logits)
+
+
+def _uniforms(sequences: list[Sequence]) -> torch.Tensor:
+    """One uniform number per codebook from each row's own generator: [rows, width]."""
+    return torch.stack([torch.rand(sequence.width, generator=sequence.generator)
+                        for sequence in sequences])
+
+
+def sample_with_kernels(kernels, sequences: list[Sequence], logits: torch.Tensor,
+                        uniforms: torch.Tensor | None = None) -> torch.Tensor:
+    """The rules of ``shape_logits`` and the draw of ``sample_with_torch`` in one C++ call
+    (``kernels.sample``): the same distribution from the same uniform numbers (``uniforms``
+    [rows, width], by default from each row's generator), without a full sort or a dozen
+    operators a step."""
+    rows, width = len(sequences), sequences[0].width
+    vocabulary = logits.shape[-1] // width
+    parameters = torch.tensor([[s.sampling.temperature, s.sampling.repetition_penalty,
+                                1 - s.sampling.top_p] for s in sequences], dtype=torch.float32)
+    top_k = torch.tensor([s.sampling.top_k for s in sequences], dtype=torch.int64)
+    windows = torch.stack([s.window(vocabulary) for s in sequences])
+    banned = torch.tensor([s.eos_token if s.steps < s.min_steps else -1 for s in sequences],
+                          dtype=torch.int64)
+    return kernels.sample(logits.float().contiguous(), parameters, top_k, windows.contiguous(),
+                          banned, _uniforms(sequences) if uniforms is None else uniforms)
+
+
+def sample_with_torch(sequences: list[Sequence], logits: torch.Tensor) -> torch.Tensor:
+    """Draw each row's tokens [rows, width] from its own generator, with torch's operators.
 
     Inverse-CDF sampling: one uniform number per codebook from the row's generator, looked up
     in the cumulative probabilities. The same distribution as ``torch.multinomial``, which
@@ -208,8 +242,7 @@ def sample(sequences: list[Sequence], logits: torch.Tensor) -> torch.Tensor:
     probabilities = F.softmax(shape_logits(sequences, logits), dim=-1)
     cumulative = probabilities.cumsum(dim=-1)  # [rows, width, vocab]
     total = cumulative[..., -1:]
-    uniform = torch.stack([torch.rand(sequence.width, generator=sequence.generator)
-                           for sequence in sequences])[..., None]
+    uniform = _uniforms(sequences)[..., None]
     # strictly below the total, so the search never runs past the last token with mass
     target = torch.minimum(uniform * total, total * (1 - 2**-23))
     # the first entry whose cumulative probability exceeds the target: entries with zero

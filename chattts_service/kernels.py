@@ -107,6 +107,11 @@ class Kernels:
                            ctypes.c_int, _pointer, _pointer, _pointer, _pointer, _int64,
                            _pointer, _int64, ctypes.c_int]
         self._linear = linear
+        sample = self.library.chatts_sample
+        sample.restype = ctypes.c_int
+        sample.argtypes = [_int64, _int64, _int64, _pointer, _pointer, _pointer, _pointer,
+                           _int64, _pointer, _pointer, _pointer, ctypes.c_int]
+        self._sample = sample
         self.path = path
         # the int8 linear needs AVX512-VNNI; without it the int8 layers run on fbgemm
         self.int8_linear_supported = cpu_supports(VNNI_CPU_FLAGS)
@@ -187,6 +192,32 @@ class Kernels:
             raise ValueError({1: "int8_linear needs in_features % 4 == 0",
                               2: "this CPU lacks AVX512-VNNI"}.get(status, f"error {status}"))
         return out
+
+
+    def sample(self, logits: torch.Tensor, parameters: torch.Tensor, top_k: torch.Tensor,
+               windows: torch.Tensor, banned: torch.Tensor,
+               uniforms: torch.Tensor) -> torch.Tensor:
+        """ChatTTS's sampling rules and one draw for each (row, codebook): tokens
+        [rows, width]. ``logits`` [rows, width * vocabulary]; ``parameters`` [rows, 3]
+        (temperature, repetition penalty, 1 - top_p); ``top_k`` [rows]; ``windows``
+        [rows, width, window] recent tokens (``vocabulary`` = none); ``banned`` [rows] a token
+        to forbid or -1; ``uniforms`` [rows, width] in [0, 1)."""
+        rows, width, window = windows.shape
+        vocabulary = logits.shape[-1] // width
+        arguments = [(logits, torch.float32, (rows, width * vocabulary)),
+                     (parameters, torch.float32, (rows, 3)), (top_k, torch.int64, (rows,)),
+                     (windows, torch.int64, (rows, width, window)),
+                     (banned, torch.int64, (rows,)), (uniforms, torch.float32, (rows, width))]
+        for tensor, dtype, shape in arguments:
+            if tensor.dtype != dtype or tuple(tensor.shape) != shape or not tensor.is_contiguous():
+                raise ValueError(f"sample takes contiguous {dtype} tensors of shape {shape}")
+        tokens = torch.empty(rows, width, dtype=torch.int64)
+        status = self._sample(rows, width, vocabulary, logits.data_ptr(), parameters.data_ptr(),
+                              top_k.data_ptr(), windows.data_ptr(), window, banned.data_ptr(),
+                              uniforms.data_ptr(), tokens.data_ptr(), torch.get_num_threads())
+        if status:
+            raise ValueError(f"sample failed: error {status}")
+        return tokens
 
 
 def _float_rows(x: torch.Tensor) -> torch.Tensor:

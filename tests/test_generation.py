@@ -5,9 +5,13 @@ import torch
 from ChatTTS.model.processors import gen_logits
 from transformers import LlamaModel
 
+from chattts_service import kernels as cpp_kernels
 from chattts_service.generation import (CODE_SAMPLING, TEXT_SAMPLING, Heads, Sampling, Sequence,
-                                        TextSequence, sample, shape_logits)
+                                        TextSequence, sample, sample_with_kernels, shape_logits)
 from chattts_service.transformer import Transformer
+
+# the test environment has a compiler: the kernels must build and load here
+CPP = cpp_kernels.load("on")
 
 
 class _FakeEmbed:
@@ -33,10 +37,9 @@ def _upstream(sequence, logits, sampling):
     return logits
 
 
-@pytest.mark.parametrize("kind", ["code", "text"])
-def test_vectorised_sampling_rules_match_chattts_processors(kind):
-    torch.manual_seed(0)
-    heads = Heads(_FakeEmbed(), rows=4)
+def _sequences_of_every_rule(kind, heads):
+    """Three rows: ChatTTS's own sampling, a strict and a loose one; empty, partial and full
+    repetition windows."""
     samplings = [CODE_SAMPLING if kind == "code" else TEXT_SAMPLING,
                  Sampling(temperature=0.9, top_p=0.5, top_k=5, repetition_penalty=1.3),
                  Sampling(temperature=0.1, top_p=0.95, top_k=50, repetition_penalty=1.0)]
@@ -50,6 +53,13 @@ def test_vectorised_sampling_rules_match_chattts_processors(kind):
         sequence.tokens[:steps] = torch.randint(0, 30, (steps, sequence.width))
         sequence.steps = steps
         sequences.append(sequence)
+    return sequences, samplings, vocabulary
+
+
+@pytest.mark.parametrize("kind", ["code", "text"])
+def test_vectorised_sampling_rules_match_chattts_processors(kind):
+    torch.manual_seed(0)
+    sequences, samplings, vocabulary = _sequences_of_every_rule(kind, Heads(_FakeEmbed(), rows=4))
     logits = torch.randn(len(sequences), sequences[0].width * vocabulary) * 3
     mine = shape_logits(sequences, logits.clone())
     for row, (sequence, sampling) in enumerate(zip(sequences, samplings)):
@@ -57,6 +67,41 @@ def test_vectorised_sampling_rules_match_chattts_processors(kind):
         assert torch.equal(torch.isinf(mine[row]), torch.isinf(expected)), row
         finite = ~torch.isinf(expected)
         assert torch.allclose(mine[row][finite], expected[finite], rtol=1e-6, atol=1e-6), row
+
+
+@pytest.mark.parametrize("kind", ["code", "text"])
+@pytest.mark.parametrize("banned", [False, True])
+def test_kernel_sampler_draws_what_the_rules_allow_in_their_proportions(kind, banned):
+    """The C++ sampler against torch's rules (``shape_logits``) and draw: a uniform number in
+    the middle of a token's share of the cumulative probability (tokens in vocabulary order)
+    must draw that token, for every token the rules keep; so it keeps the same tokens with
+    the same probabilities, and never draws one they drop."""
+    torch.manual_seed(2)
+    heads = Heads(_FakeEmbed(), rows=4, kernels=CPP)
+    sequences, _, vocabulary = _sequences_of_every_rule(kind, heads)
+    if banned:  # end of speech forbidden (min_steps), and made the likeliest token
+        for sequence in sequences:
+            sequence.min_steps = sequence.steps + 1
+    logits = torch.randn(len(sequences), sequences[0].width * vocabulary) * 3
+    if banned:
+        logits.view(len(sequences), -1, vocabulary)[..., vocabulary - 1] = 20.0
+    probabilities = torch.softmax(shape_logits(sequences, logits.clone()), dim=-1).double()
+    cumulative = probabilities.cumsum(dim=-1)
+    width = sequences[0].width
+    checked = torch.zeros(len(sequences), width, dtype=torch.long)
+    for token in range(vocabulary):
+        share = probabilities[..., token]  # [rows, width]
+        middle = (cumulative[..., token] - share / 2) / cumulative[..., -1]
+        drawn = sample_with_kernels(CPP, sequences, logits, middle.float().contiguous())
+        wanted = share > 1e-4  # clear of rounding at the edges of a share
+        assert torch.equal(drawn[wanted], torch.full_like(drawn[wanted], token)), token
+        # and whatever it drew, the rules keep it
+        kept = probabilities.gather(-1, drawn[..., None])[..., 0] > 0
+        assert bool(kept.all()), token
+        checked += wanted
+    assert bool((checked >= 1).all()), checked  # every row and codebook was put to the test
+    if banned:
+        assert not bool((sample(sequences, logits) == vocabulary - 1).any())
 
 
 def test_min_steps_forbid_end_of_speech():
@@ -122,8 +167,9 @@ def test_int8_rows_are_exactly_independent_of_their_batch(tiny_model_dir, kernel
     assert torch.equal(mine, theirs)
 
 
-def test_sampling_follows_the_distribution_and_never_draws_a_masked_token():
-    heads = Heads(_FakeEmbed(), rows=1)
+@pytest.mark.parametrize("kernels", [None, CPP], ids=["torch", "kernels"])
+def test_sampling_follows_the_distribution_and_never_draws_a_masked_token(kernels):
+    heads = Heads(_FakeEmbed(), rows=1, kernels=kernels)
     sampling = Sampling(temperature=1.0, top_p=1.0, top_k=626, repetition_penalty=1.0)
     sequence = Sequence(torch.zeros(3, 8), heads, sampling, seed=5, max_steps=8,
                         min_steps=0, eos_token=625)
