@@ -6,7 +6,8 @@ its own sampling parameters and its own random generator.
 
 The ``Batch`` prefills sequences (each into its own KV cache), steps all active ones with one forward
 pass, samples every row with ChatTTS's rules (temperature, repetition penalty over the last 16
-tokens, top-p, top-k, as its logits processors do) vectorised over the rows, and drops finished
+tokens, top-p, top-k, as its logits processors do; in one C++ call where the kernels run, else
+vectorised over the rows with torch's operators), and drops finished
 sequences at once, so a finished sequence stops costing compute and a new one can join between
 any two steps.
 

@@ -7,9 +7,13 @@
   layer for all rows in one call, writes the new token's key and value on the way, and keeps
   each (row, head) on one thread in a fixed order, so a row's result never depends on its batch.
   The cache it reads holds bf16 (half the bytes of fp32), converted to fp32 as it is read.
+  It rotates q and k (rotary position embedding) itself, as torch's operators would.
 - The int8 linear layers on CPUs with AVX512-VNNI: one call per projection that RMSNorms
-  (where the layer has a norm before it), quantizes each row and multiplies by the int8
-  weights (``Int8Packing``), exact in its integer sums (see ``quantize.VnniInt8Linear``).
+  (where the layer has a norm before it) or forms SwiGLU's silu(gate) * up (the MLP's down
+  projection), quantizes each row, multiplies by the int8 weights (``Int8Packing``), exact in
+  its integer sums, and adds the residual (see ``quantize.VnniInt8Linear``).
+- Sampling: ChatTTS's rules and the inverse-CDF draw for every row of a step in one call
+  (``generation.sample_with_kernels``).
 - Elsewhere, RMSNorm fused with fbgemm's per-row scaling: one pass instead of a dozen small
   operators (13 -> 3 us a row here), before the two normed projections of every layer.
 
