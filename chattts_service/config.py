@@ -89,8 +89,8 @@ class Settings:
     quantize: str = _env_field("QUANTIZE", "int8", "GPT linear layers: int8 (per-row activation scales) or none (fp32)")
     kernels: str = _env_field(
         "KERNELS", "auto",
-        "the built-in C++ kernels (decode attention, fused RMSNorm, VNNI int8 product): on, off, "
-        "or auto (if usable)")
+        "the built-in C++ kernels (decode attention, fused RMSNorm, VNNI int8 product, sampling): "
+        "on, off, or auto (if usable)")
     decoder_dtype: str = _env_field(
         "DECODER_DTYPE", "auto",
         "decoder precision: bf16, fp32, or auto (bf16 where the CPU has native bf16 dot products)")
