@@ -117,6 +117,7 @@ extern "C" int chatts_decode_attention(
             // and the hardware prefetcher alone ramps up too late (20 layers, 8 rows x 100
             // positions: 2.4 -> 1.3 ms; x 600: 8.7 -> 7.5 ms)
             const auto fetch = [&](int64_t position) {
+                if (position >= capacity[row]) return;  // past this head's part of the cache
                 for (int64_t d = 0; d < dim; d += 32) {  // 64 bytes of bf16
                     __builtin_prefetch(key + position * dim + d, 0, 0);
                     __builtin_prefetch(value + position * dim + d, 0, 3);
@@ -273,7 +274,7 @@ __attribute__((target("avx512f,avx512bw,avx512vnni"),
 void gemm_blocks(int64_t k_groups, const uint8_t* xq, int64_t x_stride, const int8_t* blocks,
                  int64_t block_bytes, const int32_t* column_sums, const float* weight_scale,
                  const float* row_max, const float* residual, int64_t residual_stride,
-                 float* out, int64_t out_stride, int valid) {
+                 float* out, int64_t out_stride, int valid, uintptr_t weights_end) {
     __m512i a0 = _mm512_setzero_si512(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0,
             a7 = a0, b0 = a0, b1 = a0, b2 = a0, b3 = a0, b4 = a0, b5 = a0, b6 = a0, b7 = a0;
     const uint8_t* x = xq;
@@ -282,10 +283,13 @@ void gemm_blocks(int64_t k_groups, const uint8_t* xq, int64_t x_stride, const in
         // the weights are read once per call: fetch them 1 KB ahead of use, marked
         // non-temporal (a decode step at 8 rows 14.6-15.1 -> 12.5-13.2 ms here; the T0 hint
         // measured the same, and the hardware prefetcher alone falls behind)
-        _mm_prefetch(reinterpret_cast<const char*>(w + kPrefetchGroups * 64), _MM_HINT_NTA);
-        if constexpr (BLOCKS == 2)
-            _mm_prefetch(reinterpret_cast<const char*>(w + block_bytes + kPrefetchGroups * 64),
-                         _MM_HINT_NTA);
+        // (at a block's end, into the next block, which comes next; never past the weights)
+        const uintptr_t ahead = reinterpret_cast<uintptr_t>(w) + kPrefetchGroups * 64;
+        if (ahead + (BLOCKS - 1) * block_bytes < weights_end) {
+            _mm_prefetch(reinterpret_cast<const char*>(ahead), _MM_HINT_NTA);
+            if constexpr (BLOCKS == 2)
+                _mm_prefetch(reinterpret_cast<const char*>(ahead + block_bytes), _MM_HINT_NTA);
+        }
         const __m512i w0 = _mm512_loadu_si512(w);
         __m512i w1 = w0;
         if constexpr (BLOCKS == 2) w1 = _mm512_loadu_si512(w + block_bytes);
@@ -322,7 +326,7 @@ void gemm_blocks(int64_t k_groups, const uint8_t* xq, int64_t x_stride, const in
 
 using BlockFunction = void (*)(int64_t, const uint8_t*, int64_t, const int8_t*, int64_t,
                                const int32_t*, const float*, const float*, const float*,
-                               int64_t, float*, int64_t, int);
+                               int64_t, float*, int64_t, int, uintptr_t);
 template <int BLOCKS>
 constexpr BlockFunction kBlockFunctions[9] = {
     nullptr, gemm_blocks<1, BLOCKS>, gemm_blocks<2, BLOCKS>, gemm_blocks<3, BLOCKS>,
@@ -347,7 +351,8 @@ void gemm(int64_t rows, int64_t n, int64_t k, const uint8_t* xq, const int8_t* p
                 k / 4, xq + first * k, k, packed + block * block_bytes, block_bytes,
                 column_sums + block * 16, weight_scale + block * 16, row_max + first,
                 residual == nullptr ? nullptr : residual + first * residual_stride + block * 16,
-                residual_stride, out + first * out_stride + block * 16, out_stride, valid);
+                residual_stride, out + first * out_stride + block * 16, out_stride, valid,
+                reinterpret_cast<uintptr_t>(packed) + blocks * block_bytes);
         }
     }
 }
