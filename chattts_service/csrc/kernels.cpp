@@ -260,6 +260,8 @@ float quantize_row(const float* x, int64_t width, const float* gain, float eps,
     return prepared.largest;
 }
 
+constexpr int64_t kPrefetchGroups = 16;  // groups of 64 bytes of weights
+
 // BLOCKS (1 or 2) neighbouring blocks of 16 channels for ROWS (1..8) rows: each broadcast input
 // serves both blocks, and 2 * ROWS accumulators keep the multiply unit busy. The accumulators
 // are named variables, not an array: GCC 12 kept an array of them on the stack, or copied them
@@ -267,9 +269,8 @@ float quantize_row(const float* x, int64_t width, const float* gain, float eps,
 // last block's 16 channels are real (the rest are padding and are not stored).
 // optimize: without -fassociative-math the epilogue multiplies in the written order for every
 // ROWS (with it, GCC regrouped the two products for some row counts, and a row's result
-// changed in its last bit with its batch).
-constexpr int64_t kPrefetchGroups = 16;  // groups of 64 bytes of weights
-
+// changed in its last bit with its batch); without fp-contract the residual is added to the
+// rounded product, as torch adds it, not fused into a multiply-add.
 template <int ROWS, int BLOCKS>
 __attribute__((target("avx512f,avx512bw,avx512vnni"),
                optimize("no-associative-math", "signed-zeros", "trapping-math",
@@ -285,8 +286,8 @@ void gemm_blocks(int64_t k_groups, const uint8_t* xq, int64_t x_stride, const in
     for (int64_t group = 0; group < k_groups; ++group, x += 4, w += 64) {
         // the weights are read once per call: fetch them 1 KB ahead of use, marked
         // non-temporal (a decode step at 8 rows 14.6-15.1 -> 12.5-13.2 ms here; the T0 hint
-        // measured the same, and the hardware prefetcher alone falls behind)
-        // (at a block's end, into the next block, which comes next; never past the weights)
+        // measured the same, and the hardware prefetcher alone falls behind); at a block's end
+        // into the next block, which is read next, but never past the weights
         const uintptr_t ahead = reinterpret_cast<uintptr_t>(w) + kPrefetchGroups * 64;
         if (ahead + (BLOCKS - 1) * block_bytes < weights_end) {
             _mm_prefetch(reinterpret_cast<const char*>(ahead), _MM_HINT_NTA);
