@@ -30,6 +30,12 @@ def available_cpus() -> int:
         return max(1, os.cpu_count() or 1)
 
 
+# the values of CHATTTS_QUANTIZE and CHATTTS_KERNELS; quantize.py and kernels.py take them from
+# here (this module must not import torch)
+QUANTIZATIONS = ("int8", "none")
+KERNEL_MODES = ("auto", "on", "off")
+
+
 @functools.cache
 def cpu_flags() -> frozenset[str]:
     """The CPU's feature flags from /proc/cpuinfo (empty where it cannot be read). Read once:
@@ -178,8 +184,8 @@ class Settings:
              "CHATTTS_GRACEFUL_TIMEOUT_S must be between 1 and 600"),
             (1 <= self.max_new_tokens <= 4096, "CHATTTS_MAX_NEW_TOKENS must be between 1 and 4096"),
             (self.max_steps_per_char >= 1, "CHATTTS_MAX_STEPS_PER_CHAR must be at least 1"),
-            (self.quantize in ("int8", "none"), "CHATTTS_QUANTIZE must be int8 or none"),
-            (self.kernels in ("auto", "on", "off"), "CHATTTS_KERNELS must be auto, on or off"),
+            (self.quantize in QUANTIZATIONS, "CHATTTS_QUANTIZE must be int8 or none"),
+            (self.kernels in KERNEL_MODES, "CHATTTS_KERNELS must be auto, on or off"),
             (self.decoder_dtype in ("auto", "bf16", "fp32"),
              "CHATTTS_DECODER_DTYPE must be auto, bf16 or fp32"),
             (1 <= self.max_batch <= 64, "CHATTTS_MAX_BATCH must be between 1 and 64"),

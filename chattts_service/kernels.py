@@ -38,7 +38,7 @@ from pathlib import Path
 
 import torch
 
-from .config import cpu_flags
+from .config import KERNEL_MODES, cpu_flags
 
 log = logging.getLogger(__name__)
 
@@ -47,7 +47,6 @@ FLAGS = ("-O3", "-mavx2", "-mfma", "-fopenmp", "-fno-math-errno", "-fassociative
          "-fno-signed-zeros", "-fno-trapping-math", "-shared", "-fPIC")
 REQUIRED_CPU_FLAGS = ("avx2", "fma")
 VNNI_CPU_FLAGS = ("avx512f", "avx512bw", "avx512_vnni")
-MODES = ("auto", "on", "off")
 
 _pointer = ctypes.c_void_p
 _int64 = ctypes.c_int64
@@ -284,8 +283,8 @@ class StepRows:
 def load(mode: str = "auto") -> Kernels | None:
     """The kernels for ``mode`` = auto (where they can be had), on (or raise), or off (None:
     torch's operators)."""
-    if mode not in MODES:
-        raise ValueError(f"kernels must be one of {MODES}, not {mode!r}")
+    if mode not in KERNEL_MODES:
+        raise ValueError(f"kernels must be one of {KERNEL_MODES}, not {mode!r}")
     if mode == "off":
         return None
     try:

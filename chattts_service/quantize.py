@@ -27,11 +27,8 @@ import warnings
 
 import torch
 
-from .config import cpu_flags
+from .config import QUANTIZATIONS, cpu_flags
 from .kernels import Int8Packing
-
-QUANTIZATIONS = ("int8", "none")
-
 
 def _absmax_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     rows = x.reshape(-1, x.shape[-1])
