@@ -105,6 +105,11 @@ class Sequence:
         self.job = None         # set by the scheduler
 
     @property
+    def end_banned(self) -> bool:
+        """Fewer than ``min_steps`` tokens so far: end of speech may not be drawn yet."""
+        return self.steps < self.min_steps
+
+    @property
     def cancelled(self) -> bool:
         """The caller gave up (deadline passed, client left): stop spending steps on it."""
         return self.job is not None and self.job.future.stop_requested
@@ -154,16 +159,20 @@ class TextSequence(Sequence):
         return self.heads.text_embeddings[self.tokens[self.steps - 1, 0]]
 
 
+def _sampling_parameters(sequences: list[Sequence]) -> torch.Tensor:
+    """Every row's temperature, repetition penalty and 1 - top_p: [rows, 3] float32, one
+    conversion instead of one per parameter."""
+    return torch.tensor([[s.sampling.temperature, s.sampling.repetition_penalty,
+                          1 - s.sampling.top_p] for s in sequences], dtype=torch.float32)
+
+
 def shape_logits(sequences: list[Sequence], logits: torch.Tensor) -> torch.Tensor:
     """ChatTTS's logits processing per row: [rows, width * vocab] -> [rows, width, vocab]."""
     rows, width = len(sequences), sequences[0].width
     logits = logits.view(rows, width, -1)
     vocabulary = logits.shape[-1]
 
-    # every row's parameters in one tensor: one conversion instead of one per parameter
-    parameters = torch.tensor([[s.sampling.temperature, s.sampling.repetition_penalty,
-                                1 - s.sampling.top_p] for s in sequences],
-                              dtype=torch.float32).view(rows, 3, 1, 1)
+    parameters = _sampling_parameters(sequences).view(rows, 3, 1, 1)
     temperature, penalty, keep_below = parameters.unbind(1)  # [rows, 1, 1] each
     logits = logits / temperature
 
@@ -193,7 +202,7 @@ def shape_logits(sequences: list[Sequence], logits: torch.Tensor) -> torch.Tenso
     logits = logits.masked_fill(logits < kth, -torch.inf)
 
     # no end of sequence before min_steps: one indexed write for all such rows
-    early = [(row, s.eos_token) for row, s in enumerate(sequences) if s.steps < s.min_steps]
+    early = [(row, s.eos_token) for row, s in enumerate(sequences) if s.end_banned]
     if early:
         early_rows, early_tokens = torch.tensor(early).T
         logits[early_rows[:, None], torch.arange(width), early_tokens[:, None]] = -torch.inf
@@ -223,14 +232,13 @@ def sample_with_kernels(kernels, sequences: list[Sequence], logits: torch.Tensor
     operators a step."""
     rows, width = len(sequences), sequences[0].width
     vocabulary = logits.shape[-1] // width
-    parameters = torch.tensor([[s.sampling.temperature, s.sampling.repetition_penalty,
-                                1 - s.sampling.top_p] for s in sequences], dtype=torch.float32)
     top_k = torch.tensor([s.sampling.top_k for s in sequences], dtype=torch.int64)
     windows = torch.stack([s.window(vocabulary) for s in sequences])
-    banned = torch.tensor([s.eos_token if s.steps < s.min_steps else -1 for s in sequences],
+    banned = torch.tensor([s.eos_token if s.end_banned else -1 for s in sequences],
                           dtype=torch.int64)
-    return kernels.sample(logits.float().contiguous(), parameters, top_k, windows.contiguous(),
-                          banned, _uniforms(sequences) if uniforms is None else uniforms)
+    return kernels.sample(logits.float().contiguous(), _sampling_parameters(sequences), top_k,
+                          MIN_TOKENS_TO_KEEP, windows.contiguous(), banned,
+                          _uniforms(sequences) if uniforms is None else uniforms)
 
 
 def sample_with_torch(sequences: list[Sequence], logits: torch.Tensor) -> torch.Tensor:

@@ -112,8 +112,8 @@ class Kernels:
         self._linear = linear
         sample = self.library.chatts_sample
         sample.restype = ctypes.c_int
-        sample.argtypes = [_int64, _int64, _int64, _pointer, _pointer, _pointer, _pointer,
-                           _int64, _pointer, _pointer, _pointer, ctypes.c_int]
+        sample.argtypes = [_int64, _int64, _int64, _pointer, _pointer, _pointer, _int64,
+                           _pointer, _int64, _pointer, _pointer, _pointer, ctypes.c_int]
         self._sample = sample
         self.path = path
         # the int8 linear needs AVX512-VNNI; without it the int8 layers run on fbgemm
@@ -198,11 +198,12 @@ class Kernels:
 
 
     def sample(self, logits: torch.Tensor, parameters: torch.Tensor, top_k: torch.Tensor,
-               windows: torch.Tensor, banned: torch.Tensor,
+               min_keep: int, windows: torch.Tensor, banned: torch.Tensor,
                uniforms: torch.Tensor) -> torch.Tensor:
         """ChatTTS's sampling rules and one draw for each (row, codebook): tokens
         [rows, width]. ``logits`` [rows, width * vocabulary]; ``parameters`` [rows, 3]
-        (temperature, repetition penalty, 1 - top_p); ``top_k`` [rows]; ``windows``
+        (temperature, repetition penalty, 1 - top_p); ``top_k`` [rows]; ``min_keep`` tokens
+        that top-p and top-k always keep; ``windows``
         [rows, width, window] recent tokens (``vocabulary`` = none); ``banned`` [rows] a token
         to forbid or -1; ``uniforms`` [rows, width] in [0, 1)."""
         rows, width, window = windows.shape
@@ -216,7 +217,8 @@ class Kernels:
                 raise ValueError(f"sample takes contiguous {dtype} tensors of shape {shape}")
         tokens = torch.empty(rows, width, dtype=torch.int64)
         status = self._sample(rows, width, vocabulary, logits.data_ptr(), parameters.data_ptr(),
-                              top_k.data_ptr(), windows.data_ptr(), window, banned.data_ptr(),
+                              top_k.data_ptr(), min_keep, windows.data_ptr(), window,
+                              banned.data_ptr(),
                               uniforms.data_ptr(), tokens.data_ptr(), torch.get_num_threads())
         if status:
             raise ValueError(f"sample failed: error {status}")

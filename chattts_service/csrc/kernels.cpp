@@ -412,8 +412,8 @@ extern "C" int chatts_int8_linear(
 // torch's operators): logits / temperature; the repetition penalty over the row's last tokens
 // of that codebook (a logit seen c times becomes l * p^c if negative, else l / p^c); top-p
 // (the tokens whose higher-ranked neighbours already hold top_p of the probability are
-// dropped, the first three always kept); top-k (values below the k-th largest dropped, k at
-// least 3); then the end-of-speech token forbidden where the row asks. The draw: the kept
+// dropped, the first `min_keep` always kept); top-k (values below the k-th largest dropped, k
+// at least `min_keep`); then the end-of-speech token forbidden where the row asks. The draw: the kept
 // tokens' probabilities summed in vocabulary order, and the first whose running sum exceeds
 // uniform * total, so a row's token depends on its own logits and its own uniform number only.
 // Only the top k tokens are ever sorted (partially), so a step costs a few passes over the
@@ -425,13 +425,14 @@ extern "C" __attribute__((optimize("no-associative-math"))) int chatts_sample(
     const float* logits,        // [rows, width * vocabulary]
     const float* parameters,    // [rows, 3]: temperature, repetition penalty, 1 - top_p
     const int64_t* top_k,       // [rows]
+    int64_t min_keep,           // tokens top-p and top-k always keep (ChatTTS: 3)
     const int64_t* windows,     // [rows, width, window]: recent tokens, `vocabulary` = none
     int64_t window,
     const int64_t* banned,      // [rows]: a token to forbid, or -1
     const float* uniforms,      // [rows, width], in [0, 1)
     int64_t* tokens,            // [rows, width], out
     int threads) {
-    if (vocabulary <= 0) return 1;
+    if (vocabulary <= 0 || min_keep < 1) return 1;
 #pragma omp parallel num_threads(threads) if (rows * width * vocabulary > 16384)
     {
         std::vector<float> values(vocabulary), weights(vocabulary);
@@ -474,7 +475,8 @@ extern "C" __attribute__((optimize("no-associative-math"))) int chatts_sample(
             float total = 0.0f;
             for (int64_t v = 0; v < vocabulary; ++v) total += w[v];
             // the top k by value (ties by index), most likely first
-            const int64_t k = std::min<int64_t>(std::max<int64_t>(top_k[row], 3), vocabulary);
+            const int64_t k =
+                std::min<int64_t>(std::max<int64_t>(top_k[row], min_keep), vocabulary);
             for (int64_t v = 0; v < vocabulary; ++v) order[v] = static_cast<int32_t>(v);
             std::partial_sort(order.begin(), order.begin() + k, order.end(),
                               [l](int32_t a, int32_t b) {
@@ -484,7 +486,7 @@ extern "C" __attribute__((optimize("no-associative-math"))) int chatts_sample(
             int64_t kept = 0;
             float above = 0.0f;  // probability of the higher-ranked tokens
             while (kept < k) {
-                if (kept >= 3 && 1.0f - above <= keep_below) break;
+                if (kept >= min_keep && 1.0f - above <= keep_below) break;
                 above += w[order[kept]] / total;
                 ++kept;
             }
