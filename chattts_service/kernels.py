@@ -196,7 +196,6 @@ class Kernels:
                               2: "this CPU lacks AVX512-VNNI"}.get(status, f"error {status}"))
         return out
 
-
     def sample(self, logits: torch.Tensor, parameters: torch.Tensor, top_k: torch.Tensor,
                min_keep: int, windows: torch.Tensor, banned: torch.Tensor,
                uniforms: torch.Tensor) -> torch.Tensor:

@@ -8,7 +8,7 @@ import torch.nn.functional as F
 
 from chattts_service import kernels as cpp_kernels
 from chattts_service.quantize import PackedInt8Linear, VnniInt8Linear, fbgemm_available
-from chattts_service.transformer import KVCache
+from chattts_service.transformer import KVCache, _rotate_half
 
 HEADS, DIM, LAYERS = 4, 64, 3
 
@@ -90,20 +90,18 @@ def test_rows_may_be_strided_views(kernel):
 
 def test_rotary_in_the_kernel_is_torchs_rotation_to_the_bit(kernel):
     """Rotating q and k inside the kernel gives the bits of rotating them with torch's
-    operators (transformers' apply_rotary_pos_emb) and passing them in rotated."""
+    operators as the transformer's own torch path does (transformers' apply_rotary_pos_emb)
+    and passing them in rotated."""
     lengths = [0, 7, 300]
     cos, sin = _rotary_tables(512)
     q, k, v = (torch.randn(3, HEADS, DIM) for _ in range(3))
     positions = torch.tensor(lengths)
     c, s = cos[positions][:, None], sin[positions][:, None]  # [rows, 1, dim]
 
-    def rotate_half(x):
-        return torch.cat((-x[..., DIM // 2:], x[..., :DIM // 2]), dim=-1)
-
     inside, outside = _caches(lengths), _caches(lengths)
     rotated_inside = _step(kernel, inside, lengths, q, k, v, rotary=(cos, sin))
-    rotated_outside = _step(kernel, outside, lengths, q * c + rotate_half(q) * s,
-                            k * c + rotate_half(k) * s, v)
+    rotated_outside = _step(kernel, outside, lengths, q * c + _rotate_half(q) * s,
+                            k * c + _rotate_half(k) * s, v)
     assert torch.equal(rotated_inside, rotated_outside)
     for a, b, length in zip(inside, outside, lengths):  # layer 1's positions, the new one too
         assert torch.equal(a.keys[1, :, :length + 1], b.keys[1, :, :length + 1])

@@ -100,10 +100,10 @@ extern "C" int chatts_decode_attention(
             const float* new_value = v_new + row * v_row_stride + head * dim;
             float rotated_query[256], rotated_key[256];
             if (cos != nullptr) {  // at the new token's position, lengths[row]
-                rotate(query, cos + lengths[row] * dim, sin + lengths[row] * dim, dim,
-                       rotated_query);
-                rotate(new_key, cos + lengths[row] * dim, sin + lengths[row] * dim, dim,
-                       rotated_key);
+                const float* position_cos = cos + lengths[row] * dim;
+                const float* position_sin = sin + lengths[row] * dim;
+                rotate(query, position_cos, position_sin, dim, rotated_query);
+                rotate(new_key, position_cos, position_sin, dim, rotated_key);
                 query = rotated_query;
                 new_key = rotated_key;
             }
