@@ -1,7 +1,8 @@
 """Two replicas behind the shipped nginx configuration (Debian's nginx; only the replicas'
 addresses are changed, see ``benchmarks.serverproc.Nginx``), all on loopback: the
 load spreads over both; one replica killed mid-load costs no request more than a deliberate
-503; the replica rejoins once it is ready again."""
+503, except an answer it was in the middle of writing, which the client sees cut short; the
+replica rejoins once it is ready again."""
 
 from __future__ import annotations
 
@@ -55,9 +56,9 @@ def load(url: str, seconds: float, clients: int, outcomes: list, stop: threading
                 response = session.post(url + "/synthesize", timeout=60, json={
                     "text": "负载均衡测试，第几句话都可以。", "seed": offset * 10_000 + index})
                 ok = response.status_code != 200 or response.content[:4] == b"RIFF"
-                outcomes.append((response.status_code, ok))
+                outcomes.append((response.status_code, ok, time.monotonic()))
             except requests.RequestException as error:
-                outcomes.append((error.__class__.__name__, False))
+                outcomes.append((error.__class__.__name__, False, time.monotonic()))
 
     threads = [threading.Thread(target=client, args=(i,)) for i in range(clients)]
     for thread in threads:
@@ -73,23 +74,33 @@ def test_load_spreads_survives_a_killed_replica_and_it_rejoins(replicas, tmp_pat
     threads = load(proxy.url, 6, 8, outcomes, stop)
     for thread in threads:
         thread.join()
-    assert outcomes and all(status == 200 and ok for status, ok in outcomes), outcomes[:5]
+    assert outcomes and all(status == 200 and ok for status, ok, _ in outcomes), outcomes[:5]
     assert served(first) > 0 and served(second) > 0, "nginx sent everything to one replica"
 
     # kill one replica in the middle of the load
     outcomes.clear()
     threads = load(proxy.url, 8, 8, outcomes, stop)
     time.sleep(2)
+    killed_at = time.monotonic()
     os.killpg(second.process.pid, signal.SIGKILL)
     second.process.wait(timeout=10)
     for thread in threads:
         thread.join()
-    statuses = {status for status, _ in outcomes}
-    # audio or a deliberate 503, nothing else
-    assert statuses <= {200, 503}, (Counter(status for status, _ in outcomes),
-                                    (proxy.prefix / "error.log").read_text()[-3000:])
-    assert all(ok for _, ok in outcomes)
-    assert sum(1 for status, _ in outcomes if status == 200) > 0
+    # Audio or a deliberate 503; a request the replica had not begun to answer goes to the
+    # other one. The one exception: an answer the replica was writing when it was killed.
+    # nginx has already passed its headers on and cannot try again elsewhere, so it closes
+    # the connection short of the Content-Length; the client detects that (requests raises
+    # ChunkedEncodingError) and never takes the cut body for audio. Such a cut can only
+    # happen at the kill, to requests that were in flight then: at most one per client.
+    cut = [finished for status, _, finished in outcomes if status == "ChunkedEncodingError"]
+    others = Counter(status for status, _, _ in outcomes
+                     if status not in (200, 503, "ChunkedEncodingError"))
+    log = (proxy.prefix / "error.log").read_text()[-3000:]
+    assert not others, (others, log)
+    assert len(cut) <= 8 and all(killed_at <= finished < killed_at + 5 for finished in cut), \
+        ([finished - killed_at for finished in cut], log)
+    assert all(ok for status, ok, _ in outcomes if status in (200, 503))
+    assert sum(1 for status, _, _ in outcomes if status == 200) > 0
 
     # the replica comes back on its port and nginx sends it work again once it is ready
     back = ServerProcess(second.model_dir, tmp_path / "replica-2-again.log", port=second.port,
@@ -103,6 +114,6 @@ def test_load_spreads_survives_a_killed_replica_and_it_rejoins(replicas, tmp_pat
             for thread in threads:
                 thread.join()
         assert served(back) > 0, "the restarted replica got no work"
-        assert all(status == 200 and ok for status, ok in outcomes)
+        assert all(status == 200 and ok for status, ok, _ in outcomes)
     finally:
         back.stop()
