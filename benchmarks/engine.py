@@ -33,6 +33,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from chattts_service import heap  # noqa: E402  (imports nothing heavy)
+from chattts_service.config import INT8_PRODUCTS  # noqa: E402  (nor does config)
 
 TEXT = "今天天气很好，我们一起去公园散步吧。"
 DEFAULT_MODEL = REPO / "models" / "full-random"
@@ -129,14 +130,16 @@ def phase_baseline(model_dir: Path, steps: int, requests: int) -> dict:
     }
 
 
-def phase_ours(model_dir: Path, steps: int, quantize: str, rounds: int) -> dict:
+def phase_ours(model_dir: Path, steps: int, quantize: str, rounds: int,
+               int8_product: str = "auto") -> dict:
     from chattts_service.config import Settings
     from chattts_service.engine import Engine, SynthesisRequest
 
     step_log: list[tuple[int, float]] = []
     started = time.perf_counter()
     engine = Engine(Settings.from_env({}, model_dir=model_dir, verify_model=False,
-                                      quantize=quantize, max_batch=8),
+                                      quantize=quantize, max_batch=8,
+                                      int8_product=int8_product),
                     step_observer=lambda rows, seconds: step_log.append((rows, seconds)))
     engine.load()
     engine.warm_up()
@@ -179,6 +182,7 @@ def phase_ours(model_dir: Path, steps: int, quantize: str, rounds: int) -> dict:
         "quantize": quantize,
         "decoder_dtype": engine.settings.resolved_decoder_dtype,
         "kernels": engine.kernels,
+        "linear_kernel": engine.gpt_linear_kernel,
         "ready_seconds": ready_seconds,
         "load_seconds": engine.load_seconds,
         "rss_after_ready_mb": ready_rss["VmRSS"],
@@ -189,7 +193,7 @@ def phase_ours(model_dir: Path, steps: int, quantize: str, rounds: int) -> dict:
     }
 
 
-def phase_fidelity(model_dir: Path, steps: int, seeds: int) -> dict:
+def phase_fidelity(model_dir: Path, steps: int, seeds: int, int8_product: str = "auto") -> dict:
     """fp32 generates; int8 is teacher-forced along the same tokens and compared step by step."""
     import numpy as np
     import torch
@@ -207,10 +211,11 @@ def phase_fidelity(model_dir: Path, steps: int, seeds: int) -> dict:
     engine.close()
     llama = LlamaModel.from_pretrained(str(model_dir / "asset" / "gpt"))
     reference = Transformer(llama, "none")
-    quantized = Transformer(llama, "int8")
+    quantized = Transformer(llama, "int8", int8_product=int8_product)
     del llama
     heads = engine._heads
-    int8_head = make_linear(heads.code_head.weight, "int8")  # the service's int8 code head
+    # the service's int8 code head, on the same product as its transformer
+    int8_head = make_linear(heads.code_head.weight, "int8", quantized.kernels)
 
     agreements, distances, snrs, decoder_errors = [], [], [], []
     for seed in range(seeds):
@@ -296,7 +301,7 @@ def report(data: dict) -> str:
     floor_ratio = one["ms_per_step"] / floor_ms if one["ms_per_step"] else float("nan")
     lines += [
         "",
-        f"ours: {ours['quantize']} GPT, C++ kernels {ours['kernels']}, "
+        f"ours: {ours['quantize']} GPT on {ours['linear_kernel']}, C++ kernels {ours['kernels']}, "
         f"{ours['decoder_dtype']} decoder",
         f"memory bandwidth {ours['bandwidth_gb_per_s']:.1f} GB/s; GPT linears "
         f"{ours['gpt_linear_mb']:.0f} MB ({ours['quantize']}) -> floor {floor_ms:.1f} ms/step; "
@@ -335,6 +340,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=2, help="rounds per concurrency level")
     parser.add_argument("--seeds", type=int, default=3, help="fidelity: sequences compared")
     parser.add_argument("--quantize", default="int8", choices=("int8", "none"))
+    parser.add_argument("--int8-product", default="auto", choices=INT8_PRODUCTS,
+                        help="the C++ kernels' int8 product (CHATTTS_INT8_PRODUCT)")
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0 = all allowed)")
     parser.add_argument("--no-fidelity", action="store_true")
     parser.add_argument("--max-seconds", type=float, default=900, help="limit per phase")
@@ -346,9 +353,10 @@ def main(argv: list[str] | None = None) -> int:
         if args.phase == "baseline":
             result = phase_baseline(args.model_dir, args.steps, args.requests)
         elif args.phase == "ours":
-            result = phase_ours(args.model_dir, args.steps, args.quantize, args.rounds)
+            result = phase_ours(args.model_dir, args.steps, args.quantize, args.rounds,
+                                args.int8_product)
         else:
-            result = phase_fidelity(args.model_dir, args.steps, args.seeds)
+            result = phase_fidelity(args.model_dir, args.steps, args.seeds, args.int8_product)
         print(json.dumps(result))
         return 0
 
@@ -357,10 +365,11 @@ def main(argv: list[str] | None = None) -> int:
     data = {"model_dir": str(args.model_dir), "steps": args.steps,
             "threads": args.threads or len(os.sched_getaffinity(0))}
     data["baseline"] = run_child("baseline", args, ["--requests", str(args.requests)])
+    product = ["--int8-product", args.int8_product]
     data["ours"] = run_child("ours", args, ["--quantize", args.quantize,
-                                            "--rounds", str(args.rounds)])
+                                            "--rounds", str(args.rounds), *product])
     if not args.no_fidelity:
-        data["fidelity"] = run_child("fidelity", args, ["--seeds", str(args.seeds)])
+        data["fidelity"] = run_child("fidelity", args, ["--seeds", str(args.seeds), *product])
     print(json.dumps(data, indent=1) if args.json else report(data))
     return 0
 

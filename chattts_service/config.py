@@ -30,10 +30,11 @@ def available_cpus() -> int:
         return max(1, os.cpu_count() or 1)
 
 
-# the values of CHATTTS_QUANTIZE and CHATTTS_KERNELS; quantize.py and kernels.py take them from
-# here (this module must not import torch)
+# the values of CHATTTS_QUANTIZE, CHATTTS_KERNELS and CHATTTS_INT8_PRODUCT; quantize.py and
+# kernels.py take them from here (this module must not import torch)
 QUANTIZATIONS = ("int8", "none")
 KERNEL_MODES = ("auto", "on", "off")
+INT8_PRODUCTS = ("auto", "vnni", "avx2")
 
 
 @functools.cache
@@ -95,8 +96,12 @@ class Settings:
     quantize: str = _env_field("QUANTIZE", "int8", "GPT linear layers: int8 (per-row activation scales) or none (fp32)")
     kernels: str = _env_field(
         "KERNELS", "auto",
-        "the built-in C++ kernels (decode attention, fused RMSNorm, VNNI int8 product, sampling): "
-        "on, off, or auto (if usable)")
+        "the built-in C++ kernels (decode attention, int8 product with RMSNorm and SwiGLU fused, "
+        "sampling): on, off, or auto (if usable)")
+    int8_product: str = _env_field(
+        "INT8_PRODUCT", "auto",
+        "the C++ kernels' int8 product: vnni (AVX512-VNNI, 8-bit activations), avx2 (7-bit "
+        "activations, as on CPUs without VNNI), or auto (vnni where the CPU has it)")
     decoder_dtype: str = _env_field(
         "DECODER_DTYPE", "auto",
         "decoder precision: bf16, fp32, or auto (bf16 where the CPU has native bf16 dot products)")
@@ -186,6 +191,8 @@ class Settings:
             (self.max_steps_per_char >= 1, "CHATTTS_MAX_STEPS_PER_CHAR must be at least 1"),
             (self.quantize in QUANTIZATIONS, "CHATTTS_QUANTIZE must be int8 or none"),
             (self.kernels in KERNEL_MODES, "CHATTTS_KERNELS must be auto, on or off"),
+            (self.int8_product in INT8_PRODUCTS,
+             "CHATTTS_INT8_PRODUCT must be auto, vnni or avx2"),
             (self.decoder_dtype in ("auto", "bf16", "fp32"),
              "CHATTTS_DECODER_DTYPE must be auto, bf16 or fp32"),
             (1 <= self.max_batch <= 64, "CHATTTS_MAX_BATCH must be between 1 and 64"),

@@ -285,6 +285,7 @@ class Engine:
         self.model_name = "unloaded"
         self.load_seconds: float | None = None
         self.gpt_linear_bytes = 0
+        self.gpt_linear_kernel = ""
         self.kernels = "off"  # until load() builds the transformer
         self.sample_rate = SAMPLE_RATE
         self.context_steps = 0  # decoder + vocoder receptive field, in GPT steps per side
@@ -335,10 +336,11 @@ class Engine:
                                  self.speaker_embedding)
         self.model_name = (architecture or {}).get("name", "chattts")
         self.load_seconds = time.perf_counter() - started
-        log.info("model %s loaded from %s in %.2fs (%s GPT linears, %.0f MB; C++ kernels %s; "
-                 "%s decoder; %d torch threads)", self.model_name, model_dir, self.load_seconds,
-                 self.settings.quantize, self.gpt_linear_bytes / 1e6, self.kernels,
-                 self.settings.resolved_decoder_dtype, self.settings.torch_threads)
+        log.info("model %s loaded from %s in %.2fs (%s GPT linears on %s, %.0f MB; "
+                 "C++ kernels %s; %s decoder; %d torch threads)", self.model_name, model_dir,
+                 self.load_seconds, self.settings.quantize, self.gpt_linear_kernel,
+                 self.gpt_linear_bytes / 1e6, self.kernels, self.settings.resolved_decoder_dtype,
+                 self.settings.torch_threads)
 
     def _load_modules(self, paths: model_files.ModelPaths, architecture):
         """Load ChatTTS's modules in the order that keeps peak memory lowest.
@@ -363,8 +365,10 @@ class Engine:
         config = chat.config = config_from_architecture(architecture)
 
         llama = LlamaModel.from_pretrained(str(paths.gpt))
-        transformer = Transformer(llama, settings.quantize, settings.kernels)
+        transformer = Transformer(llama, settings.quantize, settings.kernels,
+                                  settings.int8_product)
         self.gpt_linear_bytes = transformer.linear_bytes
+        self.gpt_linear_kernel = transformer.linear_kernel
         self.kernels = "on" if transformer.kernels is not None else "off"
         del llama
         gc.collect()

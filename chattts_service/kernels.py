@@ -8,18 +8,19 @@
   each (row, head) on one thread in a fixed order, so a row's result never depends on its batch.
   The cache it reads holds bf16 (half the bytes of fp32), converted to fp32 as it is read.
   It rotates q and k (rotary position embedding) itself, as torch's operators would.
-- The int8 linear layers on CPUs with AVX512-VNNI: one call per projection that RMSNorms
-  (where the layer has a norm before it) or forms SwiGLU's silu(gate) * up (the MLP's down
-  projection), quantizes each row, multiplies by the int8 weights (``Int8Packing``), exact in
-  its integer sums, and adds the residual (see ``quantize.VnniInt8Linear``).
+- The int8 linear layers: one call per projection that RMSNorms (where the layer has a norm
+  before it) or forms SwiGLU's silu(gate) * up (the MLP's down projection), quantizes each
+  row, multiplies by the int8 weights (``Int8Packing``), exact in its integer sums, and adds
+  the residual (see ``quantize.KernelInt8Linear``). The product uses AVX512-VNNI where the CPU
+  has it, else AVX2 (with 7-bit activations, as fbgemm uses on such CPUs).
 - Sampling: ChatTTS's rules and the inverse-CDF draw for every row of a step in one call
   (``generation.sample_with_kernels``).
-- Elsewhere, RMSNorm fused with fbgemm's per-row scaling: one pass instead of a dozen small
-  operators (13 -> 3 us a row here), before the two normed projections of every layer.
+- RMSNorm fused with fbgemm's per-row scaling, for int8 layers on fbgemm: one pass instead of
+  a dozen small operators (13 -> 3 us a row here).
 
 Plain C++ with OpenMP and no torch headers: a compile takes about a second, and it runs on
 torch's own OpenMP runtime (the same ``libgomp.so.1``, already loaded by torch). Built for
-x86-64-v3 (AVX2, FMA), the int8 product for AVX512-VNNI (checked at run time). The container
+x86-64-v3 (AVX2, FMA); the int8 product's AVX512-VNNI variant is chosen at run time. The container
 image builds it at image build time; elsewhere it is built on first use into
 ``CHATTTS_KERNEL_DIR`` (default: ``_build`` beside this file). Where it cannot be built or
 loaded, ``load()`` says why and the caller keeps torch's operators.
@@ -38,7 +39,7 @@ from pathlib import Path
 
 import torch
 
-from .config import KERNEL_MODES, cpu_flags
+from .config import INT8_PRODUCTS, KERNEL_MODES, cpu_flags
 
 log = logging.getLogger(__name__)
 
@@ -47,6 +48,11 @@ FLAGS = ("-O3", "-mavx2", "-mfma", "-fopenmp", "-fno-math-errno", "-fassociative
          "-fno-signed-zeros", "-fno-trapping-math", "-shared", "-fPIC")
 REQUIRED_CPU_FLAGS = ("avx2", "fma")
 VNNI_CPU_FLAGS = ("avx512f", "avx512bw", "avx512_vnni")
+# the int8 product's variants (CHATTTS_INT8_PRODUCT but auto): the C++ call's code for each,
+# and the activations' quantization levels either side of zero it takes (AVX2's vpmaddubsw adds
+# pairs of u8 * s8 products into a saturating int16: 7-bit activations keep every pair within it)
+INT8_INSTRUCTIONS = {"avx2": (1, 63), "vnni": (2, 127)}
+assert set(INT8_INSTRUCTIONS) == set(INT8_PRODUCTS) - {"auto"}
 
 _pointer = ctypes.c_void_p
 _int64 = ctypes.c_int64
@@ -89,7 +95,7 @@ def build(path: Path | None = None) -> Path:
 class Kernels:
     """The functions of the built library."""
 
-    def __init__(self, path: Path):
+    def __init__(self, path: Path, int8_product: str = "auto"):
         # torch has loaded its libgomp.so.1 already; the library's libgomp.so.1 resolves to it
         self.library = ctypes.CDLL(str(path))
         attention = self.library.chatts_decode_attention
@@ -108,7 +114,7 @@ class Kernels:
         linear.restype = ctypes.c_int
         linear.argtypes = [_int64, _int64, _int64, _pointer, _int64, _pointer, ctypes.c_float,
                            ctypes.c_int, _pointer, _pointer, _pointer, _pointer, _int64,
-                           _pointer, _int64, ctypes.c_int]
+                           _pointer, _int64, ctypes.c_int, ctypes.c_int, ctypes.c_int]
         self._linear = linear
         sample = self.library.chatts_sample
         sample.restype = ctypes.c_int
@@ -116,8 +122,12 @@ class Kernels:
                            _pointer, _int64, _pointer, _pointer, _pointer, ctypes.c_int]
         self._sample = sample
         self.path = path
-        # the int8 linear needs AVX512-VNNI; without it the int8 layers run on fbgemm
-        self.int8_linear_supported = cpu_supports(VNNI_CPU_FLAGS)
+        # the int8 product's variant: VNNI where the CPU has it (the kernels need AVX2 at least)
+        vnni = cpu_supports(VNNI_CPU_FLAGS)
+        if int8_product == "vnni" and not vnni:
+            raise ValueError("CHATTTS_INT8_PRODUCT=vnni, but this CPU lacks AVX512-VNNI")
+        self.int8_instructions = ("vnni" if vnni else "avx2") if int8_product == "auto" \
+            else int8_product
 
     def attention(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                   rows: "StepRows", out: torch.Tensor, scale: float,
@@ -169,7 +179,7 @@ class Kernels:
                     residual: torch.Tensor | None = None, swiglu: bool = False) -> torch.Tensor:
         """[count, packing.out_features] float32: the rows of ``x`` [..., in_features]
         (RMSNorm-ed first with ``gain``) quantized per row and multiplied by the int8 weights
-        that ``packing`` holds (``quantize.VnniInt8Linear`` makes it); plus ``residual``
+        that ``packing`` holds (``quantize.KernelInt8Linear`` makes it); plus ``residual``
         [..., out_features] if given. With ``swiglu``, rows of ``x`` hold 2 * in_features
         values, gate then up, and ``silu(gate) * up`` is multiplied."""
         rows = _float_rows(x)
@@ -190,10 +200,13 @@ class Kernels:
         status = self._linear(count, packing.out_features, k, rows.data_ptr(), rows.stride(0),
                               None if gain is None else gain.data_ptr(), eps, int(swiglu),
                               *packing.pointers, residual_pointer, residual_stride,
-                              out.data_ptr(), packing.out_features, torch.get_num_threads())
+                              out.data_ptr(), packing.out_features, packing.levels,
+                              INT8_INSTRUCTIONS[packing.instructions][0],
+                              torch.get_num_threads())
         if status:
             raise ValueError({1: "int8_linear needs in_features % 4 == 0",
-                              2: "this CPU lacks AVX512-VNNI"}.get(status, f"error {status}"))
+                              2: f"this CPU lacks {packing.instructions.upper()}"}
+                             .get(status, f"error {status}"))
         return out
 
     def sample(self, logits: torch.Tensor, parameters: torch.Tensor, top_k: torch.Tensor,
@@ -238,12 +251,18 @@ def _check_gain(gain: torch.Tensor, width: int) -> None:
 
 
 class Int8Packing:
-    """int8 weights as ``chatts_int8_linear`` reads them: blocks of 16 output channels (zero
-    channels pad the last), 4 inputs of 16 channels per 64 bytes; each channel's weight sum;
-    and each channel's scale divided by 127, in float32. Made from ``weights`` [out, in] int8
-    and ``scales`` [out] float32 (one per output channel)."""
+    """int8 weights as ``chatts_int8_linear`` reads them for its ``instructions`` variant
+    ("vnni" or "avx2", which fixes the activations' levels): blocks of 16 output channels
+    (zero channels pad the last), 4 inputs of 16 channels per 64 bytes; each channel's weight
+    sum times the activations' zero point; and each channel's scale divided by the levels, in
+    float32. Made from ``weights`` [out, in] int8 and ``scales`` [out] float32 (one per output
+    channel)."""
 
-    def __init__(self, weights: torch.Tensor, scales: torch.Tensor):
+    def __init__(self, weights: torch.Tensor, scales: torch.Tensor, instructions: str = "vnni"):
+        if instructions not in INT8_INSTRUCTIONS:
+            raise ValueError(f"instructions must be one of {sorted(INT8_INSTRUCTIONS)}")
+        self.instructions = instructions
+        self.levels = INT8_INSTRUCTIONS[instructions][1]
         self.out_features, self.in_features = weights.shape
         if self.in_features % 4:
             raise ValueError("the int8 linear needs in_features % 4 == 0")
@@ -253,15 +272,17 @@ class Int8Packing:
         blocks = weights.shape[0] // 16
         self.packed = weights.view(blocks, 16, self.in_features // 4, 4).transpose(1, 2) \
             .contiguous()
-        self.column_sums = weights.sum(dim=1, dtype=torch.int32).contiguous()
-        # the product fbgemm forms: the activations' scale (1/127) times the channel's scale
-        self.weight_scale = (torch.tensor(1 / 127, dtype=torch.float32) * scales).contiguous()
-        self.pointers = (self.packed.data_ptr(), self.column_sums.data_ptr(),
+        # the activations are u8 with zero point levels + 1: this much comes off each channel
+        self.offsets = (weights.sum(dim=1, dtype=torch.int32) * (self.levels + 1)).contiguous()
+        # the product fbgemm forms: the activations' scale (1/levels) times the channel's scale
+        self.weight_scale = (torch.tensor(1 / self.levels, dtype=torch.float32)
+                             * scales).contiguous()
+        self.pointers = (self.packed.data_ptr(), self.offsets.data_ptr(),
                          self.weight_scale.data_ptr())
 
     @property
     def nbytes(self) -> int:
-        return (self.packed.numel() + self.column_sums.numel() * 4
+        return (self.packed.numel() + self.offsets.numel() * 4
                 + self.weight_scale.numel() * 4)
 
 
@@ -281,20 +302,25 @@ class StepRows:
         self.longest = max(lengths)
 
 
-def load(mode: str = "auto") -> Kernels | None:
+def load(mode: str = "auto", int8_product: str = "auto") -> Kernels | None:
     """The kernels for ``mode`` = auto (where they can be had), on (or raise), or off (None:
-    torch's operators)."""
+    torch's operators); their int8 product ``int8_product`` (auto: the CPU's best). Asking
+    for a product the CPU cannot run raises ``ValueError``, whatever the mode."""
     if mode not in KERNEL_MODES:
         raise ValueError(f"kernels must be one of {KERNEL_MODES}, not {mode!r}")
+    if int8_product not in INT8_PRODUCTS:
+        raise ValueError(f"int8 product must be one of {INT8_PRODUCTS}, not {int8_product!r}")
     if mode == "off":
         return None
+    if int8_product == "vnni" and not cpu_supports(VNNI_CPU_FLAGS):
+        raise ValueError("CHATTTS_INT8_PRODUCT=vnni, but this CPU lacks AVX512-VNNI")
     try:
         if not cpu_supports():
             raise RuntimeError("this CPU lacks " + "/".join(REQUIRED_CPU_FLAGS))
         path = library_path()
         if not path.exists():
             build(path)
-        return Kernels(path)
+        return Kernels(path, int8_product)
     except (OSError, RuntimeError, subprocess.SubprocessError) as error:
         if mode == "on":
             raise RuntimeError(f"the C++ kernels are unavailable: {error}") from error

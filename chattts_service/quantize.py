@@ -7,18 +7,22 @@ changes with its neighbours (measured: 1.5% -> 11% relative error).
 
 Three kernels, all exact in their integer sums whatever the batch size:
 
-- ``VnniInt8Linear`` (x86 with AVX512-VNNI and the C++ ``kernels``): the kernels' own product,
-  with the RMSNorm and the activations' quantization in the same call. Faster than fbgemm at
-  every row count measured here (1 to 256 rows), and one copy of the weights.
-- ``PackedInt8Linear`` (other x86): fbgemm, with the weights packed once at load. Each row is
-  divided by its own absolute maximum, so every row lies in [-1, 1] and one fixed activation
-  scale (1/127, zero point 128) quantizes all of them exactly as a per-row scale would; the
-  row's maximum multiplies the result back. At 8 rows it streams the weights ~1.6x faster than
-  ``torch._int_mm`` here (measured: 20 layers 8.2 vs 13.3 ms), and is no slower at one row.
+- ``KernelInt8Linear`` (x86 with the C++ ``kernels``, which need AVX2): the kernels' own
+  product, with the RMSNorm, the activations' quantization, SwiGLU and the residual in the
+  same call. With AVX512-VNNI (8-bit activations) it is faster than fbgemm at every row count
+  measured here (1 to 256 rows); on AVX2 alone it takes 7-bit activations, as fbgemm does there.
+  One copy of the weights.
+- ``PackedInt8Linear`` (x86 without the kernels): fbgemm, with the weights packed once at load.
+  Each row is divided by its own absolute maximum, so every row lies in [-1, 1] and one fixed
+  activation scale (1/127, zero point 128) quantizes all of them exactly as a per-row scale
+  would; the row's maximum multiplies the result back. At 8 rows it streams the weights ~1.6x
+  faster than ``torch._int_mm`` here (measured: 20 layers 8.2 vs 13.3 ms), and is no slower at
+  one row.
 - ``MatmulInt8Linear``: ``torch._int_mm`` (oneDNN), where fbgemm is not built in (ARM).
 
-The first two quantize the same weights and activations to the same integers and form the same
-float products in the same order: they give the same bits (a test holds them to it).
+The first two quantize the same weights and activations to the same integers (at the same
+levels) and form the same float products in the same order: they give the same bits (a test
+holds them to it).
 """
 
 from __future__ import annotations
@@ -28,7 +32,7 @@ import warnings
 import torch
 
 from .config import QUANTIZATIONS, cpu_flags
-from .kernels import Int8Packing
+from .kernels import INT8_INSTRUCTIONS, Int8Packing
 
 def _absmax_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     rows = x.reshape(-1, x.shape[-1])
@@ -66,7 +70,7 @@ class PackedInt8Linear:
     kernel = "fbgemm"
     rows_independent = True  # exact integer sums, elementwise scales
 
-    def __init__(self, weight: torch.Tensor, kernels=None):
+    def __init__(self, weight: torch.Tensor, kernels=None, levels: int | None = None):
         weight = weight.detach().float()
         self.out_features, self.in_features = weight.shape
         quantized = _quantized_tensor(weight)
@@ -76,7 +80,7 @@ class PackedInt8Linear:
             self.packed = torch.ops.quantized.linear_prepack(quantized, None)
         finally:
             torch.backends.quantized.engine = engine
-        levels = activation_levels()
+        levels = levels or activation_levels()
         self.input_scale, self.input_zero_point = 1.0 / levels, levels + 1
         self.kernels = kernels
 
@@ -102,21 +106,24 @@ class PackedInt8Linear:
         return out.mul_(row_max).reshape(*leading, self.out_features)
 
 
-class VnniInt8Linear:
-    """``y = x @ W.T`` with the C++ kernels' AVX512-VNNI product: one call per layer that
-    norms (optionally), quantizes each row and multiplies, so a decode step's small products
-    pay no per-operator overhead. Weights quantized as ``PackedInt8Linear`` quantizes them.
+class KernelInt8Linear:
+    """``y = x @ W.T`` with the C++ kernels' int8 product: one call per layer that norms
+    (optionally), quantizes each row and multiplies, so a decode step's small products pay no
+    per-operator overhead. Weights quantized as ``PackedInt8Linear`` quantizes them; the
+    product's variant is the kernels' (``instructions``: "vnni" or "avx2"), unless given.
 
-    Measured here (the 80 projections of a step, weights streaming from memory, norm and
-    quantization included), against fbgemm: 1 row 4.9 vs 6.0 ms, 8 rows 7.3 vs 8.2 ms,
-    64 rows 18.7 vs 22.9 ms."""
+    Measured here with AVX512-VNNI (the 80 projections of a step, weights streaming from
+    memory, norm and quantization included), against fbgemm: 1 row 4.9 vs 6.0 ms, 8 rows 7.3
+    vs 8.2 ms, 64 rows 18.7 vs 22.9 ms."""
 
-    kernel = "vnni"
     rows_independent = True  # exact integer sums, each row's own epilogue
 
-    def __init__(self, weight: torch.Tensor, kernels):
+    def __init__(self, weight: torch.Tensor, kernels, instructions: str | None = None):
+        self.kernel = instructions or kernels.int8_instructions
         quantized = _quantized_tensor(weight.detach().float())
-        self.packing = Int8Packing(quantized.int_repr(), quantized.q_per_channel_scales())
+        self.packing = Int8Packing(quantized.int_repr(), quantized.q_per_channel_scales(),
+                                   self.kernel)
+        self.levels = INT8_INSTRUCTIONS[self.kernel][1]
         self.out_features, self.in_features = self.packing.out_features, self.packing.in_features
         self.kernels = kernels
 
@@ -189,11 +196,11 @@ class FloatLinear:
 
 
 def make_linear(weight: torch.Tensor, quantization: str, kernels=None):
-    """The linear layer for ``quantization``. int8: the C++ ``kernels``' VNNI product where
-    they are loaded and the CPU has it, else fbgemm, else ``_int_mm`` (no fbgemm: ARM)."""
+    """The linear layer for ``quantization``. int8: the C++ ``kernels``' product where they
+    are loaded, else fbgemm, else ``_int_mm`` (no fbgemm: ARM)."""
     if quantization == "int8":
-        if kernels is not None and kernels.int8_linear_supported and weight.shape[1] % 4 == 0:
-            return VnniInt8Linear(weight, kernels)
+        if kernels is not None and weight.shape[1] % 4 == 0:
+            return KernelInt8Linear(weight, kernels)
         return PackedInt8Linear(weight, kernels) if fbgemm_available() \
             else MatmulInt8Linear(weight)
     if quantization == "none":

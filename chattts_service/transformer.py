@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from . import kernels as cpp_kernels
-from .quantize import VnniInt8Linear, make_linear
+from .quantize import KernelInt8Linear, make_linear
 
 CAPACITY_CHUNK = 256
 
@@ -43,7 +43,7 @@ class Layer:
                                    quantization, kernels)
         self.down = make_linear(mlp.down_proj.weight, quantization, kernels)
         # the C++ int8 layers add the residual and do SwiGLU in their own call
-        self.fused_epilogue = all(isinstance(linear, VnniInt8Linear)
+        self.fused_epilogue = all(isinstance(linear, KernelInt8Linear)
                                   for linear in (self.out, self.down))
         self.attention_norm = RMSNorm(hf_layer.input_layernorm.weight,
                                       hf_layer.input_layernorm.variance_epsilon)
@@ -104,14 +104,15 @@ def rounded_positions(positions: int) -> int:
 
 
 class Transformer:
-    def __init__(self, llama_model, quantization: str = "int8", kernels: str = "auto"):
+    def __init__(self, llama_model, quantization: str = "int8", kernels: str = "auto",
+                 int8_product: str = "auto"):
         config = llama_model.config
         self.hidden_size = config.hidden_size
         self.heads = config.num_attention_heads
         self.head_dim = getattr(config, "head_dim", None) or self.hidden_size // self.heads
         if getattr(config, "num_key_value_heads", self.heads) != self.heads:
             raise ValueError("grouped-query attention is not used by ChatTTS and not supported")
-        self.kernels = cpp_kernels.load(kernels)
+        self.kernels = cpp_kernels.load(kernels, int8_product)
         self.layers = [Layer(layer, quantization, self.kernels) for layer in llama_model.layers]
         self.norm = RMSNorm(llama_model.norm.weight, llama_model.norm.variance_epsilon)
         positions = torch.arange(config.max_position_embeddings)[None]
@@ -136,6 +137,11 @@ class Transformer:
     @property
     def linear_bytes(self) -> int:
         return sum(layer.linear_bytes for layer in self.layers)
+
+    @property
+    def linear_kernel(self) -> str:
+        """What multiplies the linear layers: vnni, avx2, fbgemm, int_mm or fp32."""
+        return self.layers[0].qkv.kernel
 
     def _normed(self, norm: RMSNorm, linear, x: torch.Tensor) -> torch.Tensor:
         """``linear(norm(x))``, the norm fused into the int8 kernel's row scaling if possible."""

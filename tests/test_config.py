@@ -32,7 +32,7 @@ def test_values_are_parsed_from_the_environment():
 @pytest.mark.parametrize("name,value", [
     ("CHATTTS_PORT", "eighty"), ("CHATTTS_PORT", "70000"), ("CHATTTS_VERIFY_MODEL", "maybe"),
     ("CHATTTS_MAX_CHARS", "0"), ("CHATTTS_THREADS", "-1"), ("CHATTTS_LOG_LEVEL", "LOUD"),
-    ("CHATTTS_MAX_NEW_TOKENS", "0"),
+    ("CHATTTS_MAX_NEW_TOKENS", "0"), ("CHATTTS_KERNELS", "yes"), ("CHATTTS_INT8_PRODUCT", "avx512"),
 ])
 def test_bad_values_are_refused_with_the_variable_named(name, value):
     with pytest.raises(SettingsError, match=name):

@@ -152,6 +152,26 @@ def test_fp32_mode_runs_and_is_deterministic(tiny_model_dir):
         fp32.close()
 
 
+def test_the_avx2_int8_product_serves_and_keeps_rows_independent(tiny_model_dir):
+    """CHATTTS_INT8_PRODUCT=avx2 (what CPUs without AVX512-VNNI run, on any CPU with the
+    kernels): a request gives the same audio alone and batched with others."""
+    avx2 = Engine(Settings.from_env({}, model_dir=tiny_model_dir, verify_model=False,
+                                    max_new_tokens=200, threads=1, kernels="on",
+                                    int8_product="avx2"))
+    avx2.load()
+    try:
+        assert avx2.gpt_linear_kernel == "avx2"
+        requests = [SynthesisRequest("第一句话", 41), SynthesisRequest("第二句话，长一点", 42),
+                    SynthesisRequest("hello there", 43)]
+        alone = [avx2.synthesize(request).audio for request in requests]
+        futures = [avx2.submit(request) for request in requests]
+        together = [future.result(timeout=60).audio for future in futures]
+        for one, other in zip(alone, together):
+            assert one.size > 0 and np.array_equal(one, other)
+    finally:
+        avx2.close()
+
+
 def test_int8_weights_are_a_quarter_of_fp32(engine, tiny_model_dir):
     from transformers import LlamaModel
 

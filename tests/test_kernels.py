@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from chattts_service import kernels as cpp_kernels
-from chattts_service.quantize import PackedInt8Linear, VnniInt8Linear, fbgemm_available
+from chattts_service.quantize import KernelInt8Linear, PackedInt8Linear, fbgemm_available
 from chattts_service.transformer import KVCache, _rotate_half
 
 HEADS, DIM, LAYERS = 4, 64, 3
@@ -165,15 +165,16 @@ def test_fused_rms_norm_matches_torch_and_lies_within_unit_range(kernel):
         kernel.rms_norm_unit_rows(x, gain[:10], 1e-5)
 
 
-@pytest.mark.parametrize("layer", ["fbgemm", "vnni"])
+@pytest.mark.parametrize("layer", ["fbgemm", "vnni", "avx2"])
 def test_fused_norm_then_int8_equals_norm_then_int8(kernel, layer):
     if layer == "fbgemm" and not fbgemm_available():
         pytest.skip("fbgemm is not built into this torch")
-    if layer == "vnni" and not kernel.int8_linear_supported:
+    if layer == "vnni" and kernel.int8_instructions != "vnni":
         pytest.skip("this CPU lacks AVX512-VNNI")
     torch.manual_seed(5)
     weight = torch.randn(64, 96) * 0.05
-    linear = (PackedInt8Linear if layer == "fbgemm" else VnniInt8Linear)(weight, kernel)
+    linear = (PackedInt8Linear(weight, kernel) if layer == "fbgemm"
+              else KernelInt8Linear(weight, kernel, layer))
     gain = torch.rand(96) + 0.5
     for x in (torch.randn(1, 1, 96), torch.randn(3, 2, 96)):
         fused = linear.normed(x, gain, 1e-5)
@@ -183,10 +184,12 @@ def test_fused_norm_then_int8_equals_norm_then_int8(kernel, layer):
         assert float(error) < 0.03
 
 
-def test_int8_linear_sums_exactly(kernel):
-    """Each row quantized to round(127 * x / max|x|) + 128, times the int8 weights: the
-    integer sums are exact, and only the channels asked for are written."""
-    if not kernel.int8_linear_supported:
+@pytest.mark.parametrize("instructions", ["vnni", "avx2"])
+def test_int8_linear_sums_exactly(kernel, instructions):
+    """Each row quantized to round(levels * x / max|x|) + levels + 1 (levels: 127 for the VNNI
+    product, 63 for the AVX2 one), times the int8 weights: the integer sums are exact, and
+    only the channels asked for are written."""
+    if instructions == "vnni" and kernel.int8_instructions != "vnni":
         pytest.skip("this CPU lacks AVX512-VNNI")
     from chattts_service.kernels import Int8Packing
     from chattts_service.quantize import _quantized_tensor
@@ -194,17 +197,36 @@ def test_int8_linear_sums_exactly(kernel):
     torch.manual_seed(7)
     weight = torch.randn(40, 64)  # 40 channels: the last block of 16 is padded
     quantized = _quantized_tensor(weight)
-    packing = Int8Packing(quantized.int_repr(), quantized.q_per_channel_scales())
+    packing = Int8Packing(quantized.int_repr(), quantized.q_per_channel_scales(), instructions)
+    most = {"vnni": 127, "avx2": 63}[instructions]
+    assert packing.levels == most
     x = torch.randn(11, 64)
     row_max = x.abs().amax(dim=1, keepdim=True)
-    inverse_scale = 1 / torch.tensor(1 / 127, dtype=torch.float32)  # in float32, as the kernel
+    inverse_scale = 1 / torch.tensor(1 / most, dtype=torch.float32)  # in float32, as the kernel
     levels = torch.round((x / row_max) * inverse_scale)
-    assert int(levels.abs().max()) == 127
+    assert int(levels.abs().max()) == most
     out = kernel.int8_linear(x, packing)
     assert out.shape == (11, 40)
     sums = levels.long() @ quantized.int_repr().long().T
-    scale = quantized.q_per_channel_scales().float() / 127 * row_max
+    scale = quantized.q_per_channel_scales().float() / most * row_max
     # the integers are exact: dividing the scales back out recovers them
     assert torch.equal(torch.round(out / scale).long(), sums)
     with pytest.raises(ValueError, match="rows of 32 values"):
         kernel.int8_linear(x[:, :32], packing)
+
+
+def test_the_int8_product_is_the_cpus_best_unless_chosen(kernel):
+    from chattts_service.quantize import make_linear
+
+    vnni_cpu = cpp_kernels.cpu_supports(cpp_kernels.VNNI_CPU_FLAGS)
+    assert kernel.int8_instructions == ("vnni" if vnni_cpu else "avx2")
+    avx2 = cpp_kernels.load("on", "avx2")
+    assert avx2.int8_instructions == "avx2"
+    assert make_linear(torch.randn(16, 8), "int8", avx2).kernel == "avx2"
+    if vnni_cpu:
+        assert cpp_kernels.load("on", "vnni").int8_instructions == "vnni"
+    else:
+        with pytest.raises(ValueError, match="lacks AVX512-VNNI"):
+            cpp_kernels.load("auto", "vnni")
+    with pytest.raises(ValueError, match="int8 product must be one of"):
+        cpp_kernels.load("on", "avx512")

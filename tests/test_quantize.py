@@ -4,24 +4,34 @@ import pytest
 import torch
 
 from chattts_service import kernels as cpp_kernels
-from chattts_service.quantize import (FloatLinear, MatmulInt8Linear, PackedInt8Linear,
-                                      VnniInt8Linear, activation_levels, fbgemm_available,
+from chattts_service.kernels import INT8_INSTRUCTIONS
+from chattts_service.quantize import (FloatLinear, KernelInt8Linear, MatmulInt8Linear,
+                                      PackedInt8Linear, activation_levels, fbgemm_available,
                                       make_linear)
 
 needs_fbgemm = pytest.mark.skipif(not fbgemm_available(),
                                   reason="fbgemm is not built into this torch")
 CPP = cpp_kernels.load("auto")
-needs_vnni = pytest.mark.skipif(CPP is None or not CPP.int8_linear_supported,
+needs_kernels = pytest.mark.skipif(CPP is None, reason="the C++ kernels are unavailable")
+needs_vnni = pytest.mark.skipif(CPP is None or CPP.int8_instructions != "vnni",
                                 reason="this CPU lacks AVX512-VNNI")
+# the kernels' int8 product in each variant this CPU can run (every CPU with the kernels runs
+# the AVX2 one, whatever it would choose itself)
+INSTRUCTIONS = [pytest.param("vnni", marks=needs_vnni), pytest.param("avx2", marks=needs_kernels)]
 
 
 def _vnni(weight):
-    return VnniInt8Linear(weight, CPP)
+    return KernelInt8Linear(weight, CPP, "vnni")
+
+
+def _avx2(weight):
+    return KernelInt8Linear(weight, CPP, "avx2")
 
 
 KERNELS = [MatmulInt8Linear,
            pytest.param(PackedInt8Linear, marks=needs_fbgemm),
-           pytest.param(_vnni, marks=needs_vnni)]
+           pytest.param(_vnni, marks=needs_vnni),
+           pytest.param(_avx2, marks=needs_kernels)]
 
 
 def _rows_of_every_loudness(rows: int, width: int) -> torch.Tensor:
@@ -74,57 +84,60 @@ def test_activation_levels_fit_the_cpus_multiplier():
 
 
 @needs_fbgemm
-@needs_vnni
+@pytest.mark.parametrize("instructions", INSTRUCTIONS)
 @pytest.mark.parametrize("shape", [(2304, 768), (768, 3072), (2504, 768), (48, 64), (40, 64)])
-def test_vnni_and_fbgemm_products_give_the_same_bits(shape):
-    """The VNNI product must give fbgemm's bits for every row count (fbgemm is the reference
-    for its integers and its float products), plain and with the RMSNorm fused in; and a row
-    must give the same bits alone and in any batch. (2504: the code head, 40: channels that
-    end inside a block of 16.)"""
+def test_kernel_and_fbgemm_products_give_the_same_bits(shape, instructions):
+    """The kernels' product must give fbgemm's bits at the same activation levels for every
+    row count (fbgemm is the reference for its integers and its float products), plain and
+    with the RMSNorm fused in; and a row must give the same bits alone and in any batch (up to
+    8 rows and beyond, which the VNNI product walks differently). (2504: the code head, 40:
+    channels that end inside a block of 16.)"""
     torch.manual_seed(6)
     weight = torch.randn(*shape) * 0.02
-    fbgemm, vnni = PackedInt8Linear(weight, CPP), VnniInt8Linear(weight, CPP)
+    levels = INT8_INSTRUCTIONS[instructions][1]
+    fbgemm = PackedInt8Linear(weight, CPP, levels=levels)
+    ours = KernelInt8Linear(weight, CPP, instructions)
     x = torch.randn(20, shape[1]) * torch.logspace(-2, 2, 20)[:, None]
     gain = torch.rand(shape[1]) + 0.5
-    batch, batch_normed = vnni(x), vnni.normed(x, gain, 1e-5)
-    for rows in (1, 2, 3, 5, 8, 9, 17, 20):
-        assert torch.equal(vnni(x[:rows]), fbgemm(x[:rows])), rows
-        assert torch.equal(vnni.normed(x[:rows], gain, 1e-5),
+    batch, batch_normed = ours(x), ours.normed(x, gain, 1e-5)
+    for rows in (1, 2, 3, 4, 5, 8, 9, 17, 20):
+        assert torch.equal(ours(x[:rows]), fbgemm(x[:rows])), rows
+        assert torch.equal(ours.normed(x[:rows], gain, 1e-5),
                            fbgemm.normed(x[:rows], gain, 1e-5)), rows
-        assert torch.equal(vnni(x[:rows]), batch[:rows]), rows
-        assert torch.equal(vnni.normed(x[-rows:], gain, 1e-5), batch_normed[-rows:]), rows
+        assert torch.equal(ours(x[:rows]), batch[:rows]), rows
+        assert torch.equal(ours.normed(x[-rows:], gain, 1e-5), batch_normed[-rows:]), rows
     # the fused norm equals the norm then the product, within rounding
     reference = fbgemm(torch.nn.functional.rms_norm(x, (shape[1],), gain, 1e-5))
     assert float((batch_normed - reference).norm() / reference.norm()) < 1e-3
 
 
-@needs_vnni
-def test_vnni_residual_and_swiglu_in_the_same_call():
+@pytest.mark.parametrize("instructions", INSTRUCTIONS)
+def test_kernel_residual_and_swiglu_in_the_same_call(instructions):
     """The residual is added as torch adds it (same bits); SwiGLU before the product is
     torch's silu(gate) * up within rounding; and a row stays the same alone or in a batch."""
     torch.manual_seed(8)
     weight = torch.randn(40, 96) * 0.05
-    vnni = VnniInt8Linear(weight, CPP)
+    linear = KernelInt8Linear(weight, CPP, instructions)
     x = torch.randn(9, 1, 96) * torch.logspace(-2, 2, 9)[:, None, None]
     residual = torch.randn(9, 1, 40)
-    assert torch.equal(vnni(x, residual=residual), residual + vnni(x))
+    assert torch.equal(linear(x, residual=residual), residual + linear(x))
 
     gate_up = torch.randn(9, 1, 192) * 3
     gate, up = gate_up.chunk(2, dim=-1)
-    fused = vnni.swiglu(gate_up, residual)
+    fused = linear.swiglu(gate_up, residual)
     reference = residual + FloatLinear(weight)(torch.nn.functional.silu(gate) * up)
     assert fused.shape == (9, 1, 40)
     assert float((fused - reference).norm() / reference.norm()) < 0.03  # int8's error
     # silu itself: the same integers as torch's silu nearly everywhere
-    unfused = residual + vnni(torch.nn.functional.silu(gate) * up)
+    unfused = residual + linear(torch.nn.functional.silu(gate) * up)
     assert float((fused - unfused).norm() / unfused.norm()) < 1e-3
     for row in range(9):
-        assert torch.equal(vnni.swiglu(gate_up[row:row + 1], residual[row:row + 1])[0],
+        assert torch.equal(linear.swiglu(gate_up[row:row + 1], residual[row:row + 1])[0],
                            fused[row])
     with pytest.raises(ValueError, match="gate and up"):
-        vnni.swiglu(x, residual)
+        linear.swiglu(x, residual)
     with pytest.raises(ValueError, match="residual must be"):
-        vnni(x, residual=residual[:, :, :8])
+        linear(x, residual=residual[:, :, :8])
 
 
 def test_make_linear_picks_the_fastest_int8_kernel_present():
@@ -132,9 +145,10 @@ def test_make_linear_picks_the_fastest_int8_kernel_present():
     assert linear.kernel == ("fbgemm" if fbgemm_available() else "int_mm")
     if CPP is not None:
         with_kernels = make_linear(torch.randn(8, 8), "int8", CPP)
-        assert with_kernels.kernel == ("vnni" if CPP.int8_linear_supported
-                                       else linear.kernel)
-        # the VNNI product takes inputs in groups of four
+        assert with_kernels.kernel == CPP.int8_instructions
+        assert CPP.int8_instructions == (
+            "vnni" if cpp_kernels.cpu_supports(cpp_kernels.VNNI_CPU_FLAGS) else "avx2")
+        # the kernels' product takes inputs in groups of four
         assert make_linear(torch.randn(8, 6), "int8", CPP).kernel == linear.kernel
     assert make_linear(torch.randn(8, 8), "none").kernel == "fp32"
     with pytest.raises(ValueError, match="quantization must be one of"):

@@ -245,17 +245,19 @@ extern "C" void chatts_rms_norm_unit_rows(
 
 namespace {
 
-// Quantize one row as described above; returns its largest magnitude.
-float quantize_row(const float* x, int64_t width, const float* gain, float eps,
+// Quantize one row as described above, to round(levels * x) + levels + 1; returns its largest
+// magnitude.
+float quantize_row(const float* x, int64_t width, const float* gain, float eps, int levels,
                    uint8_t* quantized) {
     const PreparedRow prepared(x, width, gain, eps);
     // as fbgemm quantizes the same rows (divided by their maximum, then times the inverse of
-    // the scale 1/127, rounded to even), so both kernels see the same integers
-    const float inverse_scale = 1.0f / static_cast<float>(1.0 / 127.0);
+    // the scale 1/levels, rounded to even), so both kernels see the same integers
+    const float inverse_scale = 1.0f / static_cast<float>(1.0 / levels);
+    const int32_t zero_point = levels + 1;
     for (int64_t i = 0; i < width; ++i) {
         const float level =
             __builtin_nearbyintf((prepared.value(i) / prepared.largest) * inverse_scale);
-        quantized[i] = static_cast<uint8_t>(static_cast<int32_t>(level) + 128);
+        quantized[i] = static_cast<uint8_t>(static_cast<int32_t>(level) + zero_point);
     }
     return prepared.largest;
 }
@@ -276,7 +278,7 @@ __attribute__((target("avx512f,avx512bw,avx512vnni"),
                optimize("no-associative-math", "signed-zeros", "trapping-math",
                         "fp-contract=off")))
 void gemm_blocks(int64_t k_groups, const uint8_t* xq, int64_t x_stride, const int8_t* blocks,
-                 int64_t block_bytes, const int32_t* column_sums, const float* weight_scale,
+                 int64_t block_bytes, const int32_t* offsets, const float* weight_scale,
                  const float* row_max, const float* residual, int64_t residual_stride,
                  float* out, int64_t out_stride, int valid, uintptr_t weights_end) {
     __m512i a0 = _mm512_setzero_si512(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0,
@@ -312,8 +314,8 @@ void gemm_blocks(int64_t k_groups, const uint8_t* xq, int64_t x_stride, const in
     const __m512i accumulators[2][8] = {{a0, a1, a2, a3, a4, a5, a6, a7},
                                         {b0, b1, b2, b3, b4, b5, b6, b7}};
     for (int b = 0; b < BLOCKS; ++b) {
-        // 128 * (sum of the channel's weights): the u8 offset of the activations
-        const __m512i offset = _mm512_slli_epi32(_mm512_loadu_si512(column_sums + b * 16), 7);
+        // zero point * (sum of the channel's weights): the u8 offset of the activations
+        const __m512i offset = _mm512_loadu_si512(offsets + b * 16);
         const __m512 scale = _mm512_loadu_ps(weight_scale + b * 16);
         const int channels = b + 1 < BLOCKS ? 16 : valid;
         const __mmask16 mask = static_cast<__mmask16>((1u << channels) - 1u);
@@ -339,7 +341,7 @@ constexpr BlockFunction kBlockFunctions[9] = {
 
 __attribute__((target("avx512f,avx512bw,avx512vnni")))
 void gemm(int64_t rows, int64_t n, int64_t k, const uint8_t* xq, const int8_t* packed,
-          const int32_t* column_sums, const float* weight_scale, const float* row_max,
+          const int32_t* offsets, const float* weight_scale, const float* row_max,
           const float* residual, int64_t residual_stride, float* out, int64_t out_stride,
           int threads) {
     const int64_t blocks = (n + 15) / 16, pairs = (blocks + 1) / 2, block_bytes = 16 * k;
@@ -353,10 +355,98 @@ void gemm(int64_t rows, int64_t n, int64_t k, const uint8_t* xq, const int8_t* p
             const int64_t count = rows - first < 8 ? rows - first : 8;
             (both ? kBlockFunctions<2> : kBlockFunctions<1>)[count](
                 k / 4, xq + first * k, k, packed + block * block_bytes, block_bytes,
-                column_sums + block * 16, weight_scale + block * 16, row_max + first,
+                offsets + block * 16, weight_scale + block * 16, row_max + first,
                 residual == nullptr ? nullptr : residual + first * residual_stride + block * 16,
                 residual_stride, out + first * out_stride + block * 16, out_stride, valid,
                 reinterpret_cast<uintptr_t>(packed) + blocks * block_bytes);
+        }
+    }
+}
+
+// The same product for CPUs with AVX2 but not AVX512-VNNI (Haswell to Skylake, Zen 1-3), on
+// the same packed weights. vpmaddubsw multiplies u8 by s8 and adds pairs into int16, saturating:
+// with activations of 63 levels a side (u8 in [1, 127]) and weights in [-127, 127] a pair's
+// sum is at most 32258, so it never saturates; vpmaddwd by ones then adds the pairs into int32
+// lanes, so each group of four inputs adds to its channel exactly what vpdpbusd adds. 256-bit
+// registers hold 8 channels: a block's 16 take two, and ROWS (1..4) rows keep 2 * ROWS
+// accumulators (16 ymm registers in all). More rows pass over the block again, from cache.
+template <int ROWS>
+__attribute__((target("avx2,fma"),
+               optimize("no-associative-math", "signed-zeros", "trapping-math",
+                        "fp-contract=off")))
+void gemm_block_avx2(int64_t k_groups, const uint8_t* xq, int64_t x_stride,
+                     const int8_t* block, const int32_t* offsets, const float* weight_scale,
+                     const float* row_max, const float* residual, int64_t residual_stride,
+                     float* out, int64_t out_stride, int valid, uintptr_t weights_end) {
+    __m256i a0 = _mm256_setzero_si256(), a1 = a0, a2 = a0, a3 = a0, b0 = a0, b1 = a0, b2 = a0,
+            b3 = a0;
+    const __m256i ones = _mm256_set1_epi16(1);
+    const uint8_t* x = xq;
+    const int8_t* w = block;
+    for (int64_t group = 0; group < k_groups; ++group, x += 4, w += 64) {
+        const uintptr_t ahead = reinterpret_cast<uintptr_t>(w) + kPrefetchGroups * 64;
+        if (ahead < weights_end) _mm_prefetch(reinterpret_cast<const char*>(ahead), _MM_HINT_NTA);
+        const __m256i w0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w));
+        const __m256i w1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + 32));
+#define CHATTS_ROW(R)                                                                     \
+        if constexpr (ROWS > R) {                                                         \
+            int32_t four;                                                                 \
+            std::memcpy(&four, x + R * x_stride, sizeof four);                            \
+            const __m256i inputs = _mm256_set1_epi32(four);                               \
+            a##R = _mm256_add_epi32(                                                      \
+                a##R, _mm256_madd_epi16(_mm256_maddubs_epi16(inputs, w0), ones));         \
+            b##R = _mm256_add_epi32(                                                      \
+                b##R, _mm256_madd_epi16(_mm256_maddubs_epi16(inputs, w1), ones));         \
+        }
+        CHATTS_ROW(0) CHATTS_ROW(1) CHATTS_ROW(2) CHATTS_ROW(3)
+#undef CHATTS_ROW
+    }
+    const __m256i accumulators[2][4] = {{a0, a1, a2, a3}, {b0, b1, b2, b3}};
+    const __m256i lanes = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+    for (int half = 0; half < 2; ++half) {
+        const int channels = valid - 8 * half;
+        if (channels <= 0) break;
+        const __m256i mask = _mm256_cmpgt_epi32(_mm256_set1_epi32(channels), lanes);
+        const __m256i offset =
+            _mm256_loadu_si256(reinterpret_cast<const __m256i*>(offsets + 8 * half));
+        const __m256 scale = _mm256_loadu_ps(weight_scale + 8 * half);
+        for (int r = 0; r < ROWS; ++r) {
+            const __m256 sums =
+                _mm256_cvtepi32_ps(_mm256_sub_epi32(accumulators[half][r], offset));
+            __m256 result = _mm256_mul_ps(_mm256_mul_ps(sums, scale),
+                                          _mm256_set1_ps(row_max[r]));
+            if (residual != nullptr)  // added after the product is rounded, as torch adds
+                result = _mm256_add_ps(
+                    _mm256_maskload_ps(residual + r * residual_stride + 8 * half, mask), result);
+            _mm256_maskstore_ps(out + r * out_stride + 8 * half, mask, result);
+        }
+    }
+}
+
+using Avx2BlockFunction = void (*)(int64_t, const uint8_t*, int64_t, const int8_t*,
+                                   const int32_t*, const float*, const float*, const float*,
+                                   int64_t, float*, int64_t, int, uintptr_t);
+constexpr Avx2BlockFunction kAvx2BlockFunctions[5] = {
+    nullptr, gemm_block_avx2<1>, gemm_block_avx2<2>, gemm_block_avx2<3>, gemm_block_avx2<4>};
+
+__attribute__((target("avx2,fma")))
+void gemm_avx2(int64_t rows, int64_t n, int64_t k, const uint8_t* xq, const int8_t* packed,
+               const int32_t* offsets, const float* weight_scale, const float* row_max,
+               const float* residual, int64_t residual_stride, float* out, int64_t out_stride,
+               int threads) {
+    const int64_t blocks = (n + 15) / 16, block_bytes = 16 * k;
+    const uintptr_t weights_end = reinterpret_cast<uintptr_t>(packed) + blocks * block_bytes;
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t block = 0; block < blocks; ++block) {
+        const int valid = static_cast<int>(n - block * 16 < 16 ? n - block * 16 : 16);
+        for (int64_t first = 0; first < rows; first += 4) {
+            const int64_t count = rows - first < 4 ? rows - first : 4;
+            kAvx2BlockFunctions[count](
+                k / 4, xq + first * k, k, packed + block * block_bytes, offsets + block * 16,
+                weight_scale + block * 16, row_max + first,
+                residual == nullptr ? nullptr : residual + first * residual_stride + block * 16,
+                residual_stride, out + first * out_stride + block * 16, out_stride, valid,
+                weights_end);
         }
     }
 }
@@ -379,16 +469,26 @@ void silu_times(const float* gate, const float* up, int64_t width, float* out) {
 // times the packed weights, transposed; plus `residual` [rows, n] (`residual_stride` apart)
 // when it is not NULL. The rows are RMSNorm-ed with `gain` first when it is not NULL; with
 // `swiglu`, each row of x holds 2k values, gate then up, and the row multiplied is
-// silu(gate) * up. k % 4 == 0; `packed`, `column_sums` and `weight_scale` cover n rounded up
-// to 16 channels; `weight_scale` is each channel's scale divided by 127 (the activations'
-// levels).
+// silu(gate) * up. k % 4 == 0; `packed`, `offsets` and `weight_scale` cover n rounded up to 16
+// channels; `offsets` is (levels + 1) * each channel's weight sum, `weight_scale` each channel's
+// scale divided by `levels` (the activations' levels either side of zero). `instructions`:
+// 2 the AVX512-VNNI product (levels up to 127), 1 the AVX2 one (levels up to 63).
 extern "C" int chatts_int8_linear(
     int64_t rows, int64_t n, int64_t k, const float* x, int64_t x_row_stride, const float* gain,
-    float eps, int swiglu, const int8_t* packed, const int32_t* column_sums,
+    float eps, int swiglu, const int8_t* packed, const int32_t* offsets,
     const float* weight_scale, const float* residual, int64_t residual_stride, float* out,
-    int64_t out_stride, int threads) {
+    int64_t out_stride, int levels, int instructions, int threads) {
     if (k % 4 != 0) return 1;
-    if (!__builtin_cpu_supports("avx512vnni") || !__builtin_cpu_supports("avx512bw")) return 2;
+    if (instructions == 2) {
+        if (!__builtin_cpu_supports("avx512vnni") || !__builtin_cpu_supports("avx512bw"))
+            return 2;
+        if (levels < 1 || levels > 127) return 3;
+    } else if (instructions == 1) {
+        if (!__builtin_cpu_supports("avx2")) return 2;
+        if (levels < 1 || levels > 63) return 3;
+    } else {
+        return 4;
+    }
     std::unique_ptr<uint8_t[]> xq(new uint8_t[rows * k]);
     std::unique_ptr<float[]> row_max(new float[rows]);
     std::unique_ptr<float[]> products(swiglu ? new float[rows * k] : nullptr);
@@ -399,10 +499,11 @@ extern "C" int chatts_int8_linear(
             silu_times(values, values + k, k, products.get() + row * k);
             values = products.get() + row * k;
         }
-        row_max[row] = quantize_row(values, k, gain, eps, xq.get() + row * k);
+        row_max[row] = quantize_row(values, k, gain, eps, levels, xq.get() + row * k);
     }
-    gemm(rows, n, k, xq.get(), packed, column_sums, weight_scale, row_max.get(), residual,
-         residual_stride, out, out_stride, threads);
+    (instructions == 2 ? gemm : gemm_avx2)(rows, n, k, xq.get(), packed, offsets, weight_scale,
+                                           row_max.get(), residual, residual_stride, out,
+                                           out_stride, threads);
     return 0;
 }
 
