@@ -205,7 +205,9 @@ class Kernels:
                               torch.get_num_threads())
         if status:
             raise ValueError({1: "int8_linear needs in_features % 4 == 0",
-                              2: f"this CPU lacks {packing.instructions.upper()}"}
+                              2: f"this CPU lacks {packing.instructions.upper()}",
+                              3: f"{packing.levels} activation levels are too many for "
+                                 f"{packing.instructions.upper()}"}
                              .get(status, f"error {status}"))
         return out
 

@@ -224,21 +224,23 @@ extern "C" void chatts_rms_norm_unit_rows(
 }
 
 // ---------------------------------------------------------------------------------------------
-// chatts_int8_linear: int8 linear layers with AVX512-VNNI (x86 CPUs that have it: Ice Lake and
-// later, Zen 4), the norm and the activations' quantization included.
+// chatts_int8_linear: int8 linear layers, the norm and the activations' quantization included;
+// the product with AVX512-VNNI (x86 CPUs that have it: Ice Lake and later, Zen 4) or AVX2.
 //
 // Activations: each row (RMSNorm-ed first when there is a gain) divided by its largest
-// magnitude and quantized to u8 as round(127 * x) + 128, so in [1, 255]; the magnitude
-// multiplies the result back. Weights: s8 with one scale per output channel, packed once in
-// blocks of 16 output channels so that one 64-byte load holds 4 consecutive inputs of 16
-// channels: packed[block][k / 4][channel][k % 4] (zero channels pad the last block).
-// vpdpbusd multiplies u8 by s8 and adds groups of four into int32 lanes, exactly, so the sum is
-// the same whatever the row count or thread split; subtracting 128 * (sum of the channel's
+// magnitude and quantized to u8 as round(levels * x) + levels + 1: levels 127 for VNNI, so in
+// [1, 255]; 63 for AVX2, so in [1, 127]. The magnitude multiplies the result back. Weights: s8
+// with one scale per output channel, packed once in blocks of 16 output channels so that one
+// 64-byte load holds 4 consecutive inputs of 16 channels: packed[block][k / 4][channel][k % 4]
+// (zero channels pad the last block). vpdpbusd multiplies u8 by s8 and adds groups of four into
+// int32 lanes, exactly (the AVX2 product adds the same sums in two steps), so the sum is the
+// same whatever the row count or thread split; subtracting (levels + 1) * (sum of the channel's
 // weights) removes the u8 offset, and each row's epilogue is its own. So a row's result never
 // depends on the other rows of its batch. The integers and the float products are the ones
-// fbgemm forms for the same quantized tensors, in the same order (a test holds the two to the
-// same bits). Up to 8 rows share each 64-byte load of weights, so they stream from memory once
-// per call for a decode step's batch; more rows find each block in cache.
+// fbgemm forms for the same quantized tensors at the same levels, in the same order (a test
+// holds the two to the same bits). Up to 8 rows (4 with AVX2) share each load of weights, so
+// they stream from memory once per call for a decode step's batch; more rows find each block in
+// cache.
 #include <immintrin.h>
 
 #include <memory>
