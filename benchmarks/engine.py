@@ -88,16 +88,16 @@ def measure_bandwidth(size_mb: int = 1024, repeats: int = 7) -> float:
 
 # -- child phases -----------------------------------------------------------------------------
 
-def phase_baseline(model_dir: Path, steps: int, requests: int) -> dict:
+def load_upstream(model_dir: Path):
+    """ChatTTS's own ``Chat``, loaded from ``model_dir`` as upstream loads it (fp32, CPU)."""
     import torch
     from ChatTTS import Chat
 
     from chattts_service import model_files
     from chattts_service.architecture import config_from_architecture, read_architecture
-    from chattts_service.engine import _quiet_library_chatter, voice_for_seed
+    from chattts_service.engine import _quiet_library_chatter
 
     _quiet_library_chatter()
-    started = time.perf_counter()
     paths = model_files.check_present(model_dir)
     chat = Chat()
     chat.config = config_from_architecture(read_architecture(paths.architecture))
@@ -105,6 +105,16 @@ def phase_baseline(model_dir: Path, steps: int, requests: int) -> dict:
                gpt_ckpt_path=str(paths.gpt), embed_path=str(paths.embed),
                decoder_ckpt_path=str(paths.decoder), tokenizer_path=str(paths.tokenizer),
                device=torch.device("cpu"))
+    return chat
+
+
+def phase_baseline(model_dir: Path, steps: int, requests: int) -> dict:
+    from ChatTTS import Chat
+
+    from chattts_service.engine import voice_for_seed
+
+    started = time.perf_counter()
+    chat = load_upstream(model_dir)
     load_seconds = time.perf_counter() - started
 
     def one(seed: int) -> float:
@@ -262,19 +272,29 @@ def phase_fidelity(model_dir: Path, steps: int, seeds: int, int8_product: str = 
 
 # -- the parent: run the phases in children and compare ----------------------------------------
 
-def run_child(phase: str, args: argparse.Namespace, extra: list[str]) -> dict:
-    command = [sys.executable, __file__, "--phase", phase, "--model-dir", str(args.model_dir),
-               "--steps", str(args.steps), *extra]
+def run_phase(script: str, phase: str, arguments: list[str], threads: int, service: bool,
+              max_seconds: float) -> dict:
+    """Run ``script --phase phase *arguments`` in a fresh interpreter on ``threads`` torch
+    threads (0: all this process may use) and return the JSON its last line prints.
+    ``service``: the phase runs this service's engine, so it gets the service's bounds on
+    native caches; upstream's code runs as it comes."""
+    command = [sys.executable, script, "--phase", phase, *arguments]
     env = dict(os.environ)
-    threads = str(args.threads or len(os.sched_getaffinity(0)))
-    env.update(OMP_NUM_THREADS=threads, MKL_NUM_THREADS=threads, CHATTTS_THREADS=threads)
-    if phase != "baseline":  # the service's settings for its engine; upstream runs as it comes
+    count = str(threads or len(os.sched_getaffinity(0)))
+    env.update(OMP_NUM_THREADS=count, MKL_NUM_THREADS=count, CHATTTS_THREADS=count)
+    if service:
         heap.bound_native_caches(env)
     result = subprocess.run(command, capture_output=True, text=True, env=env,
-                            timeout=args.max_seconds)
+                            timeout=max_seconds)
     if result.returncode != 0:
         raise RuntimeError(f"{phase} failed:\n{result.stderr[-4000:]}")
     return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+def run_child(phase: str, args: argparse.Namespace, extra: list[str]) -> dict:
+    return run_phase(__file__, phase, ["--model-dir", str(args.model_dir),
+                                       "--steps", str(args.steps), *extra],
+                     args.threads, phase != "baseline", args.max_seconds)
 
 
 def report(data: dict) -> str:

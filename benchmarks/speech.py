@@ -21,9 +21,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -31,8 +29,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from benchmarks.engine import TEXT, audio_seconds, default_model  # noqa: E402
-from chattts_service import heap  # noqa: E402
+from benchmarks.engine import (TEXT, audio_seconds, default_model, load_upstream,  # noqa: E402
+                               run_phase)
 
 LONG_SENTENCES = (
     "第{n}段：今天是2024年3月{day}日，气温{deg}摄氏度，我们在公园里走了{km}公里。",
@@ -53,21 +51,11 @@ def long_text(chars: int = 2000) -> str:
 
 def phase_upstream(model_dir: Path, steps: int, requests: int) -> dict:
     import numpy as np
-    import torch
     from ChatTTS import Chat
 
-    from chattts_service import model_files
-    from chattts_service.architecture import config_from_architecture, read_architecture
-    from chattts_service.engine import _quiet_library_chatter, voice_for_seed
+    from chattts_service.engine import voice_for_seed
 
-    _quiet_library_chatter()
-    paths = model_files.check_present(model_dir)
-    chat = Chat()
-    chat.config = config_from_architecture(read_architecture(paths.architecture))
-    chat._load(vocos_ckpt_path=str(paths.vocos), dvae_ckpt_path=str(paths.dvae),
-               gpt_ckpt_path=str(paths.gpt), embed_path=str(paths.embed),
-               decoder_ckpt_path=str(paths.decoder), tokenizer_path=str(paths.tokenizer),
-               device=torch.device("cpu"))
+    chat = load_upstream(model_dir)
 
     def one(seed: int) -> tuple[float, float]:
         voice = voice_for_seed(chat.speaker, seed)
@@ -137,18 +125,10 @@ def phase_ours(model_dir: Path, steps: int, requests: int, long_chars: int) -> d
 
 
 def run_child(phase: str, args, extra: list[str]) -> dict:
-    command = [sys.executable, __file__, "--phase", phase, "--model-dir", str(args.model_dir),
-               "--steps", str(args.steps), "--requests", str(args.requests), *extra]
-    env = dict(os.environ)
-    threads = str(len(os.sched_getaffinity(0)))
-    env.update(OMP_NUM_THREADS=threads, MKL_NUM_THREADS=threads, CHATTTS_THREADS=threads)
-    if phase != "upstream":  # the service's settings for its engine; upstream runs as it comes
-        heap.bound_native_caches(env)
-    result = subprocess.run(command, capture_output=True, text=True, env=env,
-                            timeout=args.max_seconds)
-    if result.returncode != 0:
-        raise RuntimeError(f"{phase} failed:\n{result.stderr[-4000:]}")
-    return json.loads(result.stdout.strip().splitlines()[-1])
+    return run_phase(__file__, phase, ["--model-dir", str(args.model_dir),
+                                       "--steps", str(args.steps),
+                                       "--requests", str(args.requests), *extra],
+                     0, phase != "upstream", args.max_seconds)
 
 
 def report(data: dict) -> str:
