@@ -78,9 +78,13 @@ class MemoryCgroup:
 
 
 class Server:
+    """``python server.py`` as a user runs it, on a loopback port (a free one unless given),
+    optionally inside a memory cgroup."""
+
     def __init__(self, model_dir: Path, log_path: Path, cgroup: MemoryCgroup | None = None,
-                 **settings: str):
-        self.port = free_port()
+                 port: int | None = None, **settings: str):
+        self.port = port or free_port()
+        self.model_dir = model_dir
         self.url = f"http://127.0.0.1:{self.port}"
         env = {k: v for k, v in os.environ.items() if not k.startswith("CHATTTS_")}
         env.update({"CHATTTS_HOST": "127.0.0.1", "CHATTTS_PORT": str(self.port),
@@ -95,18 +99,37 @@ class Server:
         self.process = subprocess.Popen(command, cwd=REPO, env=env, stdout=self._log,
                                         stderr=subprocess.STDOUT, start_new_session=True)
 
-    def wait_ready(self, timeout: float = 300) -> float:
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def _check_running(self) -> None:
+        if self.process.poll() is not None:
+            raise RuntimeError(f"server exited with {self.process.returncode}:\n"
+                               f"{self.log()[-6000:]}")
+
+    def wait_listening(self, timeout: float = 60.0) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            self._check_running()
+            try:
+                requests.get(self.url + "/healthz", timeout=1)
+                return
+            except requests.ConnectionError:
+                time.sleep(0.05)
+        raise TimeoutError(f"server did not listen within {timeout} s:\n{self.log()[-6000:]}")
+
+    def wait_ready(self, timeout: float = 300.0) -> float:
+        """Seconds until /readyz said 200."""
         started = time.monotonic()
         while time.monotonic() - started < timeout:
-            if self.process.poll() is not None:
-                raise RuntimeError(f"server exited ({self.process.returncode}); see {self.log_path}")
+            self._check_running()
             try:
                 if requests.get(self.url + "/readyz", timeout=2).status_code == 200:
                     return time.monotonic() - started
             except (requests.ConnectionError, requests.Timeout):
                 pass  # not listening yet, or too busy starting up to answer
-            time.sleep(0.2)
-        raise TimeoutError(f"not ready after {timeout} s; see {self.log_path}")
+            time.sleep(0.1)
+        raise TimeoutError(f"server not ready within {timeout} s:\n{self.log()[-6000:]}")
 
     def pids(self) -> list[int]:
         """The arbiter and its worker(s)."""
@@ -126,6 +149,7 @@ class Server:
         return total / 1024
 
     def stop(self) -> int | None:
+        """SIGTERM (a graceful drain), SIGKILL after 60 s; the exit status."""
         if self.process.poll() is None:
             os.killpg(self.process.pid, signal.SIGTERM)
             try:

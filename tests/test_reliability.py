@@ -232,7 +232,7 @@ def test_a_killed_worker_is_replaced_and_the_service_is_ready_again(start_server
 
 
 def test_logs_on_a_full_disk_do_not_stop_serving(tiny_model_dir, tmp_path):
-    from conftest import free_port
+    from benchmarks.serverproc import free_port
 
     port = free_port()
     env = {**{k: v for k, v in os.environ.items() if not k.startswith("CHATTTS_")},
