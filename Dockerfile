@@ -61,6 +61,9 @@ ENV PATH=/opt/venv/bin:$PATH \
     CHATTTS_MODEL_DIR=/models/chattts \
     CHATTTS_VOICES_DIR=/voices \
     CHATTTS_PORT=8090
+# ChatTTS's Numba functions compiled once, here: the entrypoint copies them into the empty
+# NUMBA_CACHE_DIR tmpfs, so even a container's first start skips their JIT (~2.3 s of warm-up)
+RUN NUMBA_CACHE_DIR=/opt/numba-cache python -m chattts_service.warmup --jit-cache
 USER 10001:10001
 EXPOSE 8090
 HEALTHCHECK --interval=15s --timeout=5s --start-period=180s --retries=3 \
