@@ -87,6 +87,16 @@ def test_health_endpoints(server):
     assert ready.status_code == 200 and ready.json()["model"] == "tiny-random"
 
 
+def test_status_names_what_multiplies_the_int8_layers(server):
+    from chattts_service import kernels
+
+    status = requests.get(server.url + "/status", timeout=5).json()
+    assert status["quantization"] == "int8" and status["kernels"] == "on"
+    # the server's CPU decides: the kernels' VNNI product where it has AVX512-VNNI, else AVX2
+    vnni = kernels.cpu_supports(kernels.VNNI_CPU_FLAGS)
+    assert status["linears"] == ("vnni" if vnni else "avx2")
+
+
 def test_synthesize_returns_a_24khz_mono_16bit_wav(server):
     response = synthesize(server, {"text": "你好，欢迎使用。", "seed": 101})
     assert response.status_code == 200

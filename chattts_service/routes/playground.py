@@ -29,6 +29,8 @@ def status():
         "uptime_seconds": round(time.monotonic() - state.started_at, 1),
         "model": engine.model_name,
         "quantization": settings.quantize,
+        "linears": engine.gpt_linear_kernel,  # what multiplies them: vnni, avx2, fbgemm, ...
+        "kernels": engine.kernels,
         "decoder": settings.resolved_decoder_dtype,
         "degraded": state.degraded,
         "cpu_percent": round(state.pressure.last_percent, 1) if state.pressure else None,

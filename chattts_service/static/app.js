@@ -181,7 +181,8 @@ async function refreshStatus() {
   $("s-rtf").textContent = status.recent_real_time_factor == null ? "–"
     : status.recent_real_time_factor.toFixed(2);
   $("s-degraded").textContent = status.degraded ? "on" : "off";
-  $("s-model").textContent = `${status.model} (${status.quantization}, decoder ${status.decoder})`;
+  $("s-model").textContent =
+    `${status.model} (${status.quantization} on ${status.linears}, decoder ${status.decoder})`;
   const up = status.uptime_seconds;
   $("s-uptime").textContent = up < 120 ? `${Math.round(up)} s` : up < 7200 ?
     `${Math.round(up / 60)} min` : `${(up / 3600).toFixed(1)} h`;
