@@ -122,12 +122,11 @@ class Kernels:
                            _pointer, _int64, _pointer, _pointer, _pointer, ctypes.c_int]
         self._sample = sample
         self.path = path
-        # the int8 product's variant: VNNI where the CPU has it (the kernels need AVX2 at least)
-        vnni = cpu_supports(VNNI_CPU_FLAGS)
-        if int8_product == "vnni" and not vnni:
-            raise ValueError("CHATTTS_INT8_PRODUCT=vnni, but this CPU lacks AVX512-VNNI")
-        self.int8_instructions = ("vnni" if vnni else "avx2") if int8_product == "auto" \
-            else int8_product
+        # the int8 product's variant: as asked (load() checks the CPU can run it), or VNNI where
+        # the CPU has it (the kernels need AVX2 at least)
+        if int8_product == "auto":
+            int8_product = "vnni" if cpu_supports(VNNI_CPU_FLAGS) else "avx2"
+        self.int8_instructions = int8_product
 
     def attention(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                   rows: "StepRows", out: torch.Tensor, scale: float,

@@ -32,7 +32,7 @@ import warnings
 import torch
 
 from .config import QUANTIZATIONS, cpu_flags
-from .kernels import INT8_INSTRUCTIONS, Int8Packing
+from .kernels import Int8Packing
 
 def _absmax_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     rows = x.reshape(-1, x.shape[-1])
@@ -123,7 +123,6 @@ class KernelInt8Linear:
         quantized = _quantized_tensor(weight.detach().float())
         self.packing = Int8Packing(quantized.int_repr(), quantized.q_per_channel_scales(),
                                    self.kernel)
-        self.levels = INT8_INSTRUCTIONS[self.kernel][1]
         self.out_features, self.in_features = self.packing.out_features, self.packing.in_features
         self.kernels = kernels
 
