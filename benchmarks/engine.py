@@ -33,7 +33,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from chattts_service import heap  # noqa: E402  (imports nothing heavy)
-from chattts_service.config import INT8_PRODUCTS  # noqa: E402  (nor does config)
+from chattts_service.config import INT8_PRODUCTS, KV_CACHE_DTYPES  # noqa: E402  (nor config)
 
 TEXT = "今天天气很好，我们一起去公园散步吧。"
 DEFAULT_MODEL = REPO / "models" / "full-random"
@@ -141,7 +141,7 @@ def phase_baseline(model_dir: Path, steps: int, requests: int) -> dict:
 
 
 def phase_ours(model_dir: Path, steps: int, quantize: str, rounds: int,
-               int8_product: str = "auto") -> dict:
+               int8_product: str = "auto", kv_cache_dtype: str = "bf16") -> dict:
     from chattts_service.config import Settings
     from chattts_service.engine import Engine, SynthesisRequest
 
@@ -149,7 +149,8 @@ def phase_ours(model_dir: Path, steps: int, quantize: str, rounds: int,
     started = time.perf_counter()
     engine = Engine(Settings.from_env({}, model_dir=model_dir, verify_model=False,
                                       quantize=quantize, max_batch=8,
-                                      int8_product=int8_product),
+                                      int8_product=int8_product,
+                                      kv_cache_dtype=kv_cache_dtype),
                     step_observer=lambda rows, seconds: step_log.append((rows, seconds)))
     engine.load()
     engine.warm_up()
@@ -193,6 +194,7 @@ def phase_ours(model_dir: Path, steps: int, quantize: str, rounds: int,
         "decoder_dtype": engine.settings.resolved_decoder_dtype,
         "kernels": engine.kernels,
         "linear_kernel": engine.gpt_linear_kernel,
+        "kv_cache_dtype": engine.kv_cache_dtype,
         "ready_seconds": ready_seconds,
         "load_seconds": engine.load_seconds,
         "rss_after_ready_mb": ready_rss["VmRSS"],
@@ -203,7 +205,8 @@ def phase_ours(model_dir: Path, steps: int, quantize: str, rounds: int,
     }
 
 
-def phase_fidelity(model_dir: Path, steps: int, seeds: int, int8_product: str = "auto") -> dict:
+def phase_fidelity(model_dir: Path, steps: int, seeds: int, int8_product: str = "auto",
+                   kv_cache_dtype: str = "bf16") -> dict:
     """fp32 generates; int8 is teacher-forced along the same tokens and compared step by step."""
     import numpy as np
     import torch
@@ -221,7 +224,7 @@ def phase_fidelity(model_dir: Path, steps: int, seeds: int, int8_product: str = 
     engine.close()
     llama = LlamaModel.from_pretrained(str(model_dir / "asset" / "gpt"))
     reference = Transformer(llama, "none")
-    quantized = Transformer(llama, "int8", int8_product=int8_product)
+    quantized = Transformer(llama, "int8", int8_product=int8_product, kv_cache=kv_cache_dtype)
     del llama
     heads = engine._heads
     # the service's int8 code head, on the same product as its transformer
@@ -322,6 +325,7 @@ def report(data: dict) -> str:
     lines += [
         "",
         f"ours: {ours['quantize']} GPT on {ours['linear_kernel']}, C++ kernels {ours['kernels']}, "
+        f"{ours['kv_cache_dtype']} KV cache, "
         f"{ours['decoder_dtype']} decoder",
         f"memory bandwidth {ours['bandwidth_gb_per_s']:.1f} GB/s; GPT linears "
         f"{ours['gpt_linear_mb']:.0f} MB ({ours['quantize']}) -> floor {floor_ms:.1f} ms/step; "
@@ -362,6 +366,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quantize", default="int8", choices=("int8", "none"))
     parser.add_argument("--int8-product", default="auto", choices=INT8_PRODUCTS,
                         help="the C++ kernels' int8 product (CHATTTS_INT8_PRODUCT)")
+    parser.add_argument("--kv-cache-dtype", default="bf16", choices=KV_CACHE_DTYPES,
+                        help="the KV cache's type with the kernels (CHATTTS_KV_CACHE_DTYPE)")
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0 = all allowed)")
     parser.add_argument("--no-fidelity", action="store_true")
     parser.add_argument("--max-seconds", type=float, default=900, help="limit per phase")
@@ -374,9 +380,10 @@ def main(argv: list[str] | None = None) -> int:
             result = phase_baseline(args.model_dir, args.steps, args.requests)
         elif args.phase == "ours":
             result = phase_ours(args.model_dir, args.steps, args.quantize, args.rounds,
-                                args.int8_product)
+                                args.int8_product, args.kv_cache_dtype)
         else:
-            result = phase_fidelity(args.model_dir, args.steps, args.seeds, args.int8_product)
+            result = phase_fidelity(args.model_dir, args.steps, args.seeds, args.int8_product,
+                                    args.kv_cache_dtype)
         print(json.dumps(result))
         return 0
 
@@ -385,7 +392,7 @@ def main(argv: list[str] | None = None) -> int:
     data = {"model_dir": str(args.model_dir), "steps": args.steps,
             "threads": args.threads or len(os.sched_getaffinity(0))}
     data["baseline"] = run_child("baseline", args, ["--requests", str(args.requests)])
-    product = ["--int8-product", args.int8_product]
+    product = ["--int8-product", args.int8_product, "--kv-cache-dtype", args.kv_cache_dtype]
     data["ours"] = run_child("ours", args, ["--quantize", args.quantize,
                                             "--rounds", str(args.rounds), *product])
     if not args.no_fidelity:

@@ -35,6 +35,7 @@ def available_cpus() -> int:
 QUANTIZATIONS = ("int8", "none")
 KERNEL_MODES = ("auto", "on", "off")
 INT8_PRODUCTS = ("auto", "vnni", "avx2")
+KV_CACHE_DTYPES = ("bf16", "int8")
 
 
 @functools.cache
@@ -102,6 +103,10 @@ class Settings:
         "INT8_PRODUCT", "auto",
         "the C++ kernels' int8 product: vnni (AVX512-VNNI, 8-bit activations), avx2 (7-bit "
         "activations, as on CPUs without VNNI), or auto (vnni where the CPU has it)")
+    kv_cache_dtype: str = _env_field(
+        "KV_CACHE_DTYPE", "bf16",
+        "what the KV cache holds where the C++ kernels attend: bf16, or int8 with a scale per "
+        "position and head (half the bytes to read each step; torch's attention keeps fp32)")
     decoder_dtype: str = _env_field(
         "DECODER_DTYPE", "auto",
         "decoder precision: bf16, fp32, or auto (bf16 where the CPU has native bf16 dot products)")
@@ -193,6 +198,7 @@ class Settings:
             (self.kernels in KERNEL_MODES, "CHATTTS_KERNELS must be auto, on or off"),
             (self.int8_product in INT8_PRODUCTS,
              "CHATTTS_INT8_PRODUCT must be auto, vnni or avx2"),
+            (self.kv_cache_dtype in KV_CACHE_DTYPES, "CHATTTS_KV_CACHE_DTYPE must be bf16 or int8"),
             (self.decoder_dtype in ("auto", "bf16", "fp32"),
              "CHATTTS_DECODER_DTYPE must be auto, bf16 or fp32"),
             (1 <= self.max_batch <= 64, "CHATTTS_MAX_BATCH must be between 1 and 64"),

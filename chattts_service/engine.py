@@ -286,6 +286,7 @@ class Engine:
         self.load_seconds: float | None = None
         self.gpt_linear_bytes = 0
         self.gpt_linear_kernel = ""
+        self.kv_cache_dtype = ""
         self.kernels = "off"  # until load() builds the transformer
         self.sample_rate = SAMPLE_RATE
         self.context_steps = 0  # decoder + vocoder receptive field, in GPT steps per side
@@ -337,10 +338,10 @@ class Engine:
         self.model_name = (architecture or {}).get("name", "chattts")
         self.load_seconds = time.perf_counter() - started
         log.info("model %s loaded from %s in %.2fs (%s GPT linears on %s, %.0f MB; "
-                 "C++ kernels %s; %s decoder; %d torch threads)", self.model_name, model_dir,
-                 self.load_seconds, self.settings.quantize, self.gpt_linear_kernel,
-                 self.gpt_linear_bytes / 1e6, self.kernels, self.settings.resolved_decoder_dtype,
-                 self.settings.torch_threads)
+                 "C++ kernels %s; %s KV cache; %s decoder; %d torch threads)", self.model_name,
+                 model_dir, self.load_seconds, self.settings.quantize, self.gpt_linear_kernel,
+                 self.gpt_linear_bytes / 1e6, self.kernels, self.kv_cache_dtype,
+                 self.settings.resolved_decoder_dtype, self.settings.torch_threads)
 
     def _load_modules(self, paths: model_files.ModelPaths, architecture):
         """Load ChatTTS's modules in the order that keeps peak memory lowest.
@@ -350,6 +351,7 @@ class Engine:
         its fp32 weights are memory-mapped, read once into the lean int8 transformer and
         unmapped before anything else is loaded. Loaded state dicts are assigned, not copied.
         """
+        import torch
         from ChatTTS import Chat
         from ChatTTS.model import DVAE, Embed, Speaker, Tokenizer
         from safetensors.torch import load_file as load_safetensors
@@ -366,9 +368,11 @@ class Engine:
 
         llama = LlamaModel.from_pretrained(str(paths.gpt))
         transformer = Transformer(llama, settings.quantize, settings.kernels,
-                                  settings.int8_product)
+                                  settings.int8_product, settings.kv_cache_dtype)
         self.gpt_linear_bytes = transformer.linear_bytes
         self.gpt_linear_kernel = transformer.linear_kernel
+        self.kv_cache_dtype = {torch.bfloat16: "bf16", torch.int8: "int8"}.get(
+            transformer.cache_dtype, "fp32")
         self.kernels = "on" if transformer.kernels is not None else "off"
         del llama
         gc.collect()
@@ -557,7 +561,8 @@ class Engine:
     def identity(self) -> str:
         """Names everything that shapes the audio besides the request: model and precisions."""
         return (f"{self.model_name}/gpt-{self.settings.quantize}"
-                f"/decoder-{self.settings.resolved_decoder_dtype}/kernels-{self.kernels}")
+                f"/decoder-{self.settings.resolved_decoder_dtype}/kernels-{self.kernels}"
+                f"/kv-{self.kv_cache_dtype}")
 
     def decode(self, hiddens, decoder_dtype: str | None = None) -> np.ndarray:
         """GPT hidden states [steps, hidden] -> waveform, via ChatTTS's decoder and vocoder.

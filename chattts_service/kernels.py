@@ -6,7 +6,8 @@
   12.6 ms a step against 7.2 ms to merely read the same keys and values). The kernel does one
   layer for all rows in one call, writes the new token's key and value on the way, and keeps
   each (row, head) on one thread in a fixed order, so a row's result never depends on its batch.
-  The cache it reads holds bf16 (half the bytes of fp32), converted to fp32 as it is read.
+  The cache it reads holds bf16 (half the bytes of fp32), or int8 with a scale per position
+  and head (a quarter), converted to fp32 as it is read.
   It rotates q and k (rotary position embedding) itself, as torch's operators would.
 - The int8 linear layers: one call per projection that RMSNorms (where the layer has a norm
   before it) or forms SwiGLU's silu(gate) * up (the MLP's down projection), quantizes each
@@ -103,7 +104,7 @@ class Kernels:
         attention.argtypes = [_int64, _int64, _int64, _int64, ctypes.c_float, ctypes.c_int,
                               _pointer, _int64, _pointer, _int64, _pointer, _int64,
                               _pointer, _pointer, _pointer, _pointer, _pointer, _pointer,
-                              _pointer]
+                              _pointer, _pointer, _pointer]
         self._attention = attention
         norm = self.library.chatts_rms_norm_unit_rows
         norm.restype = None
@@ -155,7 +156,10 @@ class Kernels:
         status = self._attention(
             count, heads, dim, layer, scale, torch.get_num_threads(),
             q.data_ptr(), q.stride(0), k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0),
-            rows.keys.data_ptr(), rows.values.data_ptr(), rows.capacity.data_ptr(),
+            rows.keys.data_ptr(), rows.values.data_ptr(),
+            None if rows.key_scales is None else rows.key_scales.data_ptr(),
+            None if rows.value_scales is None else rows.value_scales.data_ptr(),
+            rows.capacity.data_ptr(),
             rows.lengths.data_ptr(), cos, sin, out.data_ptr())
         if status:
             raise ValueError({1: "head dimension above 256",
@@ -291,13 +295,20 @@ class StepRows:
     """Per-row cache addresses, capacities and lengths for one step, gathered once."""
 
     def __init__(self, caches, lengths: list[int]):
-        if any(cache.keys.dtype != torch.bfloat16 or cache.values.dtype != torch.bfloat16
-               for cache in caches):
-            raise ValueError("the attention kernel reads bf16 KV caches")
+        dtypes = {(cache.keys.dtype, cache.values.dtype) for cache in caches}
+        if dtypes not in ({(torch.bfloat16,) * 2}, {(torch.int8,) * 2}):
+            raise ValueError("the attention kernel reads KV caches of bf16, or of int8 with "
+                             "scales, all of a step's the same")
         self.caches = caches  # hold the caches (and so their memory) while the step runs
         self.keys = torch.tensor([cache.keys.data_ptr() for cache in caches], dtype=torch.int64)
         self.values = torch.tensor([cache.values.data_ptr() for cache in caches],
                                    dtype=torch.int64)
+        self.key_scales = self.value_scales = None
+        if caches[0].keys.dtype == torch.int8:
+            self.key_scales = torch.tensor([cache.key_scales.data_ptr() for cache in caches],
+                                           dtype=torch.int64)
+            self.value_scales = torch.tensor(
+                [cache.value_scales.data_ptr() for cache in caches], dtype=torch.int64)
         self.capacity = torch.tensor([cache.capacity for cache in caches], dtype=torch.int64)
         self.lengths = torch.tensor(lengths, dtype=torch.int64)
         self.longest = max(lengths)

@@ -5,8 +5,9 @@ q/k/v fused into one matrix and gate/up into another, so a layer costs four matr
 Each sequence has its own KV cache with its own positions, so sequences of any lengths share a
 step without padding, and attention reads each cache in place, never a gathered copy: in a decode
 step through the C++ kernel of ``kernels.py`` (one call per layer for all rows, over a bf16
-cache), or else torch's ``scaled_dot_product_attention`` once per row (over an fp32 cache). With
-the kernels, the RMSNorm before a projection is fused with the int8 kernel's per-row scaling.
+cache, or an int8 one with a scale per position and head), or else torch's
+``scaled_dot_product_attention`` once per row (over an fp32 cache). With the kernels, the
+RMSNorm before a projection is fused with the int8 kernel's per-row scaling.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from . import kernels as cpp_kernels
+from .config import KV_CACHE_DTYPES
 from .quantize import KernelInt8Linear, make_linear
 
 CAPACITY_CHUNK = 256
@@ -75,6 +77,11 @@ class KVCache:
         self.dtype = dtype
         self.keys = torch.empty(self.shape, dtype=dtype)
         self.values = torch.empty(self.shape, dtype=dtype)
+        # int8: each (layer, head, position)'s key and value has its own scale
+        self.key_scales = self.value_scales = None
+        if dtype == torch.int8:
+            self.key_scales = torch.empty(self.shape[:3])
+            self.value_scales = torch.empty(self.shape[:3])
         self.layer_keys, self.layer_values = self.keys.unbind(0), self.values.unbind(0)
         if reserve:
             self.ensure(reserve)
@@ -94,9 +101,42 @@ class KVCache:
         if self.capacity:
             keys[:, :, : self.capacity].copy_(self.keys)
             values[:, :, : self.capacity].copy_(self.values)
+        if self.key_scales is not None:
+            key_scales = torch.empty(layers, heads, capacity)
+            value_scales = torch.empty(layers, heads, capacity)
+            key_scales[:, :, : self.capacity].copy_(self.key_scales)
+            value_scales[:, :, : self.capacity].copy_(self.value_scales)
+            self.key_scales, self.value_scales = key_scales, value_scales
         self.keys, self.values = keys, values
         # per-layer views, made once rather than on every step
         self.layer_keys, self.layer_values = keys.unbind(0), values.unbind(0)
+
+
+    @torch.inference_mode()
+    def write(self, layer: int, start: int, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """Store ``keys``/``values`` [heads, positions, dim] (float) at positions ``start``...
+        of ``layer``: as they are, rounded to the cache's float type, or quantized per (head,
+        position) as the C++ kernel quantizes the positions it writes itself."""
+        end = start + keys.shape[1]
+        if self.key_scales is None:
+            self.keys[layer, :, start:end].copy_(keys)
+            self.values[layer, :, start:end].copy_(values)
+            return
+        for source, target, scales in ((keys, self.keys, self.key_scales),
+                                       (values, self.values, self.value_scales)):
+            quantized, scale = quantize_vectors(source)
+            target[layer, :, start:end].copy_(quantized)
+            scales[layer, :, start:end].copy_(scale)
+
+
+def quantize_vectors(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """int8 vectors along the last dimension: round(x * 127 / max |x|) and the scale
+    max |x| / 127 (0 for a zero vector), so x ~ q * scale; computed in float32 as the C++
+    kernel computes them."""
+    largest = x.abs().amax(dim=-1)
+    inverse = torch.where(largest > 0, torch.tensor(127.0) / largest, torch.zeros(()))
+    quantized = torch.round(x * inverse[..., None]).to(torch.int8)
+    return quantized, largest / 127.0
 
 
 def rounded_positions(positions: int) -> int:
@@ -105,7 +145,7 @@ def rounded_positions(positions: int) -> int:
 
 class Transformer:
     def __init__(self, llama_model, quantization: str = "int8", kernels: str = "auto",
-                 int8_product: str = "auto"):
+                 int8_product: str = "auto", kv_cache: str = "bf16"):
         config = llama_model.config
         self.hidden_size = config.hidden_size
         self.heads = config.num_attention_heads
@@ -113,6 +153,9 @@ class Transformer:
         if getattr(config, "num_key_value_heads", self.heads) != self.heads:
             raise ValueError("grouped-query attention is not used by ChatTTS and not supported")
         self.kernels = cpp_kernels.load(kernels, int8_product)
+        if kv_cache not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache must be one of {KV_CACHE_DTYPES}, not {kv_cache!r}")
+        self.kv_cache = kv_cache  # where the kernels attend; torch's attention reads fp32
         self.layers = [Layer(layer, quantization, self.kernels) for layer in llama_model.layers]
         self.norm = RMSNorm(llama_model.norm.weight, llama_model.norm.variance_epsilon)
         positions = torch.arange(config.max_position_embeddings)[None]
@@ -124,15 +167,19 @@ class Transformer:
 
     @property
     def cache_dtype(self) -> torch.dtype:
-        """bf16 where the kernels attend (half the bytes to read and hold), else fp32."""
-        return torch.bfloat16 if self.kernels is not None else torch.float32
+        """Where the kernels attend, bf16 (half the bytes of fp32 to read and hold) or int8
+        (``kv_cache``; a quarter, plus a scale per position and head); else fp32."""
+        if self.kernels is None:
+            return torch.float32
+        return torch.int8 if self.kv_cache == "int8" else torch.bfloat16
 
     def new_cache(self, reserve: int = 0) -> KVCache:
         return KVCache(len(self.layers), self.heads, self.head_dim, reserve, self.cache_dtype)
 
     def bytes_per_position(self) -> int:
         element = torch.empty(0, dtype=self.cache_dtype).element_size()
-        return len(self.layers) * self.heads * self.head_dim * element * 2
+        scales = 4 if self.cache_dtype == torch.int8 else 0  # a float per head and position
+        return len(self.layers) * self.heads * (self.head_dim * element + scales) * 2
 
     @property
     def linear_bytes(self) -> int:
@@ -179,8 +226,7 @@ class Transformer:
         x = embeddings.float()[None]
         for index, layer in enumerate(self.layers):
             q, k, v = self._project(layer, x, cos, sin)
-            cache.keys[index, :, :length].copy_(k[0])
-            cache.values[index, :, :length].copy_(v[0])
+            cache.write(index, 0, k[0], v[0])
             attended = F.scaled_dot_product_attention(q, k, v, is_causal=True)
             x = self._finish(layer, x, attended)
         return self.norm(x[0, -1])

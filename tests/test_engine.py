@@ -152,15 +152,20 @@ def test_fp32_mode_runs_and_is_deterministic(tiny_model_dir):
         fp32.close()
 
 
-def test_the_avx2_int8_product_serves_and_keeps_rows_independent(tiny_model_dir):
+@pytest.mark.parametrize("int8_product,kv_cache_dtype", [("avx2", "bf16"), ("auto", "int8")])
+def test_other_kernel_settings_serve_and_keep_rows_independent(tiny_model_dir, int8_product,
+                                                               kv_cache_dtype):
     """CHATTTS_INT8_PRODUCT=avx2 (what CPUs without AVX512-VNNI run, on any CPU with the
-    kernels): a request gives the same audio alone and batched with others."""
+    kernels) and CHATTTS_KV_CACHE_DTYPE=int8: a request gives the same audio alone and batched
+    with others."""
     avx2 = Engine(Settings.from_env({}, model_dir=tiny_model_dir, verify_model=False,
                                     max_new_tokens=200, threads=1, kernels="on",
-                                    int8_product="avx2"))
+                                    int8_product=int8_product, kv_cache_dtype=kv_cache_dtype))
     avx2.load()
     try:
-        assert avx2.gpt_linear_kernel == "avx2"
+        if int8_product == "avx2":
+            assert avx2.gpt_linear_kernel == "avx2"
+        assert avx2.kv_cache_dtype == kv_cache_dtype and f"/kv-{kv_cache_dtype}" in avx2.identity
         requests = [SynthesisRequest("第一句话", 41), SynthesisRequest("第二句话，长一点", 42),
                     SynthesisRequest("hello there", 43)]
         alone = [avx2.synthesize(request).audio for request in requests]

@@ -8,7 +8,7 @@ import torch.nn.functional as F
 
 from chattts_service import kernels as cpp_kernels
 from chattts_service.quantize import KernelInt8Linear, PackedInt8Linear, fbgemm_available
-from chattts_service.transformer import KVCache, _rotate_half
+from chattts_service.transformer import KVCache, _rotate_half, quantize_vectors
 
 HEADS, DIM, LAYERS = 4, 64, 3
 
@@ -19,18 +19,26 @@ def kernel():
     return cpp_kernels.load("on")
 
 
-def _caches(lengths, seed=0):
+def _caches(lengths, seed=0, dtype=torch.bfloat16):
     generator = torch.Generator().manual_seed(seed)
     caches = []
     with torch.inference_mode():
         for length in lengths:
-            cache = KVCache(LAYERS, HEADS, DIM, reserve=length + 1, dtype=torch.bfloat16)
-            cache.keys[:, :, :length] = torch.randn(LAYERS, HEADS, length, DIM,
-                                                    generator=generator)
-            cache.values[:, :, :length] = torch.randn(LAYERS, HEADS, length, DIM,
-                                                      generator=generator) * 3
+            cache = KVCache(LAYERS, HEADS, DIM, reserve=length + 1, dtype=dtype)
+            keys = torch.randn(LAYERS, HEADS, length, DIM, generator=generator)
+            values = torch.randn(LAYERS, HEADS, length, DIM, generator=generator) * 3
+            for layer in range(LAYERS):
+                cache.write(layer, 0, keys[layer], values[layer])
             caches.append(cache)
     return caches
+
+
+def _dequantized(cache, layer, positions):
+    """An int8 cache's keys and values of ``layer`` as the floats they stand for."""
+    keys = cache.keys[layer, :, :positions].float() * cache.key_scales[layer, :, :positions, None]
+    values = (cache.values[layer, :, :positions].float()
+              * cache.value_scales[layer, :, :positions, None])
+    return keys, values
 
 
 def _step(kernel, caches, lengths, q, k, v, layer=1, rotary=None):
@@ -67,12 +75,47 @@ def test_kernel_matches_torch_attention_and_writes_the_new_position(kernel):
     assert torch.allclose(out[0], v[0].bfloat16().float())
 
 
-def test_a_row_is_bit_identical_alone_and_in_any_batch(kernel):
+def test_int8_cache_attention_matches_torch_over_what_it_stands_for(kernel):
+    """An int8 cache: the new position is quantized as ``quantize_vectors`` quantizes (prefill
+    writes with it), and attention equals torch's over the dequantized keys and values."""
+    lengths = [0, 1, 37, 300]
+    caches = _caches(lengths, dtype=torch.int8)
+    q, k, v = (torch.randn(4, HEADS, DIM) for _ in range(3))
+    out = _step(kernel, caches, lengths, q, k, v)
+    for row, (cache, length) in enumerate(zip(caches, lengths)):
+        for new, stored, scales in ((k, cache.keys, cache.key_scales),
+                                    (v, cache.values, cache.value_scales)):
+            quantized, scale = quantize_vectors(new[row])
+            assert torch.equal(stored[1, :, length], quantized)
+            assert torch.equal(scales[1, :, length], scale)
+        keys, values = _dequantized(cache, 1, length + 1)
+        expected = F.scaled_dot_product_attention(q[row][:, None], keys, values)
+        torch.testing.assert_close(out[row], expected[:, 0], rtol=1e-4, atol=1e-5)
+    # and close to the attention over the floats it stores: one scale per position and head,
+    # so quiet and loud positions alike keep ~7 bits (rounding to 1/127 of a vector's largest
+    # value: ~0.6% of its norm, ~1% at worst here)
+    torch.manual_seed(11)
+    keys = torch.randn(HEADS, 300, DIM) * torch.logspace(-3, 3, 300)[None, :, None]
+    values = torch.randn(HEADS, 300, DIM) * 3
+    cache = KVCache(LAYERS, HEADS, DIM, reserve=301, dtype=torch.int8)
+    cache.write(1, 0, keys, values)
+    stored = _dequantized(cache, 1, 300)
+    for original, kept in zip((keys, values), stored):
+        error = (kept - original).norm(dim=-1) / original.norm(dim=-1)
+        assert float(error.mean()) < 0.008 and float(error.max()) < 0.015
+    query = torch.randn(HEADS, 1, DIM) * 0.1
+    exact = F.scaled_dot_product_attention(query, keys, values)
+    approximate = F.scaled_dot_product_attention(query, *stored)
+    assert float((approximate - exact).norm() / exact.norm()) < 0.01
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.int8])
+def test_a_row_is_bit_identical_alone_and_in_any_batch(kernel, dtype):
     lengths = [90, 5, 400, 90]
     q, k, v = (torch.randn(4, HEADS, DIM) for _ in range(3))
-    together = _step(kernel, _caches(lengths), lengths, q, k, v)
+    together = _step(kernel, _caches(lengths, dtype=dtype), lengths, q, k, v)
     for row in range(4):
-        alone = _step(kernel, _caches(lengths)[row:row + 1], lengths[row:row + 1],
+        alone = _step(kernel, _caches(lengths, dtype=dtype)[row:row + 1], lengths[row:row + 1],
                       q[row:row + 1], k[row:row + 1], v[row:row + 1])
         assert torch.equal(alone[0], together[row]), row
 
@@ -118,8 +161,10 @@ def test_rotary_in_the_kernel_is_torchs_rotation_to_the_bit(kernel):
 def test_bad_arguments_are_refused(kernel):
     caches = _caches([4])
     q = torch.randn(1, HEADS, DIM)
-    with pytest.raises(ValueError, match="reads bf16 KV caches"):
+    with pytest.raises(ValueError, match="reads KV caches of bf16, or of int8"):
         cpp_kernels.StepRows([KVCache(LAYERS, HEADS, DIM, reserve=8)], [4])
+    with pytest.raises(ValueError, match="all of a step's the same"):
+        cpp_kernels.StepRows([caches[0], _caches([4], dtype=torch.int8)[0]], [4, 4])
     with pytest.raises(ValueError, match="cache is full"):
         _step(kernel, caches, [caches[0].capacity], q, q, q)
     with pytest.raises(ValueError, match="contiguous rows"):
