@@ -351,7 +351,6 @@ class Engine:
         its fp32 weights are memory-mapped, read once into the lean int8 transformer and
         unmapped before anything else is loaded. Loaded state dicts are assigned, not copied.
         """
-        import torch
         from ChatTTS import Chat
         from ChatTTS.model import DVAE, Embed, Speaker, Tokenizer
         from safetensors.torch import load_file as load_safetensors
@@ -371,8 +370,7 @@ class Engine:
                                   settings.int8_product, settings.kv_cache_dtype)
         self.gpt_linear_bytes = transformer.linear_bytes
         self.gpt_linear_kernel = transformer.linear_kernel
-        self.kv_cache_dtype = {torch.bfloat16: "bf16", torch.int8: "int8"}.get(
-            transformer.cache_dtype, "fp32")
+        self.kv_cache_dtype = transformer.cache_kind
         self.kernels = "on" if transformer.kernels is not None else "off"
         del llama
         gc.collect()

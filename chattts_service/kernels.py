@@ -300,15 +300,15 @@ class StepRows:
             raise ValueError("the attention kernel reads KV caches of bf16, or of int8 with "
                              "scales, all of a step's the same")
         self.caches = caches  # hold the caches (and so their memory) while the step runs
-        self.keys = torch.tensor([cache.keys.data_ptr() for cache in caches], dtype=torch.int64)
-        self.values = torch.tensor([cache.values.data_ptr() for cache in caches],
-                                   dtype=torch.int64)
+
+        def addresses(name: str) -> torch.Tensor:
+            return torch.tensor([getattr(cache, name).data_ptr() for cache in caches],
+                                dtype=torch.int64)
+
+        self.keys, self.values = addresses("keys"), addresses("values")
         self.key_scales = self.value_scales = None
         if caches[0].keys.dtype == torch.int8:
-            self.key_scales = torch.tensor([cache.key_scales.data_ptr() for cache in caches],
-                                           dtype=torch.int64)
-            self.value_scales = torch.tensor(
-                [cache.value_scales.data_ptr() for cache in caches], dtype=torch.int64)
+            self.key_scales, self.value_scales = addresses("key_scales"), addresses("value_scales")
         self.capacity = torch.tensor([cache.capacity for cache in caches], dtype=torch.int64)
         self.lengths = torch.tensor(lengths, dtype=torch.int64)
         self.longest = max(lengths)

@@ -22,6 +22,7 @@ from .config import KV_CACHE_DTYPES
 from .quantize import KernelInt8Linear, make_linear
 
 CAPACITY_CHUNK = 256
+CACHE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "int8": torch.int8}
 
 
 class RMSNorm:
@@ -94,23 +95,20 @@ class KVCache:
     def ensure(self, positions: int) -> None:
         if positions <= self.capacity:
             return
-        capacity = rounded_positions(positions)
-        layers, heads, _, head_dim = self.shape
-        keys = torch.empty(layers, heads, capacity, head_dim, dtype=self.dtype)
-        values = torch.empty(layers, heads, capacity, head_dim, dtype=self.dtype)
-        if self.capacity:
-            keys[:, :, : self.capacity].copy_(self.keys)
-            values[:, :, : self.capacity].copy_(self.values)
-        if self.key_scales is not None:
-            key_scales = torch.empty(layers, heads, capacity)
-            value_scales = torch.empty(layers, heads, capacity)
-            key_scales[:, :, : self.capacity].copy_(self.key_scales)
-            value_scales[:, :, : self.capacity].copy_(self.value_scales)
-            self.key_scales, self.value_scales = key_scales, value_scales
-        self.keys, self.values = keys, values
-        # per-layer views, made once rather than on every step
-        self.layer_keys, self.layer_values = keys.unbind(0), values.unbind(0)
+        capacity, held = rounded_positions(positions), self.capacity
 
+        def grown(tensor: torch.Tensor) -> torch.Tensor:
+            """``tensor`` [layers, heads, positions, ...] with room for ``capacity`` positions,
+            the ``held`` ones copied."""
+            larger = tensor.new_empty((*tensor.shape[:2], capacity, *tensor.shape[3:]))
+            larger[:, :, :held].copy_(tensor)
+            return larger
+
+        self.keys, self.values = grown(self.keys), grown(self.values)
+        if self.key_scales is not None:
+            self.key_scales, self.value_scales = grown(self.key_scales), grown(self.value_scales)
+        # per-layer views, made once rather than on every step
+        self.layer_keys, self.layer_values = self.keys.unbind(0), self.values.unbind(0)
 
     @torch.inference_mode()
     def write(self, layer: int, start: int, keys: torch.Tensor, values: torch.Tensor) -> None:
@@ -166,12 +164,15 @@ class Transformer:
         self.scale = 1.0 / math.sqrt(self.head_dim)  # scaled_dot_product_attention's default
 
     @property
+    def cache_kind(self) -> str:
+        """What the KV cache holds: where the kernels attend, bf16 (half the bytes of fp32 to
+        read and hold) or int8 (``kv_cache``; a quarter, plus a scale per position and head);
+        else fp32."""
+        return self.kv_cache if self.kernels is not None else "fp32"
+
+    @property
     def cache_dtype(self) -> torch.dtype:
-        """Where the kernels attend, bf16 (half the bytes of fp32 to read and hold) or int8
-        (``kv_cache``; a quarter, plus a scale per position and head); else fp32."""
-        if self.kernels is None:
-            return torch.float32
-        return torch.int8 if self.kv_cache == "int8" else torch.bfloat16
+        return CACHE_DTYPES[self.cache_kind]
 
     def new_cache(self, reserve: int = 0) -> KVCache:
         return KVCache(len(self.layers), self.heads, self.head_dim, reserve, self.cache_dtype)

@@ -109,6 +109,22 @@ def test_int8_cache_attention_matches_torch_over_what_it_stands_for(kernel):
     assert float((approximate - exact).norm() / exact.norm()) < 0.01
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.int8])
+def test_a_cache_that_grows_keeps_what_it_held(dtype):
+    cache = _caches([200], dtype=dtype)[0]
+    before = [tensor[:, :, :200].clone() for tensor in (cache.keys, cache.values,
+                                                         cache.key_scales, cache.value_scales)
+              if tensor is not None]
+    cache.ensure(300)
+    assert cache.capacity >= 300
+    after = [tensor for tensor in (cache.keys, cache.values, cache.key_scales,
+                                   cache.value_scales) if tensor is not None]
+    assert len(after) == (4 if dtype == torch.int8 else 2)
+    for old, new in zip(before, after):
+        assert new.shape[2] == cache.capacity and torch.equal(new[:, :, :200], old)
+    assert len(cache.layer_keys) == LAYERS and cache.layer_keys[1].shape[1] == cache.capacity
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.int8])
 def test_a_row_is_bit_identical_alone_and_in_any_batch(kernel, dtype):
     lengths = [90, 5, 400, 90]

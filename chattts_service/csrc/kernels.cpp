@@ -405,6 +405,7 @@ void gemm(int64_t rows, int64_t n, int64_t k, const uint8_t* xq, const int8_t* p
     // 22.9-23.8 ms); the same bits either way
     const int64_t blocks = (n + 15) / 16, block_bytes = 16 * k, span = rows > 8 ? 2 : 1;
     const int64_t tasks = (blocks + span - 1) / span;
+    const uintptr_t weights_end = reinterpret_cast<uintptr_t>(packed) + blocks * block_bytes;
 #pragma omp parallel for num_threads(threads) schedule(static)
     for (int64_t task = 0; task < tasks; ++task) {
         const int64_t block = task * span;
@@ -418,7 +419,7 @@ void gemm(int64_t rows, int64_t n, int64_t k, const uint8_t* xq, const int8_t* p
                 offsets + block * 16, weight_scale + block * 16, row_max + first,
                 residual == nullptr ? nullptr : residual + first * residual_stride + block * 16,
                 residual_stride, out + first * out_stride + block * 16, out_stride, valid,
-                reinterpret_cast<uintptr_t>(packed) + blocks * block_bytes);
+                weights_end);
         }
     }
 }
