@@ -29,11 +29,11 @@ RUN apt-get update \
  && rm -rf /var/lib/apt/lists/*
 COPY chattts_service ./chattts_service
 ENV CHATTTS_KERNEL_DIR=/opt/chattts-kernels
-RUN /opt/venv/bin/python -m chattts_service.kernels
+RUN /opt/venv/bin/python -m chattts_service.kernels.build
 RUN mkdir -p /models/chattts \
  && if [ "${DOWNLOAD_MODEL}" = "1" ]; then \
         HF_ENDPOINT="${HF_ENDPOINT}" \
-        /opt/venv/bin/python -m chattts_service.model_files download /models/chattts ; \
+        /opt/venv/bin/python -m chattts_service.inference.model_files download /models/chattts ; \
     fi
 
 FROM ${BASE_IMAGE} AS runtime
@@ -63,7 +63,7 @@ ENV PATH=/opt/venv/bin:$PATH \
     CHATTTS_PORT=8090
 # ChatTTS's Numba functions compiled once, here: the entrypoint copies them into the empty
 # NUMBA_CACHE_DIR tmpfs, so even a container's first start skips their JIT (~2.3 s of warm-up)
-RUN NUMBA_CACHE_DIR=/opt/numba-cache python -m chattts_service.warmup --jit-cache
+RUN NUMBA_CACHE_DIR=/opt/numba-cache python -m chattts_service.tools.warmup --jit-cache
 USER 10001:10001
 EXPOSE 8090
 HEALTHCHECK --interval=15s --timeout=5s --start-period=180s --retries=3 \

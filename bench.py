@@ -2,7 +2,7 @@
 
 import sys
 
-from chattts_service.loadtest import main
+from chattts_service.tools.loadtest import main
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -2,7 +2,7 @@
 
 import sys
 
-from chattts_service.warmup import main
+from chattts_service.tools.warmup import main
 
 if __name__ == "__main__":
     sys.exit(main())

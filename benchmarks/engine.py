@@ -32,8 +32,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from chattts_service import heap  # noqa: E402  (imports nothing heavy)
 from chattts_service.config import INT8_PRODUCTS, KV_CACHE_DTYPES  # noqa: E402  (nor config)
+from chattts_service.runtime import heap  # noqa: E402  (imports nothing heavy)
 
 TEXT = "今天天气很好，我们一起去公园散步吧。"
 DEFAULT_MODEL = REPO / "models" / "full-random"
@@ -42,7 +42,7 @@ DEFAULT_MODEL = REPO / "models" / "full-random"
 def default_model() -> Path:
     """The full-size random-weight model the benchmarks use by default, built on first use."""
     if not (DEFAULT_MODEL / "architecture.json").is_file():
-        from chattts_service.testmodel import build
+        from chattts_service.tools.testmodel import build
 
         print(f"building a full-size random-weight model in {DEFAULT_MODEL} ...", file=sys.stderr)
         build(DEFAULT_MODEL, size="full")
@@ -88,30 +88,36 @@ def measure_bandwidth(size_mb: int = 1024, repeats: int = 7) -> float:
 
 # -- child phases -----------------------------------------------------------------------------
 
+
 def load_upstream(model_dir: Path):
     """ChatTTS's own ``Chat``, loaded from ``model_dir`` as upstream loads it (fp32, CPU)."""
     import torch
     from ChatTTS import Chat
 
-    from chattts_service import model_files
-    from chattts_service.architecture import config_from_architecture, read_architecture
-    from chattts_service.engine import _quiet_library_chatter
+    from chattts_service.inference import model_files
+    from chattts_service.inference.architecture import config_from_architecture, read_architecture
+    from chattts_service.inference.loader import quiet_library_chatter
 
-    _quiet_library_chatter()
+    quiet_library_chatter()
     paths = model_files.check_present(model_dir)
     chat = Chat()
     chat.config = config_from_architecture(read_architecture(paths.architecture))
-    chat._load(vocos_ckpt_path=str(paths.vocos), dvae_ckpt_path=str(paths.dvae),
-               gpt_ckpt_path=str(paths.gpt), embed_path=str(paths.embed),
-               decoder_ckpt_path=str(paths.decoder), tokenizer_path=str(paths.tokenizer),
-               device=torch.device("cpu"))
+    chat._load(
+        vocos_ckpt_path=str(paths.vocos),
+        dvae_ckpt_path=str(paths.dvae),
+        gpt_ckpt_path=str(paths.gpt),
+        embed_path=str(paths.embed),
+        decoder_ckpt_path=str(paths.decoder),
+        tokenizer_path=str(paths.tokenizer),
+        device=torch.device("cpu"),
+    )
     return chat
 
 
 def phase_baseline(model_dir: Path, steps: int, requests: int) -> dict:
     from ChatTTS import Chat
 
-    from chattts_service.engine import voice_for_seed
+    from chattts_service.inference.prompts import voice_for_seed
 
     started = time.perf_counter()
     chat = load_upstream(model_dir)
@@ -120,8 +126,13 @@ def phase_baseline(model_dir: Path, steps: int, requests: int) -> dict:
     def one(seed: int) -> float:
         # the same voice for a seed as the service uses
         voice = voice_for_seed(chat.speaker, seed)
-        params = Chat.InferCodeParams(spk_emb=chat.speaker._encode(voice), manual_seed=seed,
-                                      min_new_token=steps, max_new_token=steps, show_tqdm=False)
+        params = Chat.InferCodeParams(
+            spk_emb=chat.speaker._encode(voice),
+            manual_seed=seed,
+            min_new_token=steps,
+            max_new_token=steps,
+            show_tqdm=False,
+        )
         began = time.perf_counter()
         chat.infer(TEXT, skip_refine_text=True, params_infer_code=params)
         return time.perf_counter() - began
@@ -140,18 +151,32 @@ def phase_baseline(model_dir: Path, steps: int, requests: int) -> dict:
     }
 
 
-def phase_ours(model_dir: Path, steps: int, quantize: str, rounds: int,
-               int8_product: str = "auto", kv_cache_dtype: str = "bf16") -> dict:
+def phase_ours(
+    model_dir: Path,
+    steps: int,
+    quantize: str,
+    rounds: int,
+    int8_product: str = "auto",
+    kv_cache_dtype: str = "bf16",
+) -> dict:
     from chattts_service.config import Settings
-    from chattts_service.engine import Engine, SynthesisRequest
+    from chattts_service.inference.engine import Engine
+    from chattts_service.inference.types import SynthesisRequest
 
     step_log: list[tuple[int, float]] = []
     started = time.perf_counter()
-    engine = Engine(Settings.from_env({}, model_dir=model_dir, verify_model=False,
-                                      quantize=quantize, max_batch=8,
-                                      int8_product=int8_product,
-                                      kv_cache_dtype=kv_cache_dtype),
-                    step_observer=lambda rows, seconds: step_log.append((rows, seconds)))
+    engine = Engine(
+        Settings.from_env(
+            {},
+            model_dir=model_dir,
+            verify_model=False,
+            quantize=quantize,
+            max_batch=8,
+            int8_product=int8_product,
+            kv_cache_dtype=kv_cache_dtype,
+        ),
+        step_observer=lambda rows, seconds: step_log.append((rows, seconds)),
+    )
     engine.load()
     engine.warm_up()
     ready_seconds = time.perf_counter() - started
@@ -166,12 +191,15 @@ def phase_ours(model_dir: Path, steps: int, quantize: str, rounds: int,
         for _ in range(rounds):
             round_latencies = [0.0] * concurrency
 
-            def call(index: int, request_seed: int):
+            def call(index: int, request_seed: int, latencies_out: list[float]):
                 began = time.perf_counter()
                 engine.synthesize(SynthesisRequest(TEXT, request_seed), fixed_steps=steps)
-                round_latencies[index] = time.perf_counter() - began
+                latencies_out[index] = time.perf_counter() - began
 
-            threads = [threading.Thread(target=call, args=(i, seed + i)) for i in range(concurrency)]
+            threads = [
+                threading.Thread(target=call, args=(i, seed + i, round_latencies))
+                for i in range(concurrency)
+            ]
             seed += concurrency
             began = time.perf_counter()
             for thread in threads:
@@ -205,36 +233,47 @@ def phase_ours(model_dir: Path, steps: int, quantize: str, rounds: int,
     }
 
 
-def phase_fidelity(model_dir: Path, steps: int, seeds: int, int8_product: str = "auto",
-                   kv_cache_dtype: str = "bf16") -> dict:
+def phase_fidelity(
+    model_dir: Path,
+    steps: int,
+    seeds: int,
+    int8_product: str = "auto",
+    kv_cache_dtype: str = "bf16",
+) -> dict:
     """fp32 generates; int8 is teacher-forced along the same tokens and compared step by step."""
     import numpy as np
     import torch
-
-    from chattts_service.config import Settings
-    from chattts_service.engine import Engine, SynthesisRequest
-    from chattts_service.generation import Batch
-    from chattts_service.quantize import make_linear
-    from chattts_service.transformer import Transformer
     from transformers import LlamaModel
 
-    engine = Engine(Settings.from_env({}, model_dir=model_dir, verify_model=False,
-                                      quantize="none", max_batch=1))
+    from chattts_service.config import Settings
+    from chattts_service.inference.engine import Engine
+    from chattts_service.inference.generation import Batch
+    from chattts_service.inference.quantize import make_linear
+    from chattts_service.inference.transformer import Transformer
+    from chattts_service.inference.types import SynthesisRequest
+
+    engine = Engine(
+        Settings.from_env({}, model_dir=model_dir, verify_model=False, quantize="none", max_batch=1)
+    )
     engine.load()
     engine.close()
     llama = LlamaModel.from_pretrained(str(model_dir / "asset" / "gpt"))
     reference = Transformer(llama, "none")
     quantized = Transformer(llama, "int8", int8_product=int8_product, kv_cache=kv_cache_dtype)
     del llama
-    heads = engine._heads
+    heads = engine.model.heads
     # the service's int8 code head, on the same product as its transformer
     int8_head = make_linear(heads.code_head.weight, "int8", quantized.kernels)
 
     agreements, distances, snrs, decoder_errors = [], [], [], []
     for seed in range(seeds):
         request = SynthesisRequest(TEXT, seed)
-        sequence = engine._code_sequence(engine.normalise(TEXT), request,
-                                         engine.speaker_embedding(seed), fixed_steps=steps)
+        sequence = engine.prompts.code_sequence(
+            engine.prompts.normalise(TEXT),
+            request,
+            engine.speaker_embedding(seed),
+            fixed_steps=steps,
+        )
         batch = Batch(reference, heads, 1)
         batch.add(sequence)
         while len(batch):
@@ -275,8 +314,10 @@ def phase_fidelity(model_dir: Path, steps: int, seeds: int, int8_product: str = 
 
 # -- the parent: run the phases in children and compare ----------------------------------------
 
-def run_phase(script: str, phase: str, arguments: list[str], threads: int, service: bool,
-              max_seconds: float) -> dict:
+
+def run_phase(
+    script: str, phase: str, arguments: list[str], threads: int, service: bool, max_seconds: float
+) -> dict:
     """Run ``script --phase phase *arguments`` in a fresh interpreter on ``threads`` torch
     threads (0: all this process may use) and return the JSON its last line prints.
     ``service``: the phase runs this service's engine, so it gets the service's bounds on
@@ -287,17 +328,21 @@ def run_phase(script: str, phase: str, arguments: list[str], threads: int, servi
     env.update(OMP_NUM_THREADS=count, MKL_NUM_THREADS=count, CHATTTS_THREADS=count)
     if service:
         heap.bound_native_caches(env)
-    result = subprocess.run(command, capture_output=True, text=True, env=env,
-                            timeout=max_seconds)
+    result = subprocess.run(command, capture_output=True, text=True, env=env, timeout=max_seconds)
     if result.returncode != 0:
         raise RuntimeError(f"{phase} failed:\n{result.stderr[-4000:]}")
     return json.loads(result.stdout.strip().splitlines()[-1])
 
 
 def run_child(phase: str, args: argparse.Namespace, extra: list[str]) -> dict:
-    return run_phase(__file__, phase, ["--model-dir", str(args.model_dir),
-                                       "--steps", str(args.steps), *extra],
-                     args.threads, phase != "baseline", args.max_seconds)
+    return run_phase(
+        __file__,
+        phase,
+        ["--model-dir", str(args.model_dir), "--steps", str(args.steps), *extra],
+        args.threads,
+        phase != "baseline",
+        args.max_seconds,
+    )
 
 
 def report(data: dict) -> str:
@@ -313,9 +358,11 @@ def report(data: dict) -> str:
     for concurrency, row in ours["concurrency"].items():
         step = f"{row['ms_per_step']:.1f}" if row["ms_per_step"] else "-"
         ratio = row["audio_per_wall_second"] / base["audio_per_wall_second"]
-        lines.append(f"{'ours, concurrency ' + concurrency:<22}{step:>9}"
-                     f"{row['real_time_factor']:>8.2f}{row['audio_per_wall_second']:>11.2f}"
-                     f"{ratio:>12.1f}x")
+        lines.append(
+            f"{'ours, concurrency ' + concurrency:<22}{step:>9}"
+            f"{row['real_time_factor']:>8.2f}{row['audio_per_wall_second']:>11.2f}"
+            f"{ratio:>12.1f}x"
+        )
     one = ours["concurrency"]["1"]
     eight = ours["concurrency"]["8"]
     floor_ms = ours["gpt_linear_mb"] / 1000 / ours["bandwidth_gb_per_s"] * 1000
@@ -347,27 +394,42 @@ def report(data: dict) -> str:
         f"{'ok' if ours['peak_rss_mb'] < 2560 else 'MISSED'}",
     ]
     if fidelity:
-        lines += ["", f"fidelity fp32 vs int8 (teacher forcing, {fidelity['seeds']} seeds): top-1 "
-                      f"agreement {fidelity['top1_agreement'] * 100:.1f}%, waveform relative L2 "
-                      f"{fidelity['waveform_relative_l2']:.3f} (SNR {fidelity['waveform_snr_db']:.1f} dB)",
-                  f"fidelity fp32 vs bf16 decoder (same hidden states): waveform relative L2 "
-                  f"{fidelity['bf16_decoder_relative_l2']:.4f}"]
+        lines += [
+            "",
+            f"fidelity fp32 vs int8 (teacher forcing, {fidelity['seeds']} seeds): top-1 "
+            f"agreement {fidelity['top1_agreement'] * 100:.1f}%, waveform relative L2 "
+            f"{fidelity['waveform_relative_l2']:.3f} (SNR {fidelity['waveform_snr_db']:.1f} dB)",
+            f"fidelity fp32 vs bf16 decoder (same hidden states): waveform relative L2 "
+            f"{fidelity['bf16_decoder_relative_l2']:.4f}",
+        ]
     return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model-dir", type=Path, default=None,
-                        help="model to measure (default: build/reuse a full random-weight model)")
+    parser.add_argument(
+        "--model-dir",
+        type=Path,
+        default=None,
+        help="model to measure (default: build/reuse a full random-weight model)",
+    )
     parser.add_argument("--steps", type=int, default=150, help="GPT steps per request")
     parser.add_argument("--requests", type=int, default=3, help="baseline requests (median)")
     parser.add_argument("--rounds", type=int, default=2, help="rounds per concurrency level")
     parser.add_argument("--seeds", type=int, default=3, help="fidelity: sequences compared")
     parser.add_argument("--quantize", default="int8", choices=("int8", "none"))
-    parser.add_argument("--int8-product", default="auto", choices=INT8_PRODUCTS,
-                        help="the C++ kernels' int8 product (CHATTTS_INT8_PRODUCT)")
-    parser.add_argument("--kv-cache-dtype", default="bf16", choices=KV_CACHE_DTYPES,
-                        help="the KV cache's type with the kernels (CHATTTS_KV_CACHE_DTYPE)")
+    parser.add_argument(
+        "--int8-product",
+        default="auto",
+        choices=INT8_PRODUCTS,
+        help="the C++ kernels' int8 product (CHATTTS_INT8_PRODUCT)",
+    )
+    parser.add_argument(
+        "--kv-cache-dtype",
+        default="bf16",
+        choices=KV_CACHE_DTYPES,
+        help="the KV cache's type with the kernels (CHATTTS_KV_CACHE_DTYPE)",
+    )
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0 = all allowed)")
     parser.add_argument("--no-fidelity", action="store_true")
     parser.add_argument("--max-seconds", type=float, default=900, help="limit per phase")
@@ -379,22 +441,33 @@ def main(argv: list[str] | None = None) -> int:
         if args.phase == "baseline":
             result = phase_baseline(args.model_dir, args.steps, args.requests)
         elif args.phase == "ours":
-            result = phase_ours(args.model_dir, args.steps, args.quantize, args.rounds,
-                                args.int8_product, args.kv_cache_dtype)
+            result = phase_ours(
+                args.model_dir,
+                args.steps,
+                args.quantize,
+                args.rounds,
+                args.int8_product,
+                args.kv_cache_dtype,
+            )
         else:
-            result = phase_fidelity(args.model_dir, args.steps, args.seeds, args.int8_product,
-                                    args.kv_cache_dtype)
+            result = phase_fidelity(
+                args.model_dir, args.steps, args.seeds, args.int8_product, args.kv_cache_dtype
+            )
         print(json.dumps(result))
         return 0
 
     if args.model_dir is None:
         args.model_dir = default_model()
-    data = {"model_dir": str(args.model_dir), "steps": args.steps,
-            "threads": args.threads or len(os.sched_getaffinity(0))}
+    data = {
+        "model_dir": str(args.model_dir),
+        "steps": args.steps,
+        "threads": args.threads or len(os.sched_getaffinity(0)),
+    }
     data["baseline"] = run_child("baseline", args, ["--requests", str(args.requests)])
     product = ["--int8-product", args.int8_product, "--kv-cache-dtype", args.kv_cache_dtype]
-    data["ours"] = run_child("ours", args, ["--quantize", args.quantize,
-                                            "--rounds", str(args.rounds), *product])
+    data["ours"] = run_child(
+        "ours", args, ["--quantize", args.quantize, "--rounds", str(args.rounds), *product]
+    )
     if not args.no_fidelity:
         data["fidelity"] = run_child("fidelity", args, ["--seeds", str(args.seeds), *product])
     print(json.dumps(data, indent=1) if args.json else report(data))

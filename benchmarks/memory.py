@@ -28,13 +28,18 @@ from benchmarks.engine import DEFAULT_MODEL, TEXT, reset_peak_rss, rss_mb  # noq
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model-dir", type=Path, default=DEFAULT_MODEL)
-    parser.add_argument("--steps", type=int, default=0,
-                        help="force this many steps per request (default: each request's cap)")
+    parser.add_argument(
+        "--steps",
+        type=int,
+        default=0,
+        help="force this many steps per request (default: each request's cap)",
+    )
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args(argv)
 
     from chattts_service.config import Settings
-    from chattts_service.engine import Engine, SynthesisRequest
+    from chattts_service.inference.engine import Engine
+    from chattts_service.inference.types import SynthesisRequest
 
     settings = Settings.from_env(model_dir=args.model_dir, verify_model=False)
     engine = Engine(settings)
@@ -48,7 +53,7 @@ def main(argv: list[str] | None = None) -> int:
     chars = min(settings.max_chars, settings.max_segment_chars)
     text = (TEXT * (chars // len(TEXT) + 1))[:chars]
     text = engine.segments(SynthesisRequest(text, 0))[0]  # the longest single generation
-    steps = args.steps or engine.max_steps_for(text)
+    steps = args.steps or engine.prompts.max_steps_for(text)
     peak = [0.0]
     done = threading.Event()
 
@@ -60,28 +65,38 @@ def main(argv: list[str] | None = None) -> int:
     sampler = threading.Thread(target=sample_rss, daemon=True)
     sampler.start()
     burst_started = time.perf_counter()
-    futures = [engine.submit(SynthesisRequest(text, seed, normalize=False), fixed_steps=steps)
-               for seed in range(settings.max_batch)]
+    futures = [
+        engine.submit(SynthesisRequest(text, seed, normalize=False), fixed_steps=steps)
+        for seed in range(settings.max_batch)
+    ]
     results = [future.result() for future in futures]
     burst_seconds = time.perf_counter() - burst_started
     done.set()
     sampler.join()
     engine.close()
     report = {
-        "max_batch": settings.max_batch, "max_chars": len(text),
-        "kv_cache_mb": settings.kv_cache_mb, "steps_per_request": steps,
-        "ready_seconds": ready_seconds, "rss_after_ready_mb": after_ready["VmRSS"],
-        "peak_rss_mb": max(peak[0], rss_mb()["VmHWM"]), "burst_seconds": burst_seconds,
+        "max_batch": settings.max_batch,
+        "max_chars": len(text),
+        "kv_cache_mb": settings.kv_cache_mb,
+        "steps_per_request": steps,
+        "ready_seconds": ready_seconds,
+        "rss_after_ready_mb": after_ready["VmRSS"],
+        "peak_rss_mb": max(peak[0], rss_mb()["VmHWM"]),
+        "burst_seconds": burst_seconds,
         "audio_seconds": sum(result.seconds for result in results),
     }
     if args.json:
         print(json.dumps(report))
     else:
-        print(f"{report['max_batch']} requests x {report['max_chars']} chars, "
-              f"{steps} steps each, KV budget {report['kv_cache_mb']} MB")
+        print(
+            f"{report['max_batch']} requests x {report['max_chars']} chars, "
+            f"{steps} steps each, KV budget {report['kv_cache_mb']} MB"
+        )
         print(f"ready in {ready_seconds:.1f} s, RSS after ready {after_ready['VmRSS']:.0f} MB")
-        print(f"peak RSS during the burst {report['peak_rss_mb']:.0f} MB; burst took "
-              f"{burst_seconds:.1f} s for {report['audio_seconds']:.1f} s of audio")
+        print(
+            f"peak RSS during the burst {report['peak_rss_mb']:.0f} MB; burst took "
+            f"{burst_seconds:.1f} s for {report['audio_seconds']:.1f} s of audio"
+        )
     return 0
 
 

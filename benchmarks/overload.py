@@ -31,8 +31,11 @@ sys.path.insert(0, str(REPO))
 from benchmarks.engine import default_model  # noqa: E402
 from benchmarks.serverproc import Server  # noqa: E402
 
-TEXTS = ("今天天气很好，我们一起去公园散步吧。", "The train leaves at 9:45 from platform 3.",
-         "请在下午三点之前把报告发给我，谢谢。")
+TEXTS = (
+    "今天天气很好，我们一起去公园散步吧。",
+    "The train leaves at 9:45 from platform 3.",
+    "请在下午三点之前把报告发给我，谢谢。",
+)
 
 
 def one(session: requests.Session, url: str, index: int, timeout: float) -> dict:
@@ -40,14 +43,19 @@ def one(session: requests.Session, url: str, index: int, timeout: float) -> dict
     body = {"text": TEXTS[index % len(TEXTS)], "seed": 1000 + index, "stream": stream}
     started = time.perf_counter()
     try:
-        with session.post(url + "/synthesize", json=body, timeout=timeout,
-                          stream=stream) as response:
+        with session.post(
+            url + "/synthesize", json=body, timeout=timeout, stream=stream
+        ) as response:
             payload = response.content  # a cut-off stream raises here
             status = response.status_code
             retry_after = response.headers.get("Retry-After")
     except requests.RequestException as error:
-        return {"status": 0, "error": error.__class__.__name__, "stream": stream,
-                "seconds": time.perf_counter() - started}
+        return {
+            "status": 0,
+            "error": error.__class__.__name__,
+            "stream": stream,
+            "seconds": time.perf_counter() - started,
+        }
     result = {"status": status, "stream": stream, "seconds": time.perf_counter() - started}
     if status == 200:
         try:
@@ -101,39 +109,53 @@ def summarise(results: list[dict], wall: float, rss: list[float]) -> dict:
     p95 = latencies[min(len(latencies) - 1, int(0.95 * len(latencies)))] if latencies else None
     unexpected_5xx = sum(n for s, n in statuses.items() if s.startswith("5") and s != "503")
     summary = {
-        "requests": len(results), "statuses": statuses, "ok": len(ok),
+        "requests": len(results),
+        "statuses": statuses,
+        "ok": len(ok),
         "invalid_audio": sum(1 for r in ok if not r.get("valid")),
         "connection_errors": statuses.get("0", 0),
         "unexpected_5xx": unexpected_5xx,
-        "503_without_retry_after": sum(1 for r in results
-                                       if r["status"] == 503 and not r.get("retry_after")),
+        "503_without_retry_after": sum(
+            1 for r in results if r["status"] == 503 and not r.get("retry_after")
+        ),
         "latency_p50": statistics.median(latencies) if latencies else None,
-        "latency_p95": p95, "latency_max": latencies[-1] if latencies else None,
+        "latency_p95": p95,
+        "latency_max": latencies[-1] if latencies else None,
         "audio_seconds_per_wall_second": sum(r.get("audio_seconds", 0) for r in ok) / wall,
         "wall_seconds": wall,
         "server_rss_mb_max": max(rss) if rss else None,
     }
-    summary["passed"] = (summary["invalid_audio"] == 0 and summary["connection_errors"] == 0
-                         and unexpected_5xx == 0 and summary["503_without_retry_after"] == 0
-                         and len(ok) > 0)
+    summary["passed"] = (
+        summary["invalid_audio"] == 0
+        and summary["connection_errors"] == 0
+        and unexpected_5xx == 0
+        and summary["503_without_retry_after"] == 0
+        and len(ok) > 0
+    )
     return summary
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model-dir", type=Path, help="default: models/full-random, built on first use")
+    parser.add_argument(
+        "--model-dir", type=Path, help="default: models/full-random, built on first use"
+    )
     parser.add_argument("--tiny", action="store_true", help="build and use the tiny model")
     parser.add_argument("--clients", type=int, default=32)
     parser.add_argument("--seconds", type=float, default=180)
     parser.add_argument("--timeout", type=float, default=300)
-    parser.add_argument("--setting", action="append", default=[],
-                        help="CHATTTS_NAME=value for the server (repeatable)")
+    parser.add_argument(
+        "--setting",
+        action="append",
+        default=[],
+        help="CHATTTS_NAME=value for the server (repeatable)",
+    )
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
 
     with tempfile.TemporaryDirectory() as scratch:
         if args.tiny:
-            from chattts_service.testmodel import build
+            from chattts_service.tools.testmodel import build
 
             model_dir = build(Path(scratch) / "tiny", size="tiny")
         else:
@@ -154,24 +176,33 @@ def main() -> int:
             results, wall = drive(server.url, args.clients, args.seconds, args.timeout)
             sampling.set()
             summary = summarise(results, wall, rss)
-            summary.update(clients=args.clients, model_dir=str(model_dir),
-                           ready_seconds=ready,
-                           worker_alive=server.process.poll() is None)
+            summary.update(
+                clients=args.clients,
+                model_dir=str(model_dir),
+                ready_seconds=ready,
+                worker_alive=server.process.poll() is None,
+            )
             summary["passed"] = summary["passed"] and summary["worker_alive"]
         finally:
             server.stop()
     if args.json:
         print(json.dumps(summary))
     else:
-        print(f"{summary['requests']} requests from {args.clients} clients in "
-              f"{summary['wall_seconds']:.0f} s: statuses {summary['statuses']}")
-        print(f"accepted: p50 {summary['latency_p50']:.2f} s, p95 {summary['latency_p95']:.2f} s,"
-              f" max {summary['latency_max']:.2f} s; "
-              f"{summary['audio_seconds_per_wall_second']:.2f} audio s per wall s")
-        print(f"invalid audio {summary['invalid_audio']}, connection errors "
-              f"{summary['connection_errors']}, other 5xx {summary['unexpected_5xx']}, "
-              f"503 without Retry-After {summary['503_without_retry_after']}; "
-              f"server RSS max {summary['server_rss_mb_max']:.0f} MB")
+        print(
+            f"{summary['requests']} requests from {args.clients} clients in "
+            f"{summary['wall_seconds']:.0f} s: statuses {summary['statuses']}"
+        )
+        print(
+            f"accepted: p50 {summary['latency_p50']:.2f} s, p95 {summary['latency_p95']:.2f} s,"
+            f" max {summary['latency_max']:.2f} s; "
+            f"{summary['audio_seconds_per_wall_second']:.2f} audio s per wall s"
+        )
+        print(
+            f"invalid audio {summary['invalid_audio']}, connection errors "
+            f"{summary['connection_errors']}, other 5xx {summary['unexpected_5xx']}, "
+            f"503 without Retry-After {summary['503_without_retry_after']}; "
+            f"server RSS max {summary['server_rss_mb_max']:.0f} MB"
+        )
         print("PASSED" if summary["passed"] else "FAILED")
     return 0 if summary["passed"] else 1
 

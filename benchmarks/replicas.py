@@ -43,18 +43,22 @@ def rollup(pid: int) -> dict[str, float]:
     for line in Path(f"/proc/{pid}/smaps_rollup").read_text().splitlines()[1:]:
         key, _, rest = line.partition(":")
         values[key] = int(rest.split()[0]) / 1024
-    return {"rss": values["Rss"], "pss": values["Pss"],
-            "private": values["Private_Clean"] + values["Private_Dirty"],
-            "shared": values["Shared_Clean"] + values["Shared_Dirty"]}
+    return {
+        "rss": values["Rss"],
+        "pss": values["Pss"],
+        "private": values["Private_Clean"] + values["Private_Dirty"],
+        "shared": values["Shared_Clean"] + values["Shared_Dirty"],
+    }
 
 
 def start_replicas(model_dir: Path, count: int, scratch: Path, cpus: list[int]) -> list[Server]:
     share = max(1, len(cpus) // count)
     servers = []
     for index in range(count):
-        mine = cpus[index * share:(index + 1) * share] or cpus
-        server = Server(model_dir, scratch / f"replica-{count}-{index}.log",
-                        CHATTTS_THREADS=str(len(mine)))
+        mine = cpus[index * share : (index + 1) * share] or cpus
+        server = Server(
+            model_dir, scratch / f"replica-{count}-{index}.log", CHATTTS_THREADS=str(len(mine))
+        )
         os.sched_setaffinity(server.process.pid, mine)  # before it imports torch
         servers.append(server)
     for server in servers:
@@ -64,8 +68,12 @@ def start_replicas(model_dir: Path, count: int, scratch: Path, cpus: list[int]) 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model-dir", type=Path, default=None,
-                        help="default: the full random-weight model, built on first use")
+    parser.add_argument(
+        "--model-dir",
+        type=Path,
+        default=None,
+        help="default: the full random-weight model, built on first use",
+    )
     parser.add_argument("--max-replicas", type=int, default=3)
     parser.add_argument("--seconds", type=float, default=60)
     parser.add_argument("--clients", type=int, default=8)
@@ -89,8 +97,10 @@ def main() -> int:
                         for key, value in rollup(pid).items():
                             totals[key] += value
                     per.append({k: round(v) for k, v in totals.items()})
-                result["memory"][count] = {"replicas": per,
-                                           "host_used_mb": round(meminfo_used_mb() - baseline)}
+                result["memory"][count] = {
+                    "replicas": per,
+                    "host_used_mb": round(meminfo_used_mb() - baseline),
+                }
                 if count <= 2:
                     proxy = Nginx(scratch / f"nginx-{count}", [s.port for s in servers])
                     url = proxy.url
@@ -102,8 +112,15 @@ def main() -> int:
                         proxy.stop()
                     run = summarise(outcomes, wall, [])
                     result["throughput"][count] = {
-                        k: run[k] for k in ("requests", "statuses", "latency_p50", "latency_p95",
-                                            "audio_seconds_per_wall_second")}
+                        k: run[k]
+                        for k in (
+                            "requests",
+                            "statuses",
+                            "latency_p50",
+                            "latency_p95",
+                            "audio_seconds_per_wall_second",
+                        )
+                    }
             finally:
                 for server in servers:
                     server.stop()
@@ -114,14 +131,17 @@ def main() -> int:
         return 0
     print(f"{result['cpus']} CPUs; memory once ready (MB):")
     for count, memory in result["memory"].items():
-        rows = "; ".join(f"RSS {r['rss']} PSS {r['pss']} private {r['private']}"
-                         for r in memory["replicas"])
+        rows = "; ".join(
+            f"RSS {r['rss']} PSS {r['pss']} private {r['private']}" for r in memory["replicas"]
+        )
         print(f"  {count} replica(s): {rows}; host used +{memory['host_used_mb']}")
     for count, run in result["throughput"].items():
-        print(f"  {count} replica(s) through nginx, {args.clients} clients: "
-              f"{run['audio_seconds_per_wall_second']:.2f} audio s per wall s, "
-              f"p50 {run['latency_p50']:.2f} s, p95 {run['latency_p95']:.2f} s, "
-              f"statuses {run['statuses']}")
+        print(
+            f"  {count} replica(s) through nginx, {args.clients} clients: "
+            f"{run['audio_seconds_per_wall_second']:.2f} audio s per wall s, "
+            f"p50 {run['latency_p50']:.2f} s, p95 {run['latency_p95']:.2f} s, "
+            f"statuses {run['statuses']}"
+        )
     return 0
 
 

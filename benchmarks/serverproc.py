@@ -81,31 +81,56 @@ class Server:
     """``python server.py`` as a user runs it, on a loopback port (a free one unless given),
     optionally inside a memory cgroup."""
 
-    def __init__(self, model_dir: Path, log_path: Path, cgroup: MemoryCgroup | None = None,
-                 port: int | None = None, **settings: str):
+    def __init__(
+        self,
+        model_dir: Path,
+        log_path: Path,
+        cgroup: MemoryCgroup | None = None,
+        port: int | None = None,
+        **settings: str,
+    ):
         self.port = port or free_port()
         self.model_dir = model_dir
         self.url = f"http://127.0.0.1:{self.port}"
         env = {k: v for k, v in os.environ.items() if not k.startswith("CHATTTS_")}
-        env.update({"CHATTTS_HOST": "127.0.0.1", "CHATTTS_PORT": str(self.port),
-                    "CHATTTS_MODEL_DIR": str(model_dir), "CHATTTS_VERIFY_MODEL": "0",
-                    "PYTHONUNBUFFERED": "1", **settings})
+        env.update(
+            {
+                "CHATTTS_HOST": "127.0.0.1",
+                "CHATTTS_PORT": str(self.port),
+                "CHATTTS_MODEL_DIR": str(model_dir),
+                "CHATTTS_VERIFY_MODEL": "0",
+                "PYTHONUNBUFFERED": "1",
+                **settings,
+            }
+        )
         command = [sys.executable, "server.py"]
         if cgroup is not None:  # the shell joins the group, then becomes the server
-            command = ["sh", "-c", f'echo $$ > "{cgroup.path}/cgroup.procs" && exec "$@"',
-                       "sh", *command]
-        self._log = open(log_path, "wb")
+            command = [
+                "sh",
+                "-c",
+                f'echo $$ > "{cgroup.path}/cgroup.procs" && exec "$@"',
+                "sh",
+                *command,
+            ]
+        self._log = open(log_path, "wb")  # noqa: SIM115 (open for the process's lifetime)
         self.log_path = log_path
-        self.process = subprocess.Popen(command, cwd=REPO, env=env, stdout=self._log,
-                                        stderr=subprocess.STDOUT, start_new_session=True)
+        self.process = subprocess.Popen(
+            command,
+            cwd=REPO,
+            env=env,
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
 
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")
 
     def _check_running(self) -> None:
         if self.process.poll() is not None:
-            raise RuntimeError(f"server exited with {self.process.returncode}:\n"
-                               f"{self.log()[-6000:]}")
+            raise RuntimeError(
+                f"server exited with {self.process.returncode}:\n{self.log()[-6000:]}"
+            )
 
     def wait_listening(self, timeout: float = 60.0) -> None:
         deadline = time.monotonic() + timeout
@@ -133,8 +158,9 @@ class Server:
 
     def pids(self) -> list[int]:
         """The arbiter and its worker(s)."""
-        out = subprocess.run(["ps", "-o", "pid=", "--ppid", str(self.process.pid)],
-                             capture_output=True, text=True).stdout.split()
+        out = subprocess.run(
+            ["ps", "-o", "pid=", "--ppid", str(self.process.pid)], capture_output=True, text=True
+        ).stdout.split()
         return [self.process.pid, *map(int, out)]
 
     def rss_mb(self) -> float:
@@ -174,8 +200,12 @@ class Nginx:
         shipped = [line for line in lines if line.strip().startswith("server chattts-")]
         first = lines.index(shipped[0])
         kept = [line for line in lines if line not in shipped]
-        kept.insert(first, "".join(re.sub(r"chattts-\d+:8090", f"127.0.0.1:{port}", shipped[0])
-                                   for port in backends))
+        kept.insert(
+            first,
+            "".join(
+                re.sub(r"chattts-\d+:8090", f"127.0.0.1:{port}", shipped[0]) for port in backends
+            ),
+        )
         config = "".join(kept).replace("listen 8090", f"listen 127.0.0.1:{self.port}")
         prefix.mkdir(parents=True, exist_ok=True)
         (prefix / "chattts.conf").write_text(config)
@@ -183,9 +213,13 @@ class Nginx:
             f"pid {prefix}/nginx.pid; error_log {prefix}/error.log warn; daemon off;\n"
             "worker_processes 1;\nevents { worker_connections 512; }\n"
             f"http {{ access_log off; client_body_temp_path {prefix}/body;"
-            f" proxy_temp_path {prefix}/proxy; include chattts.conf; }}\n")
-        self.process = subprocess.Popen([nginx, "-p", str(prefix), "-c", str(prefix / "nginx.conf")],
-                                        stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
+            f" proxy_temp_path {prefix}/proxy; include chattts.conf; }}\n"
+        )
+        self.process = subprocess.Popen(
+            [nginx, "-p", str(prefix), "-c", str(prefix / "nginx.conf")],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.STDOUT,
+        )
         deadline = time.monotonic() + 10
         while time.monotonic() < deadline:
             try:

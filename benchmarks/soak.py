@@ -29,11 +29,15 @@ sys.path.insert(0, str(REPO))
 
 from benchmarks.engine import default_model  # noqa: E402
 from benchmarks.serverproc import MemoryCgroup, Server  # noqa: E402
-from chattts_service import heap  # noqa: E402
+from chattts_service.runtime import heap  # noqa: E402
 
-TEXTS = ("今天天气很好，我们一起去公园散步吧。", "The meeting starts at 3:30 pm on March 5.",
-         "请把2024年的报告在周五之前发给我，谢谢。",
-         "这是一段比较长的文字。" * 12, "Short one.")
+TEXTS = (
+    "今天天气很好，我们一起去公园散步吧。",
+    "The meeting starts at 3:30 pm on March 5.",
+    "请把2024年的报告在周五之前发给我，谢谢。",
+    "这是一段比较长的文字。" * 12,
+    "Short one.",
+)
 
 
 def slope_per_hour(points: list[tuple[float, float]]) -> float:
@@ -55,15 +59,22 @@ def heap_mb(url: str) -> dict[str, float]:
         text = requests.get(url + "/metrics", timeout=10).text
     except requests.RequestException:
         return {}
-    return {sample.labels["kind"]: sample.value / 2**20
-            for family in text_string_to_metric_families(text)
-            if family.name == "chatts_heap_bytes" for sample in family.samples}
+    return {
+        sample.labels["kind"]: sample.value / 2**20
+        for family in text_string_to_metric_families(text)
+        if family.name == "chatts_heap_bytes"
+        for sample in family.samples
+    }
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model-dir", type=Path, default=None,
-                        help="default: the full random-weight model, built on first use")
+    parser.add_argument(
+        "--model-dir",
+        type=Path,
+        default=None,
+        help="default: the full random-weight model, built on first use",
+    )
     parser.add_argument("--minutes", type=float, default=30)
     parser.add_argument("--clients", type=int, default=8)
     parser.add_argument("--limit-mb", type=int, default=3072)
@@ -90,12 +101,18 @@ def main() -> int:
                 while time.monotonic() < deadline:
                     with lock:
                         index = next(counter)
-                    body = {"text": TEXTS[index % len(TEXTS)],
-                            "seed": index % 50 if index % 5 == 0 else 10_000 + index,
-                            "stream": index % 3 == 0}
+                    body = {
+                        "text": TEXTS[index % len(TEXTS)],
+                        "seed": index % 50 if index % 5 == 0 else 10_000 + index,
+                        "stream": index % 3 == 0,
+                    }
                     try:
-                        with session.post(server.url + "/synthesize", json=body, timeout=300,
-                                          stream=body["stream"]) as response:
+                        with session.post(
+                            server.url + "/synthesize",
+                            json=body,
+                            timeout=300,
+                            stream=body["stream"],
+                        ) as response:
                             _ = response.content
                             status = str(response.status_code)
                     except requests.RequestException as error:
@@ -115,11 +132,14 @@ def main() -> int:
                     heap_samples.append((samples[-1][0], figures))
                 if not args.json:
                     elapsed, rss, usage = samples[-1]
-                    heap_text = " ".join(f"{kind} {figures[kind]:6.0f}" for kind in heap.KINDS
-                                         if kind in figures)
-                    print(f"{elapsed / 60:5.1f} min  RSS {rss:7.0f} MB  cgroup "
-                          f"{usage / 2**20:7.0f} MB  heap MB: {heap_text}  {dict(outcomes)}",
-                          flush=True)
+                    heap_text = " ".join(
+                        f"{kind} {figures[kind]:6.0f}" for kind in heap.KINDS if kind in figures
+                    )
+                    print(
+                        f"{elapsed / 60:5.1f} min  RSS {rss:7.0f} MB  cgroup "
+                        f"{usage / 2**20:7.0f} MB  heap MB: {heap_text}  {dict(outcomes)}",
+                        flush=True,
+                    )
                 time.sleep(10)
             for thread in threads:
                 thread.join()
@@ -132,22 +152,34 @@ def main() -> int:
     half_time = samples[-1][0] / 2
     second_half = [(t, rss) for t, rss, _ in samples if t >= half_time]
     result = {
-        "minutes": args.minutes, "clients": args.clients, "limit_mb": args.limit_mb,
-        "rss_first_mb": samples[0][1], "rss_last_mb": samples[-1][1],
+        "minutes": args.minutes,
+        "clients": args.clients,
+        "limit_mb": args.limit_mb,
+        "rss_first_mb": samples[0][1],
+        "rss_last_mb": samples[-1][1],
         "rss_max_mb": max(rss for _, rss, _ in samples),
         "rss_slope_mb_per_hour": slope_per_hour(second_half),
         "rss_slope_whole_run_mb_per_hour": slope_per_hour([(t, r) for t, r, _ in samples]),
         "heap_slopes_mb_per_hour": {
-            kind: slope_per_hour([(t, figures[kind]) for t, figures in heap_samples
-                                  if t >= half_time and kind in figures])
-            for kind in heap.KINDS},
+            kind: slope_per_hour(
+                [
+                    (t, figures[kind])
+                    for t, figures in heap_samples
+                    if t >= half_time and kind in figures
+                ]
+            )
+            for kind in heap.KINDS
+        },
         "heap_last_mb": heap_samples[-1][1] if heap_samples else {},
-        "cgroup_peak_mb": peak / 2**20, "oom_kills": oom_kills, "server_alive": alive,
+        "cgroup_peak_mb": peak / 2**20,
+        "oom_kills": oom_kills,
+        "server_alive": alive,
         "outcomes": outcomes,
     }
     bad = {k: v for k, v in outcomes.items() if k not in ("200", "503")}
-    result["passed"] = (oom_kills == 0 and alive and not bad
-                        and result["rss_slope_mb_per_hour"] < args.max_slope)
+    result["passed"] = (
+        oom_kills == 0 and alive and not bad and result["rss_slope_mb_per_hour"] < args.max_slope
+    )
     print(json.dumps(result, indent=None if args.json else 1))
     return 0 if result["passed"] else 1
 

@@ -29,8 +29,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from benchmarks.engine import (TEXT, audio_seconds, default_model, load_upstream,  # noqa: E402
-                               run_phase)
+from benchmarks.engine import TEXT, audio_seconds, default_model, load_upstream, run_phase  # noqa: E402
 
 LONG_SENTENCES = (
     "第{n}段：今天是2024年3月{day}日，气温{deg}摄氏度，我们在公园里走了{km}公里。",
@@ -43,8 +42,18 @@ def long_text(chars: int = 2000) -> str:
     text, n = "", 1
     while len(text) < chars:
         sentence = LONG_SENTENCES[n % len(LONG_SENTENCES)]
-        text += sentence.format(n=n, day=n % 28 + 1, deg=n % 30, km=n % 9 + 1, hour=n % 12 + 1,
-                                price=10 + n, phone=62750000 + n) + " "
+        text += (
+            sentence.format(
+                n=n,
+                day=n % 28 + 1,
+                deg=n % 30,
+                km=n % 9 + 1,
+                hour=n % 12 + 1,
+                price=10 + n,
+                phone=62750000 + n,
+            )
+            + " "
+        )
         n += 1
     return text[:chars]
 
@@ -53,17 +62,21 @@ def phase_upstream(model_dir: Path, steps: int, requests: int) -> dict:
     import numpy as np
     from ChatTTS import Chat
 
-    from chattts_service.engine import voice_for_seed
+    from chattts_service.inference.prompts import voice_for_seed
 
     chat = load_upstream(model_dir)
 
     def one(seed: int) -> tuple[float, float]:
         voice = voice_for_seed(chat.speaker, seed)
-        params = Chat.InferCodeParams(spk_emb=chat.speaker._encode(voice), manual_seed=seed,
-                                      min_new_token=steps, max_new_token=steps, show_tqdm=False)
+        params = Chat.InferCodeParams(
+            spk_emb=chat.speaker._encode(voice),
+            manual_seed=seed,
+            min_new_token=steps,
+            max_new_token=steps,
+            show_tqdm=False,
+        )
         began, first = time.perf_counter(), None
-        for chunk in chat.infer(TEXT, stream=True, skip_refine_text=True,
-                                params_infer_code=params):
+        for chunk in chat.infer(TEXT, stream=True, skip_refine_text=True, params_infer_code=params):
             if first is None and chunk is not None and np.asarray(chunk).size:
                 first = time.perf_counter() - began
         return first, time.perf_counter() - began
@@ -75,7 +88,8 @@ def phase_upstream(model_dir: Path, steps: int, requests: int) -> dict:
 
 def phase_ours(model_dir: Path, steps: int, requests: int, long_chars: int) -> dict:
     from chattts_service.config import Settings
-    from chattts_service.engine import Engine, SynthesisRequest
+    from chattts_service.inference.engine import Engine
+    from chattts_service.inference.types import SynthesisRequest
 
     engine = Engine(Settings.from_env({}, model_dir=model_dir, verify_model=False))
     engine.load()
@@ -92,8 +106,12 @@ def phase_ours(model_dir: Path, steps: int, requests: int, long_chars: int) -> d
 
     one(0)
     runs = [one(seed) for seed in range(1, requests + 1)]
-    result = {"first_audio_seconds": [r[0] for r in runs], "total_seconds": [r[1] for r in runs],
-              "chunks": runs[0][2], "context_steps": engine.context_steps}
+    result = {
+        "first_audio_seconds": [r[0] for r in runs],
+        "total_seconds": [r[1] for r in runs],
+        "chunks": runs[0][2],
+        "context_steps": engine.context_steps,
+    }
 
     if long_chars:
         text = long_text(long_chars)
@@ -111,13 +129,17 @@ def phase_ours(model_dir: Path, steps: int, requests: int, long_chars: int) -> d
                 first = time.perf_counter() - began
         stream_wall = time.perf_counter() - began
         result["long_text"] = {
-            "characters": len(text), "segments": len(segments),
+            "characters": len(text),
+            "segments": len(segments),
             "longest_segment": max(len(s) for s in segments),
             "normalise_seconds": normalise_seconds,
-            "wall_seconds": wall, "audio_seconds": synthesis.seconds,
-            "real_time_factor": wall / synthesis.seconds, "steps": synthesis.steps,
+            "wall_seconds": wall,
+            "audio_seconds": synthesis.seconds,
+            "real_time_factor": wall / synthesis.seconds,
+            "steps": synthesis.steps,
             "truncated_segments": synthesis.truncated,
-            "stream_first_audio_seconds": first, "stream_wall_seconds": stream_wall,
+            "stream_first_audio_seconds": first,
+            "stream_wall_seconds": stream_wall,
             "sample": segments[0][:80],
         }
     engine.close()
@@ -125,10 +147,22 @@ def phase_ours(model_dir: Path, steps: int, requests: int, long_chars: int) -> d
 
 
 def run_child(phase: str, args, extra: list[str]) -> dict:
-    return run_phase(__file__, phase, ["--model-dir", str(args.model_dir),
-                                       "--steps", str(args.steps),
-                                       "--requests", str(args.requests), *extra],
-                     0, phase != "upstream", args.max_seconds)
+    return run_phase(
+        __file__,
+        phase,
+        [
+            "--model-dir",
+            str(args.model_dir),
+            "--steps",
+            str(args.steps),
+            "--requests",
+            str(args.requests),
+            *extra,
+        ],
+        0,
+        phase != "upstream",
+        args.max_seconds,
+    )
 
 
 def report(data: dict) -> str:
@@ -140,7 +174,8 @@ def report(data: dict) -> str:
         f"median of {data['requests']}:",
         "                      first audio    whole",
         f"upstream stream       {up_first:8.2f} s {statistics.median(up['total_seconds']):8.2f} s",
-        f"ours, stream          {our_first:8.2f} s {statistics.median(ours['total_seconds']):8.2f} s"
+        f"ours, stream          {our_first:8.2f} s "
+        f"{statistics.median(ours['total_seconds']):8.2f} s"
         f"   ({ours['chunks']} chunks, {ours['context_steps']} steps of decoder context)",
         f"first audio {up_first / our_first:.1f}x sooner than upstream",
     ]
@@ -179,9 +214,12 @@ def main() -> int:
 
     if args.model_dir is None:
         args.model_dir = default_model()
-    data = {"steps": args.steps, "requests": args.requests,
-            "upstream": run_child("upstream", args, []),
-            "ours": run_child("ours", args, ["--long-chars", str(args.long_chars)])}
+    data = {
+        "steps": args.steps,
+        "requests": args.requests,
+        "upstream": run_child("upstream", args, []),
+        "ours": run_child("ours", args, ["--long-chars", str(args.long_chars)]),
+    }
     print(json.dumps(data, indent=1) if args.json else report(data))
     return 0
 

@@ -9,9 +9,9 @@ from __future__ import annotations
 import functools
 import logging
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from pathlib import Path
-from typing import Mapping
 
 log = logging.getLogger(__name__)
 
@@ -36,6 +36,8 @@ QUANTIZATIONS = ("int8", "none")
 KERNEL_MODES = ("auto", "on", "off")
 INT8_PRODUCTS = ("auto", "vnni", "avx2")
 KV_CACHE_DTYPES = ("bf16", "int8")
+DECODER_DTYPES = ("auto", "bf16", "fp32")
+LOG_LEVELS = tuple(logging.getLevelNamesMapping())
 
 
 @functools.cache
@@ -55,92 +57,225 @@ def cpu_has_native_bf16() -> bool:
     return bool({"avx512_bf16", "amx_bf16"} & cpu_flags())
 
 
-def _env_field(name: str, default, help_text: str):
-    return field(default=default, metadata={"env": PREFIX + name, "help": help_text})
+def _env_field(
+    name: str,
+    default,
+    help_text: str,
+    *,
+    low: int | None = None,
+    high: int | None = None,
+    choices: tuple[str, ...] | None = None,
+):
+    """A setting read from ``CHATTTS_<name>``. Its bounds (``low``/``high``, inclusive) or its
+    ``choices`` are declared here once: the start-up check, the admin endpoint, the OpenAPI
+    document and the README table all read them from the field."""
+    return field(
+        default=default,
+        metadata={
+            "env": PREFIX + name,
+            "help": help_text,
+            "low": low,
+            "high": high,
+            "choices": choices,
+        },
+    )
+
+
+@dataclass(frozen=True)
+class Bounds:
+    low: int | None
+    high: int | None
+
+    def __contains__(self, value: int) -> bool:
+        return (self.low is None or value >= self.low) and (self.high is None or value <= self.high)
+
+    def describe(self) -> str:
+        if self.high is None:
+            return f"at least {self.low}"
+        return f"between {self.low} and {self.high}"
 
 
 @dataclass(frozen=True)
 class Settings:
-    model_dir: Path = _env_field("MODEL_DIR", Path("models/chattts"),
-                                 "directory holding the model in ChatTTS's layout (asset/...)")
-    verify_model: bool = _env_field("VERIFY_MODEL", True,
-                                    "check every model file against ChatTTS's sha256 list at start")
+    model_dir: Path = _env_field(
+        "MODEL_DIR",
+        Path("models/chattts"),
+        "directory holding the model in ChatTTS's layout (asset/...)",
+    )
+    verify_model: bool = _env_field(
+        "VERIFY_MODEL", True, "check every model file against ChatTTS's sha256 list at start"
+    )
     host: str = _env_field("HOST", "0.0.0.0", "address to listen on")
-    port: int = _env_field("PORT", 8090, "port to listen on")
-    threads: int = _env_field("THREADS", 0,
-                              "torch compute threads; 0 = the CPUs this process may run on")
-    http_threads: int = _env_field("HTTP_THREADS", 32,
-                                   "gunicorn threads accepting requests (each waits on the scheduler)")
-    worker_timeout: int = _env_field("WORKER_TIMEOUT", 300,
-                                     "seconds gunicorn waits on a silent worker before restarting it")
-    cache_size: int = _env_field("CACHE_SIZE", 256, "entries in the LRU audio cache; 0 disables it")
-    cache_mb: int = _env_field("CACHE_MB", 256, "bytes of audio the cache may hold, in MiB")
-    max_chars: int = _env_field("MAX_CHARS", 4000,
-                                "longest text accepted, in characters (long text is split)")
+    port: int = _env_field("PORT", 8090, "port to listen on", low=1, high=65535)
+    threads: int = _env_field(
+        "THREADS", 0, "torch compute threads; 0 = the CPUs this process may run on", low=0
+    )
+    http_threads: int = _env_field(
+        "HTTP_THREADS",
+        32,
+        "gunicorn threads accepting requests (each waits on the scheduler)",
+        low=1,
+    )
+    worker_timeout: int = _env_field(
+        "WORKER_TIMEOUT",
+        300,
+        "seconds gunicorn waits on a silent worker before restarting it",
+        low=10,
+    )
+    cache_size: int = _env_field(
+        "CACHE_SIZE", 256, "entries in the LRU audio cache; 0 disables it", low=0
+    )
+    cache_mb: int = _env_field("CACHE_MB", 256, "bytes of audio the cache may hold, in MiB", low=0)
+    max_chars: int = _env_field(
+        "MAX_CHARS", 4000, "longest text accepted, in characters (long text is split)", low=1
+    )
     max_segment_chars: int = _env_field(
-        "MAX_SEGMENT_CHARS", 100,
-        "long text is split at sentence boundaries into segments of at most this many characters")
-    segment_pause_ms: int = _env_field("SEGMENT_PAUSE_MS", 200,
-                                       "silence between the segments of a long text")
-    max_control_tokens: int = _env_field("MAX_CONTROL_TOKENS", 64,
-                                         "most control tokens ([uv_break], [laugh]...) per text")
-    voices_dir: Path = _env_field("VOICES_DIR", Path("voices"),
-                                  "directory of named voices (<name>.json); created when a voice "
-                                  "is registered")
-    normalize: bool = _env_field("NORMALIZE", True,
-                                 "default for the per-request normalize option (wetext)")
-    max_new_tokens: int = _env_field("MAX_NEW_TOKENS", 2048,
-                                     "cap on GPT steps per request (46.9 steps = 1 s of audio)")
+        "MAX_SEGMENT_CHARS",
+        100,
+        "long text is split at sentence boundaries into segments of at most this many characters",
+        low=10,
+        high=500,
+    )
+    segment_pause_ms: int = _env_field(
+        "SEGMENT_PAUSE_MS", 200, "silence between the segments of a long text", low=0, high=5000
+    )
+    max_control_tokens: int = _env_field(
+        "MAX_CONTROL_TOKENS", 64, "most control tokens ([uv_break], [laugh]...) per text", low=0
+    )
+    voices_dir: Path = _env_field(
+        "VOICES_DIR",
+        Path("voices"),
+        "directory of named voices (<name>.json); created when a voice is registered",
+    )
+    normalize: bool = _env_field(
+        "NORMALIZE", True, "default for the per-request normalize option (wetext)"
+    )
+    max_new_tokens: int = _env_field(
+        "MAX_NEW_TOKENS",
+        2048,
+        "cap on GPT steps per request (46.9 steps = 1 s of audio)",
+        low=1,
+        high=4096,
+    )
     max_steps_per_char: int = _env_field(
-        "MAX_STEPS_PER_CHAR", 25,
-        "per-request step cap of 150 + this many steps per character (stops runaway speech)")
-    quantize: str = _env_field("QUANTIZE", "int8", "GPT linear layers: int8 (per-row activation scales) or none (fp32)")
+        "MAX_STEPS_PER_CHAR",
+        25,
+        "per-request step cap of 150 + this many steps per character (stops runaway speech)",
+        low=1,
+    )
+    quantize: str = _env_field(
+        "QUANTIZE",
+        "int8",
+        "GPT linear layers: int8 (per-row activation scales) or none (fp32)",
+        choices=QUANTIZATIONS,
+    )
     kernels: str = _env_field(
-        "KERNELS", "auto",
+        "KERNELS",
+        "auto",
         "the built-in C++ kernels (decode attention, int8 product with RMSNorm and SwiGLU fused, "
-        "sampling): on, off, or auto (if usable)")
+        "sampling): on, off, or auto (if usable)",
+        choices=KERNEL_MODES,
+    )
+    kernel_dir: str = _env_field(
+        "KERNEL_DIR",
+        "",
+        "where the built C++ kernels are found (the image sets it; empty: `_build` beside "
+        "their sources, where `script/setup` builds them)",
+    )
     int8_product: str = _env_field(
-        "INT8_PRODUCT", "auto",
+        "INT8_PRODUCT",
+        "auto",
         "the C++ kernels' int8 product: vnni (AVX512-VNNI, 8-bit activations), avx2 (7-bit "
-        "activations, as on CPUs without VNNI), or auto (vnni where the CPU has it)")
+        "activations, as on CPUs without VNNI), or auto (vnni where the CPU has it)",
+        choices=INT8_PRODUCTS,
+    )
     kv_cache_dtype: str = _env_field(
-        "KV_CACHE_DTYPE", "bf16",
+        "KV_CACHE_DTYPE",
+        "bf16",
         "what the KV cache holds where the C++ kernels attend: bf16, or int8 with a scale per "
-        "position and head (half the bytes to read each step; torch's attention keeps fp32)")
+        "position and head (half the bytes to read each step; torch's attention keeps fp32)",
+        choices=KV_CACHE_DTYPES,
+    )
     decoder_dtype: str = _env_field(
-        "DECODER_DTYPE", "auto",
-        "decoder precision: bf16, fp32, or auto (bf16 where the CPU has native bf16 dot products)")
-    max_batch: int = _env_field("MAX_BATCH", 8, "requests generated together in one batch")
-    batch_wait_ms: int = _env_field("BATCH_WAIT_MS", 50,
-                                    "how long an idle scheduler waits for more requests to batch")
-    max_queue: int = _env_field("MAX_QUEUE", 64, "requests that may wait for the model; more get 503")
-    kv_cache_mb: int = _env_field("KV_CACHE_MB", 768,
-                                  "KV-cache budget; requests wait rather than exceed it")
+        "DECODER_DTYPE",
+        "auto",
+        "decoder precision: bf16, fp32, or auto (bf16 where the CPU has native bf16 dot products)",
+        choices=DECODER_DTYPES,
+    )
+    max_batch: int = _env_field(
+        "MAX_BATCH", 8, "requests generated together in one batch", low=1, high=64
+    )
+    batch_wait_ms: int = _env_field(
+        "BATCH_WAIT_MS",
+        50,
+        "how long an idle scheduler waits for more requests to batch",
+        low=0,
+        high=10_000,
+    )
+    max_queue: int = _env_field(
+        "MAX_QUEUE", 64, "requests that may wait for the model; more get 503", low=1, high=4096
+    )
+    kv_cache_mb: int = _env_field(
+        "KV_CACHE_MB", 768, "KV-cache budget; requests wait rather than exceed it", low=64
+    )
     request_timeout_s: int = _env_field(
-        "REQUEST_TIMEOUT_S", 300,
-        "a request not finished after this many seconds is dropped and answered 504")
-    max_wait_s: int = _env_field("MAX_WAIT_S", 120,
-                                 "answer 503 at once when the estimated wait is longer; 0 = off")
+        "REQUEST_TIMEOUT_S",
+        300,
+        "a request not finished after this many seconds is dropped and answered 504",
+        low=1,
+    )
+    max_wait_s: int = _env_field(
+        "MAX_WAIT_S",
+        120,
+        "answer 503 at once when the estimated wait is longer; 0 = off",
+        low=0,
+        high=3600,
+    )
     degrade_cpu_percent: int = _env_field(
-        "DEGRADE_CPU_PERCENT", 85,
-        "degraded mode when process CPU stays at or above this (% of its CPUs); 0 = never")
-    degrade_after_s: int = _env_field("DEGRADE_AFTER_S", 10,
-                                      "seconds the CPU must stay above (or below) to switch mode")
+        "DEGRADE_CPU_PERCENT",
+        85,
+        "degraded mode when process CPU stays at or above this (% of its CPUs); 0 = never",
+        low=0,
+        high=100,
+    )
+    degrade_after_s: int = _env_field(
+        "DEGRADE_AFTER_S", 10, "seconds the CPU must stay above (or below) to switch mode", low=1
+    )
     degraded_max_new_tokens: int = _env_field(
-        "DEGRADED_MAX_NEW_TOKENS", 1024, "per-segment step cap while degraded (no refinement)")
+        "DEGRADED_MAX_NEW_TOKENS",
+        1024,
+        "per-segment step cap while degraded (no refinement)",
+        low=16,
+    )
     drain_seconds: int = _env_field(
-        "DRAIN_SECONDS", 3,
-        "after SIGTERM: seconds of answering 503 (readiness too) before it stops accepting")
+        "DRAIN_SECONDS",
+        3,
+        "after SIGTERM: seconds of answering 503 (readiness too) before it stops accepting",
+        low=0,
+        high=60,
+    )
     graceful_timeout_s: int = _env_field(
-        "GRACEFUL_TIMEOUT_S", 30, "after the drain: how long in-flight requests may finish")
+        "GRACEFUL_TIMEOUT_S",
+        30,
+        "after the drain: how long in-flight requests may finish",
+        low=1,
+        high=600,
+    )
     api_keys: str = _env_field("API_KEYS", "", "comma-separated API keys; empty = no auth")
     api_keys_file: str = _env_field("API_KEYS_FILE", "", "file of API keys, one per line")
     metrics_auth: bool = _env_field("METRICS_AUTH", False, "require a key for /metrics too")
-    refine_text: bool = _env_field("REFINE_TEXT", False,
-                                   "default for the per-request refine_text option")
-    default_seed: int = _env_field("DEFAULT_SEED", 1234, "voice and sampling seed when a request gives none")
+    refine_text: bool = _env_field(
+        "REFINE_TEXT", False, "default for the per-request refine_text option"
+    )
+    default_seed: int = _env_field(
+        "DEFAULT_SEED",
+        1234,
+        "voice and sampling seed when a request gives none",
+        low=0,
+        high=2**31 - 1,
+    )
     warmup: bool = _env_field("WARMUP", True, "run warm-up texts through the model before ready")
-    log_level: str = _env_field("LOG_LEVEL", "INFO", "Python logging level")
+    log_level: str = _env_field("LOG_LEVEL", "INFO", "Python logging level", choices=LOG_LEVELS)
 
     @property
     def resolved_decoder_dtype(self) -> str:
@@ -153,7 +288,7 @@ class Settings:
         return self.threads if self.threads > 0 else available_cpus()
 
     @classmethod
-    def from_env(cls, environ: Mapping[str, str] | None = None, **overrides) -> "Settings":
+    def from_env(cls, environ: Mapping[str, str] | None = None, **overrides) -> Settings:
         environ = os.environ if environ is None else environ
         values = {}
         known = set()
@@ -170,60 +305,56 @@ class Settings:
         return settings
 
     def validate(self) -> None:
-        checks = [
-            (1 <= self.port <= 65535, "CHATTTS_PORT must be between 1 and 65535"),
-            (self.threads >= 0, "CHATTTS_THREADS must be 0 (auto) or positive"),
-            (self.http_threads >= 1, "CHATTTS_HTTP_THREADS must be at least 1"),
-            (self.worker_timeout >= 10, "CHATTTS_WORKER_TIMEOUT must be at least 10 seconds"),
-            (self.cache_size >= 0, "CHATTTS_CACHE_SIZE must be 0 or positive"),
-            (self.max_chars >= 1, "CHATTTS_MAX_CHARS must be at least 1"),
-            (self.cache_mb >= 0, "CHATTTS_CACHE_MB must be 0 (no byte bound) or positive"),
-            (10 <= self.max_segment_chars <= 500,
-             "CHATTTS_MAX_SEGMENT_CHARS must be between 10 and 500"),
-            (0 <= self.segment_pause_ms <= 5000,
-             "CHATTTS_SEGMENT_PAUSE_MS must be between 0 and 5000"),
-            (self.max_control_tokens >= 0, "CHATTTS_MAX_CONTROL_TOKENS must be 0 or positive"),
-            (self.max_wait_s >= 0, "CHATTTS_MAX_WAIT_S must be 0 (off) or positive"),
-            (0 <= self.degrade_cpu_percent <= 100,
-             "CHATTTS_DEGRADE_CPU_PERCENT must be between 0 (off) and 100"),
-            (self.degrade_after_s >= 1, "CHATTTS_DEGRADE_AFTER_S must be at least 1"),
-            (self.degraded_max_new_tokens >= 16,
-             "CHATTTS_DEGRADED_MAX_NEW_TOKENS must be at least 16"),
-            (0 <= self.drain_seconds <= 60, "CHATTTS_DRAIN_SECONDS must be between 0 and 60"),
-            (1 <= self.graceful_timeout_s <= 600,
-             "CHATTTS_GRACEFUL_TIMEOUT_S must be between 1 and 600"),
-            (1 <= self.max_new_tokens <= 4096, "CHATTTS_MAX_NEW_TOKENS must be between 1 and 4096"),
-            (self.max_steps_per_char >= 1, "CHATTTS_MAX_STEPS_PER_CHAR must be at least 1"),
-            (self.quantize in QUANTIZATIONS, "CHATTTS_QUANTIZE must be int8 or none"),
-            (self.kernels in KERNEL_MODES, "CHATTTS_KERNELS must be auto, on or off"),
-            (self.int8_product in INT8_PRODUCTS,
-             "CHATTTS_INT8_PRODUCT must be auto, vnni or avx2"),
-            (self.kv_cache_dtype in KV_CACHE_DTYPES, "CHATTTS_KV_CACHE_DTYPE must be bf16 or int8"),
-            (self.decoder_dtype in ("auto", "bf16", "fp32"),
-             "CHATTTS_DECODER_DTYPE must be auto, bf16 or fp32"),
-            (1 <= self.max_batch <= 64, "CHATTTS_MAX_BATCH must be between 1 and 64"),
-            (0 <= self.batch_wait_ms <= 10_000, "CHATTTS_BATCH_WAIT_MS must be between 0 and 10000"),
-            (self.max_queue >= 1, "CHATTTS_MAX_QUEUE must be at least 1"),
-            (self.request_timeout_s >= 1, "CHATTTS_REQUEST_TIMEOUT_S must be at least 1"),
-            (self.kv_cache_mb >= 64, "CHATTTS_KV_CACHE_MB must be at least 64"),
-            (0 <= self.default_seed < 2**31, "CHATTTS_DEFAULT_SEED must be in [0, 2^31)"),
-            (self.log_level.upper() in logging.getLevelNamesMapping(),
-             "CHATTTS_LOG_LEVEL must be a Python logging level"),
-        ]
-        for ok, message in checks:
-            if not ok:
-                raise SettingsError(message)
+        for item in fields(self):
+            value, name = getattr(self, item.name), item.metadata["env"]
+            choices = item.metadata["choices"]
+            if choices is not None and _canonical(item.name, value) not in choices:
+                raise SettingsError(f"{name} must be one of {', '.join(choices)}, not {value!r}")
+            bounds = self.bounds(item.name)
+            if bounds is not None and value not in bounds:
+                raise SettingsError(f"{name} must be {bounds.describe()}, not {value}")
+
+    @classmethod
+    def bounds(cls, name: str) -> Bounds | None:
+        """The declared range of an integer setting (None for the others)."""
+        metadata = next(item.metadata for item in fields(cls) if item.name == name)
+        if metadata["low"] is None and metadata["high"] is None:
+            return None
+        return Bounds(metadata["low"], metadata["high"])
 
     @classmethod
     def documentation(cls) -> list[tuple[str, str, str]]:
-        """(variable, default, meaning) for every setting: the README table is built from it."""
+        """(variable, default, allowed values, meaning) for every setting: the README table
+        is checked against it."""
         rows = []
         for item in fields(cls):
             default = item.default
             if isinstance(default, bool):
                 default = "1" if default else "0"
-            rows.append((item.metadata["env"], str(default), item.metadata["help"]))
+            rows.append(
+                (
+                    item.metadata["env"],
+                    str(default),
+                    _allowed(item.metadata, item.default),
+                    item.metadata["help"],
+                )
+            )
         return rows
+
+
+def _canonical(name: str, value):
+    return value.upper() if name == "log_level" else value
+
+
+def _allowed(metadata, default) -> str:
+    if isinstance(default, bool):
+        return "1, 0"
+    if metadata["choices"] is not None:
+        return ", ".join(metadata["choices"])
+    low, high = metadata["low"], metadata["high"]
+    if low is None and high is None:
+        return ""
+    return f"{low}.." + ("" if high is None else str(high))
 
 
 _TRUE = {"1", "true", "yes", "on"}

@@ -10,9 +10,9 @@ import threading
 from gunicorn.app.base import BaseApplication
 from gunicorn.workers.gthread import ThreadWorker
 
-from . import heap
-from .auth import ApiKeys
-from .config import Settings, SettingsError
+from chattts_service.api.auth import ApiKeys
+from chattts_service.config import Settings, SettingsError
+from chattts_service.runtime import heap
 
 log = logging.getLogger(__name__)
 
@@ -39,8 +39,11 @@ class DrainingWorker(ThreadWorker):
 
 
 def configure_logging(level: str) -> None:
-    logging.basicConfig(level=level.upper(), stream=sys.stdout,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(
+        level=level.upper(),
+        stream=sys.stdout,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
     # ChatTTS logs every stage of every inference at INFO.
     logging.getLogger("ChatTTS").setLevel(max(logging.WARNING, logging.getLevelName(level.upper())))
 
@@ -79,7 +82,7 @@ class _Gunicorn(BaseApplication):
             self.cfg.set(key, value)
 
     def load(self):
-        from .app import create_app
+        from chattts_service.app import create_app
 
         configure_logging(self.settings.log_level)
         return create_app(self.settings, exit_on_load_failure=True)

@@ -10,13 +10,14 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
-from .auth import ApiKeys
-from .cache import AudioCache
-from .config import Settings
-from .engine import Engine
-from .metrics import Metrics
-from .model_files import ModelFilesError
-from .pressure import Pressure
+from chattts_service.api.auth import ApiKeys
+from chattts_service.config import Settings
+from chattts_service.inference.engine import Engine
+from chattts_service.inference.model_files import ModelFilesError
+from chattts_service.runtime.metrics import Metrics
+from chattts_service.runtime.pressure import Pressure
+from chattts_service.services.cache import AudioCache
+from chattts_service.services.speech import SpeechPipeline
 
 log = logging.getLogger(__name__)
 
@@ -77,6 +78,7 @@ class ServiceState:
     ready_event: threading.Event = field(default_factory=threading.Event)
     phase: str = "starting"  # starting -> loading -> warming -> ready | failed
     failure: str | None = None
+    speech: SpeechPipeline | None = None  # the pipeline both speech endpoints call
 
     @property
     def ready(self) -> bool:
@@ -95,8 +97,9 @@ class ServiceState:
         self.metrics.ready.set(0)
 
     def start(self, exit_on_failure: bool) -> threading.Thread:
-        thread = threading.Thread(target=self._load_and_warm, args=(exit_on_failure,),
-                                  name="model-loader", daemon=True)
+        thread = threading.Thread(
+            target=self._load_and_warm, args=(exit_on_failure,), name="model-loader", daemon=True
+        )
         thread.start()
         return thread
 

@@ -11,7 +11,7 @@ from benchmarks.serverproc import REPO, Server  # noqa: F401  (REPO: for the tes
 
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory) -> Path:
-    from chattts_service.testmodel import build
+    from chattts_service.tools.testmodel import build
 
     return build(tmp_path_factory.mktemp("models") / "tiny", size="tiny", seed=0)
 
@@ -21,8 +21,12 @@ class ServerProcess(Server):
     (at most 200 steps a request, one torch thread) unless given others."""
 
     def __init__(self, model_dir: Path, log_path: Path, port: int | None = None, **settings: str):
-        super().__init__(model_dir, log_path, port=port,
-                         **{"CHATTTS_MAX_NEW_TOKENS": "200", "CHATTTS_THREADS": "1", **settings})
+        super().__init__(
+            model_dir,
+            log_path,
+            port=port,
+            **{"CHATTTS_MAX_NEW_TOKENS": "200", "CHATTTS_THREADS": "1", **settings},
+        )
 
     def wait_ready(self, timeout: float = 120.0) -> float:
         return super().wait_ready(timeout)

@@ -9,10 +9,27 @@ from conftest import REPO
 
 def test_engine_benchmark_smoke(tiny_model_dir):
     result = subprocess.run(
-        [sys.executable, "benchmarks/engine.py", "--model-dir", str(tiny_model_dir),
-         "--steps", "12", "--requests", "1", "--rounds", "1", "--seeds", "1", "--json",
-         "--max-seconds", "300"],
-        cwd=REPO, capture_output=True, text=True, timeout=600,
+        [
+            sys.executable,
+            "benchmarks/engine.py",
+            "--model-dir",
+            str(tiny_model_dir),
+            "--steps",
+            "12",
+            "--requests",
+            "1",
+            "--rounds",
+            "1",
+            "--seeds",
+            "1",
+            "--json",
+            "--max-seconds",
+            "300",
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=600,
     )
     assert result.returncode == 0, result.stderr[-3000:]
     data = json.loads(result.stdout)
@@ -24,9 +41,19 @@ def test_engine_benchmark_smoke(tiny_model_dir):
 
 def test_memory_benchmark_smoke(tiny_model_dir):
     result = subprocess.run(
-        [sys.executable, "benchmarks/memory.py", "--model-dir", str(tiny_model_dir),
-         "--steps", "10", "--json"],
-        cwd=REPO, capture_output=True, text=True, timeout=300,
+        [
+            sys.executable,
+            "benchmarks/memory.py",
+            "--model-dir",
+            str(tiny_model_dir),
+            "--steps",
+            "10",
+            "--json",
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
         env={"PATH": "/usr/bin:/bin", "CHATTTS_MAX_BATCH": "3", "CHATTTS_MAX_CHARS": "40"},
     )
     assert result.returncode == 0, result.stderr[-3000:]
@@ -37,9 +64,23 @@ def test_memory_benchmark_smoke(tiny_model_dir):
 
 def test_speech_benchmark_smoke(tiny_model_dir):
     result = subprocess.run(
-        [sys.executable, "benchmarks/speech.py", "--model-dir", str(tiny_model_dir),
-         "--steps", "40", "--requests", "1", "--long-chars", "300", "--json"],
-        cwd=REPO, capture_output=True, text=True, timeout=600,
+        [
+            sys.executable,
+            "benchmarks/speech.py",
+            "--model-dir",
+            str(tiny_model_dir),
+            "--steps",
+            "40",
+            "--requests",
+            "1",
+            "--long-chars",
+            "300",
+            "--json",
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=600,
     )
     assert result.returncode == 0, result.stderr[-3000:]
     data = json.loads(result.stdout)

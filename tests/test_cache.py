@@ -2,9 +2,9 @@ from dataclasses import fields, replace
 
 import torch
 
-from chattts_service.cache import AudioCache, cache_key
-from chattts_service.engine import SynthesisRequest
-from chattts_service.voices import Voice
+from chattts_service.inference.types import SynthesisRequest
+from chattts_service.services.cache import AudioCache, cache_key
+from chattts_service.services.voices import Voice
 
 BASE = SynthesisRequest(text="你好", seed=1, refine_text=False)
 VOICE = Voice("nova", torch.zeros(4), "d1")
@@ -15,9 +15,18 @@ def test_same_request_same_key():
 
 
 def test_every_input_that_changes_audio_changes_the_key():
-    changed = {"text": "你好吗", "seed": 2, "refine_text": True, "voice": VOICE, "speed": 7,
-               "temperature": 0.5, "top_p": 0.9, "top_k": 5, "normalize": False,
-               "refine_prompt": "[oral_2]"}
+    changed = {
+        "text": "你好吗",
+        "seed": 2,
+        "refine_text": True,
+        "voice": VOICE,
+        "speed": 7,
+        "temperature": 0.5,
+        "top_p": 0.9,
+        "top_k": 5,
+        "normalize": False,
+        "refine_prompt": "[oral_2]",
+    }
     assert set(changed) == {f.name for f in fields(SynthesisRequest)}, "new field: extend this test"
     keys = {cache_key(BASE, "m", "wav")}
     for name, value in changed.items():
@@ -29,8 +38,9 @@ def test_every_input_that_changes_audio_changes_the_key():
 
 def test_a_voice_is_keyed_by_its_embedding_not_only_its_name():
     same_name_new_embedding = Voice("nova", torch.ones(4), "d2")
-    assert cache_key(replace(BASE, voice=VOICE), "m", "wav") != \
-        cache_key(replace(BASE, voice=same_name_new_embedding), "m", "wav")
+    assert cache_key(replace(BASE, voice=VOICE), "m", "wav") != cache_key(
+        replace(BASE, voice=same_name_new_embedding), "m", "wav"
+    )
 
 
 def test_lru_evicts_the_least_recently_used():

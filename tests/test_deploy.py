@@ -12,9 +12,8 @@ from pathlib import Path
 import kubernetes_validate
 import pytest
 import yaml
-from jsonschema import Draft202012Validator
-
 from conftest import REPO
+from jsonschema import Draft202012Validator
 
 K8S = REPO / "deploy" / "k8s"
 KUBERNETES_VERSION = "1.31"
@@ -78,22 +77,27 @@ def test_deployment_matches_the_service_and_the_compose_file():
     # preStop + drain + in-flight grace fit inside the termination grace period
     settings = Settings.from_env({})
     pre_stop = int(container["lifecycle"]["preStop"]["exec"]["command"][-1])
-    assert pod["terminationGracePeriodSeconds"] > (pre_stop + settings.drain_seconds
-                                                   + settings.graceful_timeout_s)
+    assert pod["terminationGracePeriodSeconds"] > (
+        pre_stop + settings.drain_seconds + settings.graceful_timeout_s
+    )
     compose = yaml.safe_load((REPO / "docker-compose.yml").read_text())["services"]["chattts"]
     limits = compose["deploy"]["resources"]["limits"]
     assert container["resources"]["limits"]["memory"] == limits["memory"] + "i"
-    assert float(container["resources"]["limits"]["cpu"].rstrip("m")) / 1000 == float(limits["cpus"])
+    assert float(container["resources"]["limits"]["cpu"].rstrip("m")) / 1000 == float(
+        limits["cpus"]
+    )
     env = {item["name"]: item.get("value") for item in container["env"]}
     for name in env:
         if name.startswith("CHATTTS_"):
-            assert name in {variable for variable, _, _ in Settings.documentation()}, name
-    assert deployment["spec"]["selector"]["matchLabels"] == by_kind("base")[
-        "PodDisruptionBudget"]["spec"]["selector"]["matchLabels"]
+            assert name in {variable for variable, *_ in Settings.documentation()}, name
+    assert (
+        deployment["spec"]["selector"]["matchLabels"]
+        == by_kind("base")["PodDisruptionBudget"]["spec"]["selector"]["matchLabels"]
+    )
 
 
 def test_keda_scales_on_a_metric_the_service_exports():
-    from chattts_service.metrics import Metrics
+    from chattts_service.runtime.metrics import Metrics
 
     query = by_kind("keda")["ScaledObject"]["spec"]["triggers"][0]["metadata"]["query"]
     names = {metric.name for metric in Metrics().registry.collect()}
@@ -106,12 +110,19 @@ def test_nginx_configuration_is_valid(tmp_path):
     nginx = shutil.which("nginx") or "/usr/sbin/nginx"
     config = (REPO / "deploy" / "nginx" / "chattts.conf").read_text()
     # the compose service names resolve only inside compose; the syntax check needs addresses
-    config = config.replace("chattts-1:8090", "127.0.0.1:18091").replace(
-        "chattts-2:8090", "127.0.0.1:18092").replace("listen 8090", "listen 127.0.0.1:18090")
+    config = (
+        config.replace("chattts-1:8090", "127.0.0.1:18091")
+        .replace("chattts-2:8090", "127.0.0.1:18092")
+        .replace("listen 8090", "listen 127.0.0.1:18090")
+    )
     (tmp_path / "chattts.conf").write_text(config)
     (tmp_path / "nginx.conf").write_text(
         f"pid {tmp_path}/nginx.pid; error_log {tmp_path}/error.log;\n"
-        "events {}\nhttp { access_log off; include chattts.conf; }\n")
-    result = subprocess.run([nginx, "-t", "-p", str(tmp_path), "-c", str(tmp_path / "nginx.conf")],
-                            capture_output=True, text=True)
+        "events {}\nhttp { access_log off; include chattts.conf; }\n"
+    )
+    result = subprocess.run(
+        [nginx, "-t", "-p", str(tmp_path), "-c", str(tmp_path / "nginx.conf")],
+        capture_output=True,
+        text=True,
+    )
     assert result.returncode == 0, result.stderr

@@ -8,13 +8,17 @@ import pytest
 import torch
 
 from chattts_service.config import Settings
-from chattts_service.engine import SAMPLE_RATE, Engine, NothingToSay, SynthesisRequest
+from chattts_service.inference.engine import Engine
+from chattts_service.inference.types import SAMPLE_RATE, NothingToSay, SynthesisRequest
 
 
 @pytest.fixture(scope="module")
 def engine(tiny_model_dir):
-    engine = Engine(Settings.from_env({}, model_dir=tiny_model_dir, verify_model=False,
-                                      max_new_tokens=200, threads=1))
+    engine = Engine(
+        Settings.from_env(
+            {}, model_dir=tiny_model_dir, verify_model=False, max_new_tokens=200, threads=1
+        )
+    )
     engine.load()
     return engine
 
@@ -55,7 +59,7 @@ def test_requests_do_not_leak_parameters_into_each_other(engine):
     engine.synthesize(SynthesisRequest("第一句话。第二句。", seed=9, refine_text=True))
     after = engine.synthesize(SynthesisRequest("第二句话", seed=8))
     assert np.array_equal(alone.audio, after.audio)
-    assert engine._chat.InferCodeParams().spk_smp is None
+    assert engine.model.chat.InferCodeParams().spk_smp is None
 
 
 def test_text_refinement_runs_and_is_deterministic(engine):
@@ -105,11 +109,20 @@ def test_warm_up_runs_the_whole_pipeline(engine):
 
 
 def test_a_full_queue_refuses_instead_of_growing(tiny_model_dir):
-    from chattts_service.engine import Overloaded
+    from chattts_service.inference.types import Overloaded
 
-    small = Engine(Settings.from_env({}, model_dir=tiny_model_dir, verify_model=False,
-                                     max_new_tokens=200, threads=1, max_batch=1, max_queue=2,
-                                     batch_wait_ms=0))
+    small = Engine(
+        Settings.from_env(
+            {},
+            model_dir=tiny_model_dir,
+            verify_model=False,
+            max_new_tokens=200,
+            threads=1,
+            max_batch=1,
+            max_queue=2,
+            batch_wait_ms=0,
+        )
+    )
     small.load()
     try:
         accepted, refused = [], 0
@@ -129,8 +142,12 @@ def test_a_full_queue_refuses_instead_of_growing(tiny_model_dir):
 
 
 def test_refinement_and_speech_rows_share_batches_without_changing_results(engine):
-    requests = [SynthesisRequest("第一句话", 21, refine_text=True), SynthesisRequest("第二句话", 22),
-                SynthesisRequest("第三句话", 23, refine_text=True), SynthesisRequest("hello", 24)]
+    requests = [
+        SynthesisRequest("第一句话", 21, refine_text=True),
+        SynthesisRequest("第二句话", 22),
+        SynthesisRequest("第三句话", 23, refine_text=True),
+        SynthesisRequest("hello", 24),
+    ]
     alone = [engine.synthesize(request).audio for request in requests]
     futures = [engine.submit(request) for request in requests]
     together = [future.result(timeout=60).audio for future in futures]
@@ -139,9 +156,17 @@ def test_refinement_and_speech_rows_share_batches_without_changing_results(engin
 
 
 def test_fp32_mode_runs_and_is_deterministic(tiny_model_dir):
-    fp32 = Engine(Settings.from_env({}, model_dir=tiny_model_dir, verify_model=False,
-                                    max_new_tokens=200, threads=1, quantize="none",
-                                    decoder_dtype="fp32"))
+    fp32 = Engine(
+        Settings.from_env(
+            {},
+            model_dir=tiny_model_dir,
+            verify_model=False,
+            max_new_tokens=200,
+            threads=1,
+            quantize="none",
+            decoder_dtype="fp32",
+        )
+    )
     fp32.load()
     try:
         assert fp32.gpt_linear_bytes > 0 and "/gpt-none/decoder-fp32/" in fp32.identity
@@ -153,21 +178,34 @@ def test_fp32_mode_runs_and_is_deterministic(tiny_model_dir):
 
 
 @pytest.mark.parametrize("int8_product,kv_cache_dtype", [("avx2", "bf16"), ("auto", "int8")])
-def test_other_kernel_settings_serve_and_keep_rows_independent(tiny_model_dir, int8_product,
-                                                               kv_cache_dtype):
+def test_other_kernel_settings_serve_and_keep_rows_independent(
+    tiny_model_dir, int8_product, kv_cache_dtype
+):
     """CHATTTS_INT8_PRODUCT=avx2 (what CPUs without AVX512-VNNI run, on any CPU with the
     kernels) and CHATTTS_KV_CACHE_DTYPE=int8: a request gives the same audio alone and batched
     with others."""
-    avx2 = Engine(Settings.from_env({}, model_dir=tiny_model_dir, verify_model=False,
-                                    max_new_tokens=200, threads=1, kernels="on",
-                                    int8_product=int8_product, kv_cache_dtype=kv_cache_dtype))
+    avx2 = Engine(
+        Settings.from_env(
+            {},
+            model_dir=tiny_model_dir,
+            verify_model=False,
+            max_new_tokens=200,
+            threads=1,
+            kernels="on",
+            int8_product=int8_product,
+            kv_cache_dtype=kv_cache_dtype,
+        )
+    )
     avx2.load()
     try:
         if int8_product == "avx2":
             assert avx2.gpt_linear_kernel == "avx2"
         assert avx2.kv_cache_dtype == kv_cache_dtype and f"/kv-{kv_cache_dtype}" in avx2.identity
-        requests = [SynthesisRequest("第一句话", 41), SynthesisRequest("第二句话，长一点", 42),
-                    SynthesisRequest("hello there", 43)]
+        requests = [
+            SynthesisRequest("第一句话", 41),
+            SynthesisRequest("第二句话，长一点", 42),
+            SynthesisRequest("hello there", 43),
+        ]
         alone = [avx2.synthesize(request).audio for request in requests]
         futures = [avx2.submit(request) for request in requests]
         together = [future.result(timeout=60).audio for future in futures]
@@ -180,25 +218,27 @@ def test_other_kernel_settings_serve_and_keep_rows_independent(tiny_model_dir, i
 def test_int8_weights_are_a_quarter_of_fp32(engine, tiny_model_dir):
     from transformers import LlamaModel
 
-    from chattts_service.transformer import Transformer
+    from chattts_service.inference.transformer import Transformer
 
     llama = LlamaModel.from_pretrained(str(tiny_model_dir / "asset/gpt"))
     fp32 = Transformer(llama, "none")
-    linears = [linear for layer in fp32.layers
-               for linear in (layer.qkv, layer.out, layer.gate_up, layer.down)]
+    linears = [
+        linear
+        for layer in fp32.layers
+        for linear in (layer.qkv, layer.out, layer.gate_up, layer.down)
+    ]
     # one byte a weight, plus at most 8 bytes a channel (its scale; the VNNI layout adds its
     # weight sum and pads the channels to a multiple of 16 with zero weights)
-    most = sum(-(-linear.out_features // 16) * 16 * (linear.in_features + 8)
-               for linear in linears)
+    most = sum(-(-linear.out_features // 16) * 16 * (linear.in_features + 8) for linear in linears)
     assert fp32.linear_bytes / 4 < engine.gpt_linear_bytes <= most
     assert engine.identity.startswith("tiny-random/gpt-int8/")
 
 
 def test_a_stage_that_ends_at_its_prefill_still_hands_over_to_the_next(engine, monkeypatch):
-    import chattts_service.engine as engine_module
+    import chattts_service.inference.prompts as prompts_module
 
     # a one-step refinement finishes during its prefill; its speech stage must still run
-    monkeypatch.setattr(engine_module, "REFINE_MAX_STEPS", 1)
+    monkeypatch.setattr(prompts_module, "REFINE_MAX_STEPS", 1)
     result = engine.synthesize(SynthesisRequest("交接测试", 31, refine_text=True), timeout=60)
     assert result.steps >= 1
 
@@ -206,7 +246,7 @@ def test_a_stage_that_ends_at_its_prefill_still_hands_over_to_the_next(engine, m
 def test_a_request_past_its_deadline_is_dropped_and_the_batch_goes_on(engine):
     import time
 
-    from chattts_service.engine import DeadlineExceeded
+    from chattts_service.inference.types import DeadlineExceeded
 
     started = time.monotonic()
     with pytest.raises(DeadlineExceeded):
@@ -223,12 +263,15 @@ def test_a_request_past_its_deadline_is_dropped_and_the_batch_goes_on(engine):
 def test_a_caller_that_goes_away_has_its_request_dropped(engine):
     import time
 
-    from chattts_service.engine import Cancelled
+    from chattts_service.inference.types import Cancelled
 
     asked = time.monotonic() + 0.3
     with pytest.raises(Cancelled, match="went away"):
-        engine.synthesize(SynthesisRequest("离开测试", 43), fixed_steps=4000,
-                          should_stop=lambda: time.monotonic() > asked)
+        engine.synthesize(
+            SynthesisRequest("离开测试", 43),
+            fixed_steps=4000,
+            should_stop=lambda: time.monotonic() > asked,
+        )
     deadline = time.monotonic() + 5
     while engine.scheduler.depth and time.monotonic() < deadline:
         time.sleep(0.02)
@@ -238,7 +281,7 @@ def test_a_caller_that_goes_away_has_its_request_dropped(engine):
 def test_client_disconnect_is_detected_on_the_socket():
     import socket
 
-    from chattts_service.routes.synthesis import client_gone
+    from chattts_service.api.speech import client_gone
 
     server_side, client_side = socket.socketpair()
     gone = client_gone({"gunicorn.socket": server_side})
@@ -253,6 +296,7 @@ def test_client_disconnect_is_detected_on_the_socket():
 
 
 # -- speech options, streaming, long text -----------------------------------------------------
+
 
 def test_streamed_audio_is_the_non_streamed_audio(engine):
     request = SynthesisRequest("流式测试，一句话。", seed=51)
@@ -272,15 +316,20 @@ def test_decoder_context_covers_the_receptive_field(engine):
     arbitrary."""
     context = engine.context_steps
     assert context >= 4
-    hiddens = torch.randn(120, engine._heads.hidden_size, generator=torch.Generator().manual_seed(0))
+    hiddens = torch.randn(
+        120, engine.model.heads.hidden_size, generator=torch.Generator().manual_seed(0)
+    )
 
     def window_error(left_right: int) -> float:
-        result = engine.scheduler.call(lambda: (
-            engine.decode(hiddens, decoder_dtype="fp32"),
-            engine.decode(hiddens[60 - left_right:80 + left_right], decoder_dtype="fp32"))).result()
+        result = engine.scheduler.call(
+            lambda: (
+                engine.decode(hiddens, decoder_dtype="fp32"),
+                engine.decode(hiddens[60 - left_right : 80 + left_right], decoder_dtype="fp32"),
+            )
+        ).result()
         whole, window = result
-        piece = window[left_right * 512:(left_right + 20) * 512]
-        reference = whole[60 * 512:80 * 512]
+        piece = window[left_right * 512 : (left_right + 20) * 512]
+        reference = whole[60 * 512 : 80 * 512]
         return float(np.linalg.norm(piece - reference) / np.linalg.norm(reference))
 
     assert window_error(context) < 1e-5
@@ -296,13 +345,16 @@ def test_long_text_is_split_batched_and_joined_without_losing_a_segment(engine):
     # every sentence is in exactly one segment, in order
     joined = "".join(segments)
     for i in range(1, 13):
-        assert joined.count(engine.normalise(sentence.format(i))) == 1
+        assert joined.count(engine.prompts.normalise(sentence.format(i))) == 1
     result = engine.synthesize(request)
     assert result.segments == len(segments) and result.truncated == 0
     pause = int(engine.settings.segment_pause_ms / 1000 * SAMPLE_RATE)
-    assert len(result.audio) == sum((2 * steps - 1) * 256 for steps in
-                                    [engine.synthesize(SynthesisRequest(s, 61, normalize=False)).steps
-                                     for s in segments]) + pause * (len(segments) - 1)
+    assert len(result.audio) == sum(
+        (2 * steps - 1) * 256
+        for steps in [
+            engine.synthesize(SynthesisRequest(s, 61, normalize=False)).steps for s in segments
+        ]
+    ) + pause * (len(segments) - 1)
     streamed = np.concatenate(list(engine.start(request, stream=True).chunks(timeout=60)))
     assert np.linalg.norm(streamed - result.audio) <= 1e-3 * np.linalg.norm(result.audio)
 
@@ -310,10 +362,16 @@ def test_long_text_is_split_batched_and_joined_without_losing_a_segment(engine):
 def test_voices_speed_and_sampling_change_the_audio_and_are_reproducible(engine):
     base = SynthesisRequest("选项测试", seed=71)
     alloy = engine.voices.get("alloy")
-    assert alloy.embedding.shape == (engine._heads.hidden_size,)
+    assert alloy.embedding.shape == (engine.model.heads.hidden_size,)
     assert torch.equal(engine.voices.get("alloy").embedding, alloy.embedding)  # stable
-    variants = [base, replace(base, voice=alloy), replace(base, voice=engine.voices.get("nova")),
-                replace(base, speed=9), replace(base, temperature=1.0), replace(base, top_k=1)]
+    variants = [
+        base,
+        replace(base, voice=alloy),
+        replace(base, voice=engine.voices.get("nova")),
+        replace(base, speed=9),
+        replace(base, temperature=1.0),
+        replace(base, top_k=1),
+    ]
     audios = [engine.synthesize(v, fixed_steps=40).audio for v in variants]
     for i in range(len(audios)):
         for j in range(i + 1, len(audios)):
@@ -326,13 +384,15 @@ def test_voices_speed_and_sampling_change_the_audio_and_are_reproducible(engine)
 
 
 def test_registered_voice_round_trips_through_its_file(engine, tmp_path):
-    from chattts_service.voices import VoiceError, VoiceStore, encode_embedding
+    from chattts_service.services.voices import VoiceError, VoiceStore, encode_embedding
 
     store = VoiceStore(tmp_path / "voices", engine.voices.dim, engine.speaker_embedding)
     embedding = torch.randn(store.dim, generator=torch.Generator().manual_seed(3))
     voice = store.register("narrator_1", encode_embedding(embedding))
     assert (tmp_path / "voices" / "narrator_1.json").is_file()
-    assert torch.allclose(voice.embedding, embedding, atol=1e-2)  # stored as float16, as ChatTTS does
+    assert torch.allclose(
+        voice.embedding, embedding, atol=1e-2
+    )  # stored as float16, as ChatTTS does
     assert "narrator_1" in store.names()
     with pytest.raises(VoiceError, match="exists"):
         store.register("narrator_1", encode_embedding(embedding))

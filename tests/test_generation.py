@@ -5,10 +5,17 @@ import torch
 from ChatTTS.model.processors import gen_logits
 from transformers import LlamaModel
 
-from chattts_service import kernels as cpp_kernels
-from chattts_service.generation import (CODE_SAMPLING, TEXT_SAMPLING, Heads, Sampling, Sequence,
-                                        TextSequence, sample, sample_with_kernels, shape_logits)
-from chattts_service.transformer import Transformer
+from chattts_service.inference.generation import (
+    Heads,
+    Sequence,
+    TextSequence,
+    sample,
+    sample_with_kernels,
+    shape_logits,
+)
+from chattts_service.inference.transformer import Transformer
+from chattts_service.inference.types import CODE_SAMPLING, TEXT_SAMPLING, Sampling
+from chattts_service.kernels import bindings as cpp_kernels
 
 # the test environment has a compiler: the kernels must build and load here
 CPP = cpp_kernels.load("on")
@@ -26,11 +33,14 @@ class _FakeEmbed:
 
 def _upstream(sequence, logits, sampling):
     """ChatTTS's own processing of one row: temperature, then its processors in its order."""
-    warpers, processors = gen_logits(num_code=logits.shape[-1], top_P=sampling.top_p,
-                                     top_K=sampling.top_k,
-                                     repetition_penalty=sampling.repetition_penalty)
+    warpers, processors = gen_logits(
+        num_code=logits.shape[-1],
+        top_P=sampling.top_p,
+        top_K=sampling.top_k,
+        repetition_penalty=sampling.repetition_penalty,
+    )
     start = max(0, sequence.steps - 16)
-    history = sequence.tokens[start:sequence.steps].T
+    history = sequence.tokens[start : sequence.steps].T
     logits = logits / sampling.temperature
     for processor in (*processors, *warpers):
         logits = processor(history, logits)
@@ -40,15 +50,24 @@ def _upstream(sequence, logits, sampling):
 def _sequences_of_every_rule(kind, heads):
     """Three rows: ChatTTS's own sampling, a strict and a loose one; empty, partial and full
     repetition windows."""
-    samplings = [CODE_SAMPLING if kind == "code" else TEXT_SAMPLING,
-                 Sampling(temperature=0.9, top_p=0.5, top_k=5, repetition_penalty=1.3),
-                 Sampling(temperature=0.1, top_p=0.95, top_k=50, repetition_penalty=1.0)]
+    samplings = [
+        CODE_SAMPLING if kind == "code" else TEXT_SAMPLING,
+        Sampling(temperature=0.9, top_p=0.5, top_k=5, repetition_penalty=1.3),
+        Sampling(temperature=0.1, top_p=0.95, top_k=50, repetition_penalty=1.0),
+    ]
     cls = Sequence if kind == "code" else TextSequence
     vocabulary = 626 if kind == "code" else 50
     sequences = []
     for index, sampling in enumerate(samplings):
-        sequence = cls(torch.zeros(3, 8), heads, sampling, seed=index, max_steps=64,
-                       min_steps=0, eos_token=vocabulary - 1)
+        sequence = cls(
+            torch.zeros(3, 8),
+            heads,
+            sampling,
+            seed=index,
+            max_steps=64,
+            min_steps=0,
+            eos_token=vocabulary - 1,
+        )
         steps = [0, 5, 40][index]  # empty, partial and full repetition windows
         sequence.tokens[:steps] = torch.randint(0, 30, (steps, sequence.width))
         sequence.steps = steps
@@ -106,8 +125,9 @@ def test_kernel_sampler_draws_what_the_rules_allow_in_their_proportions(kind, ba
 
 def test_min_steps_forbid_end_of_speech():
     heads = Heads(_FakeEmbed(), rows=2)
-    sequence = Sequence(torch.zeros(3, 8), heads, CODE_SAMPLING, seed=1, max_steps=8,
-                        min_steps=2, eos_token=625)
+    sequence = Sequence(
+        torch.zeros(3, 8), heads, CODE_SAMPLING, seed=1, max_steps=8, min_steps=2, eos_token=625
+    )
     logits = torch.zeros(1, 4 * 626)
     logits.view(4, 626)[:, 625] = 100.0  # end-of-speech is by far the likeliest
     assert torch.isinf(shape_logits([sequence], logits)[0, :, 625]).all()
@@ -122,7 +142,7 @@ def test_heads_give_each_row_the_same_logits_whatever_the_batch(quantization):
     hiddens = torch.randn(8, 64)
     together = heads.logits(hiddens, "code")
     for row in range(8):
-        assert torch.equal(heads.logits(hiddens[row:row + 1], "code")[0], together[row])
+        assert torch.equal(heads.logits(hiddens[row : row + 1], "code")[0], together[row])
 
 
 @pytest.mark.parametrize("kernels", ["on", "off"])
@@ -133,13 +153,14 @@ def test_lean_transformer_matches_transformers_llama(tiny_model_dir, quantizatio
     hidden = llama.config.hidden_size
     prompt, steps = torch.randn(12, hidden), torch.randn(4, hidden)
     with torch.no_grad():
-        reference = llama(inputs_embeds=torch.cat([prompt, steps])[None],
-                          use_cache=False).last_hidden_state[0]
+        reference = llama(
+            inputs_embeds=torch.cat([prompt, steps])[None], use_cache=False
+        ).last_hidden_state[0]
     lean = Transformer(llama, quantization, kernels)
     cache = lean.new_cache()
     outputs = [lean.prefill(prompt, cache)]
     for index in range(4):
-        outputs.append(lean.step(steps[index:index + 1], [cache], [12 + index])[0])
+        outputs.append(lean.step(steps[index : index + 1], [cache], [12 + index])[0])
     # fp32 throughout: rounding only; the kernels keep the KV cache in bf16 (full-size model:
     # ~6e-4 relative); int8 products: quantisation error
     tolerance = 0.05 if quantization == "int8" else 1e-3 if kernels == "on" else 1e-5
@@ -158,12 +179,13 @@ def test_int8_rows_are_exactly_independent_of_their_batch(tiny_model_dir, kernel
     caches = [model.new_cache() for _ in range(4)]
     model.prefill(prompt, caches[0])
     model.prefill(prompt, caches[1])
-    model.prefill(torch.randn(30, hidden) * 8, caches[2])   # a longer, louder neighbour
+    model.prefill(torch.randn(30, hidden) * 8, caches[2])  # a longer, louder neighbour
     model.prefill(torch.randn(2, hidden) * 0.1, caches[3])  # and a short, quiet one
     step = torch.randn(hidden)
     mine = model.step(step[None], [caches[0]], [9])[0]
-    theirs = model.step(torch.stack([step, torch.randn(hidden), torch.randn(hidden)]),
-                        caches[1:], [9, 30, 2])[0]
+    theirs = model.step(
+        torch.stack([step, torch.randn(hidden), torch.randn(hidden)]), caches[1:], [9, 30, 2]
+    )[0]
     assert torch.equal(mine, theirs)
 
 
@@ -171,8 +193,9 @@ def test_int8_rows_are_exactly_independent_of_their_batch(tiny_model_dir, kernel
 def test_sampling_follows_the_distribution_and_never_draws_a_masked_token(kernels):
     heads = Heads(_FakeEmbed(), rows=1, kernels=kernels)
     sampling = Sampling(temperature=1.0, top_p=1.0, top_k=626, repetition_penalty=1.0)
-    sequence = Sequence(torch.zeros(3, 8), heads, sampling, seed=5, max_steps=8,
-                        min_steps=0, eos_token=625)
+    sequence = Sequence(
+        torch.zeros(3, 8), heads, sampling, seed=5, max_steps=8, min_steps=0, eos_token=625
+    )
     logits = torch.full((1, 4 * 626), -torch.inf)
     chosen = torch.tensor([3, 10, 11, 624])
     wanted = torch.tensor([0.1, 0.2, 0.3, 0.4])
@@ -183,6 +206,7 @@ def test_sampling_follows_the_distribution_and_never_draws_a_masked_token(kernel
     # 4 x 4000 draws: the standard error of each frequency is below 0.004
     assert torch.allclose(frequencies, wanted, atol=0.02), frequencies
     # the row's own generator decides: the same seed draws the same tokens
-    again = Sequence(torch.zeros(3, 8), heads, sampling, seed=5, max_steps=8, min_steps=0,
-                     eos_token=625)
+    again = Sequence(
+        torch.zeros(3, 8), heads, sampling, seed=5, max_steps=8, min_steps=0, eos_token=625
+    )
     assert torch.equal(sample([again], logits)[0], draws[0])

@@ -1,7 +1,7 @@
 import os
 
 from benchmarks.engine import rss_mb
-from chattts_service import heap
+from chattts_service.runtime import heap
 
 
 def test_heap_stats_follow_a_large_allocation():
@@ -30,7 +30,7 @@ def test_release_returns_freed_heap_memory_to_the_os():
 
 GROWTH_PROBE = """
 import sys, torch
-from chattts_service import heap
+from chattts_service.runtime import heap
 linear = torch.nn.Linear(256, 1024)
 def run(rows):
     with torch.inference_mode(), torch.autocast("cpu", dtype=torch.bfloat16):
@@ -49,9 +49,15 @@ def heap_growth_mb(environment: dict) -> float:
     import sys
     from pathlib import Path
 
-    result = subprocess.run([sys.executable, "-c", GROWTH_PROBE], capture_output=True,
-                            text=True, env=environment, timeout=300,
-                            cwd=Path(__file__).resolve().parent.parent, check=True)
+    result = subprocess.run(
+        [sys.executable, "-c", GROWTH_PROBE],
+        capture_output=True,
+        text=True,
+        env=environment,
+        timeout=300,
+        cwd=Path(__file__).resolve().parent.parent,
+        check=True,
+    )
     return float(result.stdout.split()[-1])
 
 
@@ -67,5 +73,7 @@ def test_bounded_native_caches_stop_growth_with_new_shapes():
 def test_bound_native_caches_leaves_operator_choices_alone():
     environment = {"LRU_CACHE_CAPACITY": "8"}
     heap.bound_native_caches(environment)
-    assert environment == {"LRU_CACHE_CAPACITY": "8",
-                           "ONEDNN_PRIMITIVE_CACHE_CAPACITY": str(heap.NATIVE_CACHE_ENTRIES)}
+    assert environment == {
+        "LRU_CACHE_CAPACITY": "8",
+        "ONEDNN_PRIMITIVE_CACHE_CAPACITY": str(heap.NATIVE_CACHE_ENTRIES),
+    }

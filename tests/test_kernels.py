@@ -6,9 +6,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from chattts_service import kernels as cpp_kernels
-from chattts_service.quantize import KernelInt8Linear, PackedInt8Linear, fbgemm_available
-from chattts_service.transformer import KVCache, _rotate_half, quantize_vectors
+from chattts_service.inference.quantize import KernelInt8Linear, PackedInt8Linear, fbgemm_available
+from chattts_service.inference.transformer import KVCache, _rotate_half, quantize_vectors
+from chattts_service.kernels import abi
+from chattts_service.kernels import bindings as cpp_kernels
+from chattts_service.kernels import build as kernel_build
 
 HEADS, DIM, LAYERS = 4, 64, 3
 
@@ -36,16 +38,18 @@ def _caches(lengths, seed=0, dtype=torch.bfloat16):
 def _dequantized(cache, layer, positions):
     """An int8 cache's keys and values of ``layer`` as the floats they stand for."""
     keys = cache.keys[layer, :, :positions].float() * cache.key_scales[layer, :, :positions, None]
-    values = (cache.values[layer, :, :positions].float()
-              * cache.value_scales[layer, :, :positions, None])
+    values = (
+        cache.values[layer, :, :positions].float() * cache.value_scales[layer, :, :positions, None]
+    )
     return keys, values
 
 
 def _step(kernel, caches, lengths, q, k, v, layer=1, rotary=None):
     out = torch.empty(len(caches), HEADS, 1, DIM)
     with torch.inference_mode():
-        kernel.attention(layer, q, k, v, cpp_kernels.StepRows(caches, lengths), out,
-                         1 / math.sqrt(DIM), rotary)
+        kernel.attention(
+            layer, q, k, v, cpp_kernels.StepRows(caches, lengths), out, 1 / math.sqrt(DIM), rotary
+        )
     return out[:, :, 0]
 
 
@@ -68,8 +72,10 @@ def test_kernel_matches_torch_attention_and_writes_the_new_position(kernel):
         assert torch.equal(cache.values[1, :, length], v[row].bfloat16())
         # the same attention as torch's over the cache's values, computed in fp32
         expected = F.scaled_dot_product_attention(
-            q[row][:, None], cache.keys[1, :, :length + 1].float(),
-            cache.values[1, :, :length + 1].float())
+            q[row][:, None],
+            cache.keys[1, :, : length + 1].float(),
+            cache.values[1, :, : length + 1].float(),
+        )
         torch.testing.assert_close(out[row], expected[:, 0], rtol=1e-5, atol=1e-5)
     # a sequence's first token attends only to itself
     assert torch.allclose(out[0], v[0].bfloat16().float())
@@ -83,8 +89,10 @@ def test_int8_cache_attention_matches_torch_over_what_it_stands_for(kernel):
     q, k, v = (torch.randn(4, HEADS, DIM) for _ in range(3))
     out = _step(kernel, caches, lengths, q, k, v)
     for row, (cache, length) in enumerate(zip(caches, lengths)):
-        for new, stored, scales in ((k, cache.keys, cache.key_scales),
-                                    (v, cache.values, cache.value_scales)):
+        for new, stored, scales in (
+            (k, cache.keys, cache.key_scales),
+            (v, cache.values, cache.value_scales),
+        ):
             quantized, scale = quantize_vectors(new[row])
             assert torch.equal(stored[1, :, length], quantized)
             assert torch.equal(scales[1, :, length], scale)
@@ -112,13 +120,18 @@ def test_int8_cache_attention_matches_torch_over_what_it_stands_for(kernel):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.int8])
 def test_a_cache_that_grows_keeps_what_it_held(dtype):
     cache = _caches([200], dtype=dtype)[0]
-    before = [tensor[:, :, :200].clone() for tensor in (cache.keys, cache.values,
-                                                         cache.key_scales, cache.value_scales)
-              if tensor is not None]
+    before = [
+        tensor[:, :, :200].clone()
+        for tensor in (cache.keys, cache.values, cache.key_scales, cache.value_scales)
+        if tensor is not None
+    ]
     cache.ensure(300)
     assert cache.capacity >= 300
-    after = [tensor for tensor in (cache.keys, cache.values, cache.key_scales,
-                                   cache.value_scales) if tensor is not None]
+    after = [
+        tensor
+        for tensor in (cache.keys, cache.values, cache.key_scales, cache.value_scales)
+        if tensor is not None
+    ]
     assert len(after) == (4 if dtype == torch.int8 else 2)
     for old, new in zip(before, after):
         assert new.shape[2] == cache.capacity and torch.equal(new[:, :, :200], old)
@@ -131,8 +144,14 @@ def test_a_row_is_bit_identical_alone_and_in_any_batch(kernel, dtype):
     q, k, v = (torch.randn(4, HEADS, DIM) for _ in range(3))
     together = _step(kernel, _caches(lengths, dtype=dtype), lengths, q, k, v)
     for row in range(4):
-        alone = _step(kernel, _caches(lengths, dtype=dtype)[row:row + 1], lengths[row:row + 1],
-                      q[row:row + 1], k[row:row + 1], v[row:row + 1])
+        alone = _step(
+            kernel,
+            _caches(lengths, dtype=dtype)[row : row + 1],
+            lengths[row : row + 1],
+            q[row : row + 1],
+            k[row : row + 1],
+            v[row : row + 1],
+        )
         assert torch.equal(alone[0], together[row]), row
 
 
@@ -142,8 +161,9 @@ def test_rows_may_be_strided_views(kernel):
     wide = torch.randn(2, 3, HEADS, DIM)
     q, k, v = wide[:, 0], wide[:, 1], wide[:, 2]
     strided = _step(kernel, _caches(lengths), lengths, q, k, v)
-    packed = _step(kernel, _caches(lengths), lengths, q.contiguous(), k.contiguous(),
-                   v.contiguous())
+    packed = _step(
+        kernel, _caches(lengths), lengths, q.contiguous(), k.contiguous(), v.contiguous()
+    )
     assert torch.equal(strided, packed)
 
 
@@ -159,15 +179,15 @@ def test_rotary_in_the_kernel_is_torchs_rotation_to_the_bit(kernel):
 
     inside, outside = _caches(lengths), _caches(lengths)
     rotated_inside = _step(kernel, inside, lengths, q, k, v, rotary=(cos, sin))
-    rotated_outside = _step(kernel, outside, lengths, q * c + _rotate_half(q) * s,
-                            k * c + _rotate_half(k) * s, v)
+    rotated_outside = _step(
+        kernel, outside, lengths, q * c + _rotate_half(q) * s, k * c + _rotate_half(k) * s, v
+    )
     assert torch.equal(rotated_inside, rotated_outside)
     for a, b, length in zip(inside, outside, lengths):  # layer 1's positions, the new one too
-        assert torch.equal(a.keys[1, :, :length + 1], b.keys[1, :, :length + 1])
-        assert torch.equal(a.values[1, :, :length + 1], b.values[1, :, :length + 1])
+        assert torch.equal(a.keys[1, :, : length + 1], b.keys[1, :, : length + 1])
+        assert torch.equal(a.values[1, :, : length + 1], b.values[1, :, : length + 1])
     # and it does rotate: position 7 differs from no rotation
-    assert not torch.equal(rotated_inside[1], _step(kernel, _caches(lengths), lengths,
-                                                    q, k, v)[1])
+    assert not torch.equal(rotated_inside[1], _step(kernel, _caches(lengths), lengths, q, k, v)[1])
     with pytest.raises(ValueError, match="beyond the rotary tables"):
         _step(kernel, _caches(lengths), lengths, q, k, v, rotary=(cos[:300], sin[:300]))
     with pytest.raises(ValueError, match="rotary tables must be"):
@@ -190,24 +210,41 @@ def test_bad_arguments_are_refused(kernel):
     assert cpp_kernels.load("off") is None
 
 
-def test_build_names_the_library_by_its_source_and_flags(tmp_path, monkeypatch):
-    monkeypatch.setenv("CHATTTS_KERNEL_DIR", str(tmp_path))
-    path = cpp_kernels.library_path()
+def test_build_names_the_library_by_its_sources_and_flags(tmp_path):
+    path = kernel_build.library_path(str(tmp_path))
     assert path.parent == tmp_path and not path.exists()
-    assert cpp_kernels.load("auto") is not None  # built on first use
-    assert path.exists()
-    monkeypatch.setattr(cpp_kernels, "FLAGS", cpp_kernels.FLAGS + ("-DUNUSED",))
-    assert cpp_kernels.library_path() != path
+    assert kernel_build.build(path) == path and path.exists()
+    assert cpp_kernels.load("on", directory=str(tmp_path)).path == path
+    assert kernel_build.library_path(str(tmp_path), kernel_build.FLAGS + ("-DUNUSED",)) != path
 
 
-def test_auto_falls_back_to_torch_when_the_kernel_cannot_be_had(tmp_path, monkeypatch, caplog):
-    monkeypatch.setenv("CHATTTS_KERNEL_DIR", str(tmp_path))
-    monkeypatch.setenv("CXX", "no-such-compiler")
+def test_the_serving_process_never_builds_and_auto_falls_back(tmp_path, caplog):
     with caplog.at_level("WARNING"):
-        assert cpp_kernels.load("auto") is None
-    assert "no C++ compiler" in caplog.text
+        assert cpp_kernels.load("auto", directory=str(tmp_path)) is None
+    assert "kernels.build" in caplog.text  # says how to build it
+    assert not any(tmp_path.iterdir())  # and did not build it
     with pytest.raises(RuntimeError, match="C\\+\\+ kernels are unavailable"):
-        cpp_kernels.load("on")
+        cpp_kernels.load("on", directory=str(tmp_path))
+
+
+def test_a_build_without_a_compiler_says_so(tmp_path, monkeypatch):
+    monkeypatch.setenv("CXX", "no-such-compiler")
+    with pytest.raises(RuntimeError, match="no C\\+\\+ compiler"):
+        kernel_build.build(kernel_build.library_path(str(tmp_path)))
+
+
+def test_a_library_of_another_interface_is_refused_at_load(tmp_path):
+    flags = kernel_build.FLAGS + ("-DCHATTS_ABI_VERSION=99",)
+    path = kernel_build.build(kernel_build.library_path(str(tmp_path), flags), flags)
+    with pytest.raises(abi.AbiMismatch, match="ABI version 99"):
+        cpp_kernels.Kernels(path)
+
+
+def test_kernel_errors_carry_the_library_message(kernel):
+    packing = cpp_kernels.Int8Packing(torch.ones(16, 8, dtype=torch.int8), torch.ones(16), "avx2")
+    packing.levels = 200  # more than any product takes
+    with pytest.raises(cpp_kernels.KernelError, match="too many activation levels"):
+        kernel.int8_linear(torch.randn(1, 8), packing)
 
 
 def test_fused_rms_norm_matches_torch_and_lies_within_unit_range(kernel):
@@ -234,8 +271,11 @@ def test_fused_norm_then_int8_equals_norm_then_int8(kernel, layer):
         pytest.skip("this CPU lacks AVX512-VNNI")
     torch.manual_seed(5)
     weight = torch.randn(64, 96) * 0.05
-    linear = (PackedInt8Linear(weight, kernel) if layer == "fbgemm"
-              else KernelInt8Linear(weight, kernel, layer))
+    linear = (
+        PackedInt8Linear(weight, kernel)
+        if layer == "fbgemm"
+        else KernelInt8Linear(weight, kernel, layer)
+    )
     gain = torch.rand(96) + 0.5
     for x in (torch.randn(1, 1, 96), torch.randn(3, 2, 96)):
         fused = linear.normed(x, gain, 1e-5)
@@ -252,8 +292,8 @@ def test_int8_linear_sums_exactly(kernel, instructions):
     only the channels asked for are written."""
     if instructions == "vnni" and kernel.int8_instructions != "vnni":
         pytest.skip("this CPU lacks AVX512-VNNI")
-    from chattts_service.kernels import Int8Packing
-    from chattts_service.quantize import _quantized_tensor
+    from chattts_service.inference.quantize import _quantized_tensor
+    from chattts_service.kernels.bindings import Int8Packing
 
     torch.manual_seed(7)
     weight = torch.randn(40, 64)  # 40 channels: the last block of 16 is padded
@@ -277,7 +317,7 @@ def test_int8_linear_sums_exactly(kernel, instructions):
 
 
 def test_the_int8_product_is_the_cpus_best_unless_chosen(kernel):
-    from chattts_service.quantize import make_linear
+    from chattts_service.inference.quantize import make_linear
 
     vnni_cpu = cpp_kernels.cpu_supports(cpp_kernels.VNNI_CPU_FLAGS)
     assert kernel.int8_instructions == ("vnni" if vnni_cpu else "avx2")

@@ -5,8 +5,8 @@ import sys
 
 import pytest
 
-from chattts_service import model_files
-from chattts_service.model_files import MODEL_FILES, ModelFilesError
+from chattts_service.inference import model_files
+from chattts_service.inference.model_files import MODEL_FILES, ModelFilesError
 
 
 def test_shipped_checksums_cover_every_file():
@@ -23,7 +23,9 @@ def test_random_model_fails_verification_naming_the_files(tiny_model_dir):
     assert "CHATTTS_VERIFY_MODEL=0" in message
 
 
-def test_verification_passes_on_matching_checksums_and_names_a_corrupt_file(tiny_model_dir, tmp_path):
+def test_verification_passes_on_matching_checksums_and_names_a_corrupt_file(
+    tiny_model_dir, tmp_path
+):
     copy = tmp_path / "model"
     shutil.copytree(tiny_model_dir, copy)
     checksums = {rel: model_files.sha256_of(copy / rel) for rel in MODEL_FILES}
@@ -67,21 +69,42 @@ def test_download_from_an_unreachable_hub_is_a_clear_error(tmp_path, monkeypatch
 def test_download_command_line(tmp_path):
     endpoint = f"http://127.0.0.1:{_closed_port()}"
     result = subprocess.run(
-        [sys.executable, "-m", "chattts_service.model_files", "download", str(tmp_path / "w"),
-         "--endpoint", endpoint],
-        capture_output=True, text=True, timeout=120,
+        [
+            sys.executable,
+            "-m",
+            "chattts_service.inference.model_files",
+            "download",
+            str(tmp_path / "w"),
+            "--endpoint",
+            endpoint,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     assert result.returncode == 1
     assert result.stderr.startswith("error: could not download 2Noise/ChatTTS")
-    bad = subprocess.run([sys.executable, "-m", "chattts_service.model_files", "fetch"],
-                         capture_output=True, text=True, timeout=60)
+    bad = subprocess.run(
+        [sys.executable, "-m", "chattts_service.inference.model_files", "fetch"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert bad.returncode == 2 and "invalid choice" in bad.stderr
 
 
 def test_verify_command_line(tiny_model_dir):
     result = subprocess.run(
-        [sys.executable, "-m", "chattts_service.model_files", "verify", str(tiny_model_dir)],
-        capture_output=True, text=True, timeout=120,
+        [
+            sys.executable,
+            "-m",
+            "chattts_service.inference.model_files",
+            "verify",
+            str(tiny_model_dir),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     assert result.returncode == 1
     assert "fail verification" in result.stderr

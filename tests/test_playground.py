@@ -10,7 +10,6 @@ from pathlib import Path
 
 import pytest
 import requests
-
 from conftest import REPO
 
 CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
@@ -19,8 +18,11 @@ ARTIFACTS = REPO / "artifacts"
 KEY = "playground-key-0123456789"
 
 if not (Path(CHROMIUM).exists() and Path(CHROMEDRIVER).exists()):
-    pytest.fail("the playground test needs Debian's chromium and chromium-driver "
-                "(script/test installs them)", pytrace=False)
+    pytest.fail(
+        "the playground test needs Debian's chromium and chromium-driver "
+        "(script/test installs them)",
+        pytrace=False,
+    )
 
 
 @pytest.fixture(scope="module")
@@ -30,11 +32,19 @@ def browser(tmp_path_factory):
 
     options = webdriver.ChromeOptions()
     options.binary_location = CHROMIUM
-    for flag in ("--headless=new", "--no-sandbox", "--disable-gpu", "--disable-quic",
-                 "--no-first-run", "--disable-background-networking",
-                 "--disable-component-update", "--disable-sync",
-                 "--autoplay-policy=no-user-gesture-required", "--window-size=1100,1400",
-                 f"--user-data-dir={tmp_path_factory.mktemp('chromium-profile')}"):
+    for flag in (
+        "--headless=new",
+        "--no-sandbox",
+        "--disable-gpu",
+        "--disable-quic",
+        "--no-first-run",
+        "--disable-background-networking",
+        "--disable-component-update",
+        "--disable-sync",
+        "--autoplay-policy=no-user-gesture-required",
+        "--window-size=1100,1400",
+        f"--user-data-dir={tmp_path_factory.mktemp('chromium-profile')}",
+    ):
         options.add_argument(flag)
     driver = webdriver.Chrome(service=Service(CHROMEDRIVER), options=options)
     driver.set_page_load_timeout(30)
@@ -70,8 +80,10 @@ def speak(driver, text, audio_format="wav"):
     box.clear()
     box.send_keys(text)
     Select(driver.find_element("id", "format")).select_by_value(audio_format)
-    driver.execute_script("document.getElementById('player').removeAttribute('src');"
-                          "document.getElementById('player').load();")
+    driver.execute_script(
+        "document.getElementById('player').removeAttribute('src');"
+        "document.getElementById('player').load();"
+    )
     driver.find_element("id", "speak").click()
 
 
@@ -85,7 +97,8 @@ def player_duration(driver):
     """the <audio> element's duration once its source has loaded"""
     return driver.execute_script(
         "const p = document.getElementById('player');"
-        "return p.src && isFinite(p.duration) && p.duration > 0 ? p.duration : 0;")
+        "return p.src && isFinite(p.duration) && p.duration > 0 ? p.duration : 0;"
+    )
 
 
 def test_page_speaks_streams_reports_and_shows_errors(browser, server):
@@ -95,21 +108,28 @@ def test_page_speaks_streams_reports_and_shows_errors(browser, server):
     # no external assets: every script, stylesheet and image comes from this service
     sources = browser.execute_script(
         "return [...document.querySelectorAll('script[src],link[href],img[src]')]"
-        ".map(e => e.src || e.href);")
+        ".map(e => e.src || e.href);"
+    )
     assert sources and all(s.startswith(server.url) for s in sources), sources
     # every control has a label
     unlabelled = browser.execute_script(
         "return [...document.querySelectorAll('input,select,textarea')].filter(e =>"
-        " !document.querySelector(`label[for='${e.id}']`)).map(e => e.id);")
+        " !document.querySelector(`label[for='${e.id}']`)).map(e => e.id);"
+    )
     assert unlabelled == []
 
     wait_for(lambda: text_of(browser, "s-state") == "ready")
     voices = browser.execute_script(
-        "return [...document.querySelectorAll('#voice option')].map(o => o.value);")
-    wait_for(lambda: len(browser.execute_script(
-        "return document.querySelectorAll('#voice option');")) > 6)
+        "return [...document.querySelectorAll('#voice option')].map(o => o.value);"
+    )
+    wait_for(
+        lambda: (
+            len(browser.execute_script("return document.querySelectorAll('#voice option');")) > 6
+        )
+    )
     voices = browser.execute_script(
-        "return [...document.querySelectorAll('#voice option')].map(o => o.value);")
+        "return [...document.querySelectorAll('#voice option')].map(o => o.value);"
+    )
     assert {"alloy", "nova", "shimmer"} <= set(voices)
 
     # streamed WAV: played as it arrives, then kept in <audio> with a download link
@@ -138,8 +158,9 @@ def test_page_speaks_streams_reports_and_shows_errors(browser, server):
 
     # the status panel follows: requests counted, hit rate, a sparkline of latencies
     wait_for(lambda: text_of(browser, "s-hits") not in ("–", ""))
-    points = wait_for(lambda: browser.find_element("css selector", "#spark polyline")
-                      .get_attribute("points"))
+    points = wait_for(
+        lambda: browser.find_element("css selector", "#spark polyline").get_attribute("points")
+    )
     assert len(points.split()) >= 2
     assert "int8" in text_of(browser, "s-model")
     assert not browser.find_element("id", "key-row").is_displayed()  # no keys configured
@@ -148,7 +169,8 @@ def test_page_speaks_streams_reports_and_shows_errors(browser, server):
     # a phone-sized screen: nothing wider than the viewport
     browser.set_window_size(390, 844)
     overflow = browser.execute_script(
-        "return document.documentElement.scrollWidth > window.innerWidth;")
+        "return document.documentElement.scrollWidth > window.innerWidth;"
+    )
     browser.save_screenshot(str(ARTIFACTS / "playground-phone.png"))
     browser.set_window_size(1100, 1400)
     assert not overflow
@@ -190,8 +212,9 @@ def test_page_asks_for_a_key_when_keys_are_configured(browser, start_server):
 
 def test_page_explains_empty_too_long_and_overloaded(browser, start_server):
     # a queue of one segment: a two-segment text is refused at once with 503 and Retry-After
-    server = start_server(CHATTTS_MAX_QUEUE="1", CHATTTS_MAX_CHARS="150",
-                          CHATTTS_MAX_NEW_TOKENS="100")
+    server = start_server(
+        CHATTTS_MAX_QUEUE="1", CHATTTS_MAX_CHARS="150", CHATTTS_MAX_NEW_TOKENS="100"
+    )
     server.wait_ready()
     browser.get(server.url + "/")
     wait_for(lambda: text_of(browser, "s-state") == "ready")

@@ -3,18 +3,26 @@
 import pytest
 import torch
 
-from chattts_service import kernels as cpp_kernels
-from chattts_service.kernels import INT8_INSTRUCTIONS
-from chattts_service.quantize import (FloatLinear, KernelInt8Linear, MatmulInt8Linear,
-                                      PackedInt8Linear, activation_levels, fbgemm_available,
-                                      make_linear)
+from chattts_service.inference.quantize import (
+    FloatLinear,
+    KernelInt8Linear,
+    MatmulInt8Linear,
+    PackedInt8Linear,
+    activation_levels,
+    fbgemm_available,
+    make_linear,
+)
+from chattts_service.kernels import bindings as cpp_kernels
+from chattts_service.kernels.bindings import INT8_INSTRUCTIONS
 
-needs_fbgemm = pytest.mark.skipif(not fbgemm_available(),
-                                  reason="fbgemm is not built into this torch")
+needs_fbgemm = pytest.mark.skipif(
+    not fbgemm_available(), reason="fbgemm is not built into this torch"
+)
 CPP = cpp_kernels.load("auto")
 needs_kernels = pytest.mark.skipif(CPP is None, reason="the C++ kernels are unavailable")
-needs_vnni = pytest.mark.skipif(CPP is None or CPP.int8_instructions != "vnni",
-                                reason="this CPU lacks AVX512-VNNI")
+needs_vnni = pytest.mark.skipif(
+    CPP is None or CPP.int8_instructions != "vnni", reason="this CPU lacks AVX512-VNNI"
+)
 # the kernels' int8 product in each variant this CPU can run (every CPU with the kernels runs
 # the AVX2 one, whatever it would choose itself)
 INSTRUCTIONS = [pytest.param("vnni", marks=needs_vnni), pytest.param("avx2", marks=needs_kernels)]
@@ -28,10 +36,12 @@ def _avx2(weight):
     return KernelInt8Linear(weight, CPP, "avx2")
 
 
-KERNELS = [MatmulInt8Linear,
-           pytest.param(PackedInt8Linear, marks=needs_fbgemm),
-           pytest.param(_vnni, marks=needs_vnni),
-           pytest.param(_avx2, marks=needs_kernels)]
+KERNELS = [
+    MatmulInt8Linear,
+    pytest.param(PackedInt8Linear, marks=needs_fbgemm),
+    pytest.param(_vnni, marks=needs_vnni),
+    pytest.param(_avx2, marks=needs_kernels),
+]
 
 
 def _rows_of_every_loudness(rows: int, width: int) -> torch.Tensor:
@@ -45,7 +55,7 @@ def test_each_row_is_the_same_alone_and_in_any_batch(kernel):
     x = _rows_of_every_loudness(9, 64)
     together = linear(x)
     for row in range(9):
-        assert torch.equal(linear(x[row:row + 1])[0], together[row])
+        assert torch.equal(linear(x[row : row + 1])[0], together[row])
     # and in a differently shaped batch, next to other rows
     assert torch.equal(linear(x[2:5][None])[0], together[2:5])
 
@@ -102,8 +112,9 @@ def test_kernel_and_fbgemm_products_give_the_same_bits(shape, instructions):
     batch, batch_normed = ours(x), ours.normed(x, gain, 1e-5)
     for rows in (1, 2, 3, 4, 5, 8, 9, 17, 20):
         assert torch.equal(ours(x[:rows]), fbgemm(x[:rows])), rows
-        assert torch.equal(ours.normed(x[:rows], gain, 1e-5),
-                           fbgemm.normed(x[:rows], gain, 1e-5)), rows
+        assert torch.equal(
+            ours.normed(x[:rows], gain, 1e-5), fbgemm.normed(x[:rows], gain, 1e-5)
+        ), rows
         assert torch.equal(ours(x[:rows]), batch[:rows]), rows
         assert torch.equal(ours.normed(x[-rows:], gain, 1e-5), batch_normed[-rows:]), rows
     # the fused norm equals the norm then the product, within rounding
@@ -132,8 +143,9 @@ def test_kernel_residual_and_swiglu_in_the_same_call(instructions):
     unfused = residual + linear(torch.nn.functional.silu(gate) * up)
     assert float((fused - unfused).norm() / unfused.norm()) < 1e-3
     for row in range(9):
-        assert torch.equal(linear.swiglu(gate_up[row:row + 1], residual[row:row + 1])[0],
-                           fused[row])
+        assert torch.equal(
+            linear.swiglu(gate_up[row : row + 1], residual[row : row + 1])[0], fused[row]
+        )
     with pytest.raises(ValueError, match="gate and up"):
         linear.swiglu(x, residual)
     with pytest.raises(ValueError, match="residual must be"):
@@ -147,7 +159,8 @@ def test_make_linear_picks_the_fastest_int8_kernel_present():
         with_kernels = make_linear(torch.randn(8, 8), "int8", CPP)
         assert with_kernels.kernel == CPP.int8_instructions
         assert CPP.int8_instructions == (
-            "vnni" if cpp_kernels.cpu_supports(cpp_kernels.VNNI_CPU_FLAGS) else "avx2")
+            "vnni" if cpp_kernels.cpu_supports(cpp_kernels.VNNI_CPU_FLAGS) else "avx2"
+        )
         # the kernels' product takes inputs in groups of four
         assert make_linear(torch.randn(8, 6), "int8", CPP).kernel == linear.kernel
     assert make_linear(torch.randn(8, 8), "none").kernel == "fp32"

@@ -12,15 +12,15 @@ import time
 
 import pytest
 import requests
-
 from conftest import REPO
 
 KEY = "test-key-0123456789abcdef"
 
 
 def metric(server, name: str, label: str = "") -> float:
-    text = requests.get(server.url + "/metrics", timeout=10,
-                        headers={"Authorization": f"Bearer {KEY}"}).text
+    text = requests.get(
+        server.url + "/metrics", timeout=10, headers={"Authorization": f"Bearer {KEY}"}
+    ).text
     for line in text.splitlines():
         if line.startswith(name) and label in line:
             return float(line.split()[-1])
@@ -29,12 +29,17 @@ def metric(server, name: str, label: str = "") -> float:
 
 # -- API keys -----------------------------------------------------------------------------------
 
+
 @pytest.fixture(scope="module")
 def keyed(start_server, tmp_path_factory):
     keys = tmp_path_factory.mktemp("keys") / "keys.txt"
     keys.write_text("# operators\nfile-key-abcdefghijklmnop\n", encoding="utf-8")
-    server = start_server(CHATTTS_API_KEYS=KEY, CHATTTS_API_KEYS_FILE=str(keys),
-                          CHATTTS_METRICS_AUTH="1", CHATTTS_MAX_NEW_TOKENS="100")
+    server = start_server(
+        CHATTTS_API_KEYS=KEY,
+        CHATTTS_API_KEYS_FILE=str(keys),
+        CHATTTS_METRICS_AUTH="1",
+        CHATTTS_MAX_NEW_TOKENS="100",
+    )
     server.wait_ready()
     return server
 
@@ -44,18 +49,30 @@ def test_api_keys_guard_everything_but_the_probes(keyed):
     missing = requests.post(keyed.url + "/synthesize", json=body, timeout=60)
     assert missing.status_code == 401 and missing.headers["WWW-Authenticate"] == "Bearer"
     assert "API key" in missing.json()["error"]
-    wrong = requests.post(keyed.url + "/synthesize", json=body, timeout=60,
-                          headers={"Authorization": "Bearer " + KEY[:-1] + "x"})
+    wrong = requests.post(
+        keyed.url + "/synthesize",
+        json=body,
+        timeout=60,
+        headers={"Authorization": "Bearer " + KEY[:-1] + "x"},
+    )
     assert wrong.status_code == 401
-    not_bearer = requests.post(keyed.url + "/synthesize", json=body, timeout=60,
-                               headers={"Authorization": "Basic " + KEY})
+    not_bearer = requests.post(
+        keyed.url + "/synthesize", json=body, timeout=60, headers={"Authorization": "Basic " + KEY}
+    )
     assert not_bearer.status_code == 401
     for key in (KEY, "file-key-abcdefghijklmnop"):
-        ok = requests.post(keyed.url + "/synthesize", json=body, timeout=60,
-                           headers={"Authorization": f"Bearer {key}"})
+        ok = requests.post(
+            keyed.url + "/synthesize",
+            json=body,
+            timeout=60,
+            headers={"Authorization": f"Bearer {key}"},
+        )
         assert ok.status_code == 200
-    openai_shape = requests.post(keyed.url + "/v1/audio/speech", timeout=60,
-                                 json={"model": "tts-1", "voice": "alloy", "input": "hi"})
+    openai_shape = requests.post(
+        keyed.url + "/v1/audio/speech",
+        timeout=60,
+        json={"model": "tts-1", "voice": "alloy", "input": "hi"},
+    )
     assert openai_shape.status_code == 401
     assert openai_shape.json()["error"]["type"] == "authentication_error"
     for path in ("/healthz", "/readyz", "/openapi.json"):
@@ -66,16 +83,21 @@ def test_api_keys_guard_everything_but_the_probes(keyed):
 
 
 def test_a_missing_key_file_stops_the_start(tmp_path, tiny_model_dir):
-    env = {**{k: v for k, v in os.environ.items() if not k.startswith("CHATTTS_")},
-           "CHATTTS_MODEL_DIR": str(tiny_model_dir), "CHATTTS_VERIFY_MODEL": "0",
-           "CHATTTS_API_KEYS_FILE": str(tmp_path / "absent.txt"), "CHATTTS_PORT": "1"}
-    result = subprocess.run([sys.executable, "server.py"], cwd=REPO, env=env,
-                            capture_output=True, text=True, timeout=60)
+    env = {
+        **{k: v for k, v in os.environ.items() if not k.startswith("CHATTTS_")},
+        "CHATTTS_MODEL_DIR": str(tiny_model_dir),
+        "CHATTTS_VERIFY_MODEL": "0",
+        "CHATTTS_API_KEYS_FILE": str(tmp_path / "absent.txt"),
+        "CHATTTS_PORT": "1",
+    }
+    result = subprocess.run(
+        [sys.executable, "server.py"], cwd=REPO, env=env, capture_output=True, text=True, timeout=60
+    )
     assert result.returncode == 2 and "CHATTTS_API_KEYS_FILE" in result.stderr
 
 
 def test_short_keys_are_refused():
-    from chattts_service.auth import ApiKeys
+    from chattts_service.api.auth import ApiKeys
     from chattts_service.config import Settings, SettingsError
 
     with pytest.raises(SettingsError, match="at least 16"):
@@ -87,16 +109,19 @@ def test_short_keys_are_refused():
 
 # -- SIGTERM: drain, finish in-flight work, exit ---------------------------------------------
 
+
 def test_sigterm_drains_then_finishes_in_flight_requests(start_server):
-    server = start_server(CHATTTS_DRAIN_SECONDS="2", CHATTTS_GRACEFUL_TIMEOUT_S="60",
-                          CHATTTS_MAX_NEW_TOKENS="200")
+    server = start_server(
+        CHATTTS_DRAIN_SECONDS="2", CHATTTS_GRACEFUL_TIMEOUT_S="60", CHATTTS_MAX_NEW_TOKENS="200"
+    )
     server.wait_ready()
     long_text = "这是一段用来测试优雅退出的长文本，它会被切成好几段。" * 30
     results = {}
 
     def in_flight():
-        results["response"] = requests.post(server.url + "/synthesize", timeout=120,
-                                            json={"text": long_text, "seed": 3})
+        results["response"] = requests.post(
+            server.url + "/synthesize", timeout=120, json={"text": long_text, "seed": 3}
+        )
 
     thread = threading.Thread(target=in_flight)
     thread.start()
@@ -119,19 +144,29 @@ def test_sigterm_drains_then_finishes_in_flight_requests(start_server):
 
 # -- admission and degraded mode ------------------------------------------------------------------
 
+
 def test_admission_refuses_when_the_estimated_wait_is_too_long(tiny_model_dir):
     from chattts_service.config import Settings
-    from chattts_service.engine import Engine, Overloaded, SynthesisRequest
+    from chattts_service.inference.engine import Engine
+    from chattts_service.inference.types import Overloaded, SynthesisRequest
 
-    engine = Engine(Settings.from_env({}, model_dir=tiny_model_dir, verify_model=False,
-                                      threads=1, max_wait_s=5, max_batch=2,
-                                      max_segment_chars=10))
+    engine = Engine(
+        Settings.from_env(
+            {},
+            model_dir=tiny_model_dir,
+            verify_model=False,
+            threads=1,
+            max_wait_s=5,
+            max_batch=2,
+            max_segment_chars=10,
+        )
+    )
     engine.load()
     try:
         assert engine.estimated_wait() is None  # nothing measured yet: admit
         engine.synthesize(SynthesisRequest("先跑一个", 1), fixed_steps=10)
         assert 0 < engine.estimated_wait() < 5
-        engine._job_seconds = 4.0  # as if recent jobs took 4 s each
+        engine.admission.assume_job_seconds(4.0)  # as if recent jobs took 4 s each
         assert engine.estimated_wait(1) == 4.0  # one batch of up to 2
         assert engine.estimated_wait(3) == 8.0  # two batches
         with pytest.raises(Overloaded) as refused:
@@ -142,7 +177,7 @@ def test_admission_refuses_when_the_estimated_wait_is_too_long(tiny_model_dir):
 
 
 def test_pressure_switches_after_the_hold_time_both_ways():
-    from chattts_service.pressure import Pressure
+    from chattts_service.runtime.pressure import Pressure
 
     changes = []
     pressure = Pressure(85, 10, on_change=changes.append)
@@ -161,16 +196,18 @@ def test_pressure_switches_after_the_hold_time_both_ways():
 
 
 def test_degraded_mode_skips_refinement(start_server):
-    server = start_server(CHATTTS_DEGRADE_CPU_PERCENT="1", CHATTTS_DEGRADE_AFTER_S="1",
-                          CHATTTS_MAX_NEW_TOKENS="100")
+    server = start_server(
+        CHATTTS_DEGRADE_CPU_PERCENT="1", CHATTTS_DEGRADE_AFTER_S="1", CHATTTS_MAX_NEW_TOKENS="100"
+    )
     server.wait_ready()
     stop = threading.Event()
 
     def load():  # keep the CPU busy until degraded mode is on
         seed = 100
         while not stop.is_set():
-            requests.post(server.url + "/synthesize", json={"text": "压力", "seed": seed},
-                          timeout=60)
+            requests.post(
+                server.url + "/synthesize", json={"text": "压力", "seed": seed}, timeout=60
+            )
             seed += 1
 
     worker = threading.Thread(target=load)
@@ -191,17 +228,22 @@ def test_degraded_mode_skips_refinement(start_server):
     # refinement was skipped: the answer is the unrefined speech, cached under that key
     # (this tiny model's segments end long before the lowered cap)
     assert first.headers["X-Cache"] == "MISS" and again.headers["X-Cache"] == "HIT"
-    unrefined = requests.post(server.url + "/synthesize", timeout=60,
-                              json={"text": "降级测试", "seed": 5, "refine_text": False})
+    unrefined = requests.post(
+        server.url + "/synthesize",
+        timeout=60,
+        json={"text": "降级测试", "seed": 5, "refine_text": False},
+    )
     assert unrefined.headers["X-Cache"] == "HIT" and unrefined.content == first.content
     assert "degraded mode on" in server.log()
 
 
-# -- faults -----------------------------------------------------------------------------------------
+# -- faults ---------------------------------------------------------------------------------------
+
 
 def _worker_pid(server) -> int:
-    out = subprocess.run(["ps", "-o", "pid=", "--ppid", str(server.process.pid)],
-                         capture_output=True, text=True).stdout.split()
+    out = subprocess.run(
+        ["ps", "-o", "pid=", "--ppid", str(server.process.pid)], capture_output=True, text=True
+    ).stdout.split()
     assert len(out) == 1, out
     return int(out[0])
 
@@ -214,8 +256,11 @@ def test_a_killed_worker_is_replaced_and_the_service_is_ready_again(start_server
 
     def in_flight():
         try:
-            results["status"] = requests.post(server.url + "/synthesize", timeout=60, json={
-                "text": "被打断的请求。" * 40, "seed": 1}).status_code
+            results["status"] = requests.post(
+                server.url + "/synthesize",
+                timeout=60,
+                json={"text": "被打断的请求。" * 40, "seed": 1},
+            ).status_code
         except requests.ConnectionError as error:
             results["error"] = error
 
@@ -227,7 +272,9 @@ def test_a_killed_worker_is_replaced_and_the_service_is_ready_again(start_server
     assert "error" in results or results.get("status") == 200  # cut off, or done before the kill
     server.wait_ready(timeout=120)
     assert _worker_pid(server) != worker
-    after = requests.post(server.url + "/synthesize", json={"text": "又好了", "seed": 2}, timeout=60)
+    after = requests.post(
+        server.url + "/synthesize", json={"text": "又好了", "seed": 2}, timeout=60
+    )
     assert after.status_code == 200
 
 
@@ -235,13 +282,24 @@ def test_logs_on_a_full_disk_do_not_stop_serving(tiny_model_dir, tmp_path):
     from benchmarks.serverproc import free_port
 
     port = free_port()
-    env = {**{k: v for k, v in os.environ.items() if not k.startswith("CHATTTS_")},
-           "CHATTTS_MODEL_DIR": str(tiny_model_dir), "CHATTTS_VERIFY_MODEL": "0",
-           "CHATTTS_HOST": "127.0.0.1", "CHATTTS_PORT": str(port), "CHATTTS_THREADS": "1",
-           "CHATTTS_MAX_NEW_TOKENS": "100"}
+    env = {
+        **{k: v for k, v in os.environ.items() if not k.startswith("CHATTTS_")},
+        "CHATTTS_MODEL_DIR": str(tiny_model_dir),
+        "CHATTTS_VERIFY_MODEL": "0",
+        "CHATTTS_HOST": "127.0.0.1",
+        "CHATTTS_PORT": str(port),
+        "CHATTTS_THREADS": "1",
+        "CHATTTS_MAX_NEW_TOKENS": "100",
+    }
     with open("/dev/full", "wb") as full:  # every write fails with ENOSPC
-        process = subprocess.Popen([sys.executable, "server.py"], cwd=REPO, env=env,
-                                   stdout=full, stderr=full, start_new_session=True)
+        process = subprocess.Popen(
+            [sys.executable, "server.py"],
+            cwd=REPO,
+            env=env,
+            stdout=full,
+            stderr=full,
+            start_new_session=True,
+        )
     try:
         url = f"http://127.0.0.1:{port}"
         deadline = time.monotonic() + 120
@@ -254,8 +312,9 @@ def test_logs_on_a_full_disk_do_not_stop_serving(tiny_model_dir, tmp_path):
                 pass
             time.sleep(0.2)
         for seed in range(3):
-            response = requests.post(url + "/synthesize", json={"text": "磁盘满了", "seed": seed},
-                                     timeout=60)
+            response = requests.post(
+                url + "/synthesize", json={"text": "磁盘满了", "seed": seed}, timeout=60
+            )
             assert response.status_code == 200
         bad = requests.post(url + "/synthesize", json={"text": ""}, timeout=10)
         assert bad.status_code == 400
@@ -267,46 +326,84 @@ def test_logs_on_a_full_disk_do_not_stop_serving(tiny_model_dir, tmp_path):
 
 # -- a bounded fuzz of the whole API from its OpenAPI document ------------------------------------
 
+
 def test_schema_fuzz_finds_no_server_errors(start_server):
     server = start_server(CHATTTS_MAX_NEW_TOKENS="40", CHATTTS_MAX_CHARS="200")
     server.wait_ready()
     result = subprocess.run(
-        [os.path.join(os.path.dirname(sys.executable), "schemathesis"), "run",
-         server.url + "/openapi.json", "--checks", "not_a_server_error",
-         "--max-examples", "25", "--seed", "1", "--request-timeout", "60",
-         "--generation-deterministic", "--no-color"],
-        capture_output=True, text=True, timeout=900)
+        [
+            os.path.join(os.path.dirname(sys.executable), "schemathesis"),
+            "run",
+            server.url + "/openapi.json",
+            "--checks",
+            "not_a_server_error",
+            "--max-examples",
+            "25",
+            "--seed",
+            "1",
+            "--request-timeout",
+            "60",
+            "--generation-deterministic",
+            "--no-color",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     assert result.returncode == 0, result.stdout[-6000:] + result.stderr[-2000:]
 
 
 # -- tuning without a restart ---------------------------------------------------------------------
+
 
 def test_batching_can_be_tuned_on_a_running_server(keyed):
     auth = {"Authorization": f"Bearer {KEY}"}
     assert requests.get(keyed.url + "/admin/config", timeout=10).status_code == 401
     shown = requests.get(keyed.url + "/admin/config", headers=auth, timeout=10).json()
     assert shown["current"]["max_batch"] == 8 and shown["limits"]["max_batch"]["max"] == 8
-    changed = requests.post(keyed.url + "/admin/config", headers=auth, timeout=10,
-                            json={"max_batch": 2, "batch_wait_ms": 10, "max_queue": 5})
+    changed = requests.post(
+        keyed.url + "/admin/config",
+        headers=auth,
+        timeout=10,
+        json={"max_batch": 2, "batch_wait_ms": 10, "max_queue": 5},
+    )
     assert changed.status_code == 200
-    assert changed.json()["current"] == {"max_batch": 2, "batch_wait_ms": 10, "max_queue": 5,
-                                         "max_wait_s": 120}
+    assert changed.json()["current"] == {
+        "max_batch": 2,
+        "batch_wait_ms": 10,
+        "max_queue": 5,
+        "max_wait_s": 120,
+    }
     assert metric(keyed, "chatts_config", 'setting="max_batch"') == 2
     assert metric(keyed, "chatts_config", 'setting="max_queue"') == 5
     # the new bound holds: 8 segments do not fit a queue of 5
-    refused = requests.post(keyed.url + "/synthesize", headers=auth, timeout=60,
-                            json={"text": "这是第一句话。" * 100, "seed": 1})
+    refused = requests.post(
+        keyed.url + "/synthesize",
+        headers=auth,
+        timeout=60,
+        json={"text": "这是第一句话。" * 100, "seed": 1},
+    )
     assert refused.status_code == 503 and "no room for 8 segment(s)" in refused.json()["error"]
-    for body, fragment in [({"max_batch": 9}, "from 1 to 8"), ({"max_batch": 0}, "from 1 to 8"),
-                           ({"batch_wait_ms": -1}, "from 0 to 2000"), ({"threads": 4}, "unknown"),
-                           ({}, "send one or more")]:
+    for body, fragment in [
+        ({"max_batch": 9}, "between 1 and 8"),
+        ({"max_batch": 0}, "between 1 and 8"),
+        ({"batch_wait_ms": -1}, "between 0 and 10000"),
+        ({"max_batch": 2.5}, "an integer"),
+        ({"threads": 4}, "unknown"),
+        ({}, "send one or more"),
+    ]:
         bad = requests.post(keyed.url + "/admin/config", headers=auth, json=body, timeout=10)
         assert bad.status_code == 400 and fragment in bad.json()["error"], (body, bad.text)
-    ok = requests.post(keyed.url + "/synthesize", headers=auth, json={"text": "调好了", "seed": 2},
-                       timeout=60)
+    ok = requests.post(
+        keyed.url + "/synthesize", headers=auth, json={"text": "调好了", "seed": 2}, timeout=60
+    )
     assert ok.status_code == 200
-    requests.post(keyed.url + "/admin/config", headers=auth, timeout=10,
-                  json={"max_batch": 8, "batch_wait_ms": 50, "max_queue": 64})
+    requests.post(
+        keyed.url + "/admin/config",
+        headers=auth,
+        timeout=10,
+        json={"max_batch": 8, "batch_wait_ms": 50, "max_queue": 64},
+    )
 
 
 def test_admin_endpoint_refuses_without_keys(start_server):

@@ -15,9 +15,9 @@ from collections import Counter
 
 import pytest
 import requests
+from conftest import ServerProcess
 
 from benchmarks.serverproc import Nginx
-from conftest import ServerProcess
 
 NGINX = shutil.which("nginx") or "/usr/sbin/nginx"
 
@@ -34,8 +34,9 @@ def served(server) -> float:
 @pytest.fixture
 def replicas(tiny_model_dir, tmp_path):
     settings = {"CHATTTS_MAX_NEW_TOKENS": "150", "CHATTTS_MAX_QUEUE": "16"}
-    servers = [ServerProcess(tiny_model_dir, tmp_path / f"replica-{i}.log", **settings)
-               for i in (1, 2)]
+    servers = [
+        ServerProcess(tiny_model_dir, tmp_path / f"replica-{i}.log", **settings) for i in (1, 2)
+    ]
     for server in servers:
         server.wait_ready()
     proxy = Nginx(tmp_path / "nginx", [server.port for server in servers], NGINX)
@@ -53,8 +54,14 @@ def load(url: str, seconds: float, clients: int, outcomes: list, stop: threading
         while time.monotonic() < deadline and not stop.is_set():
             index += 1
             try:
-                response = session.post(url + "/synthesize", timeout=60, json={
-                    "text": "负载均衡测试，第几句话都可以。", "seed": offset * 10_000 + index})
+                response = session.post(
+                    url + "/synthesize",
+                    timeout=60,
+                    json={
+                        "text": "负载均衡测试，第几句话都可以。",
+                        "seed": offset * 10_000 + index,
+                    },
+                )
                 ok = response.status_code != 200 or response.content[:4] == b"RIFF"
                 outcomes.append((response.status_code, ok, time.monotonic()))
             except requests.RequestException as error:
@@ -93,18 +100,22 @@ def test_load_spreads_survives_a_killed_replica_and_it_rejoins(replicas, tmp_pat
     # ChunkedEncodingError) and never takes the cut body for audio. Such a cut can only
     # happen at the kill, to requests that were in flight then: at most one per client.
     cut = [finished for status, _, finished in outcomes if status == "ChunkedEncodingError"]
-    others = Counter(status for status, _, _ in outcomes
-                     if status not in (200, 503, "ChunkedEncodingError"))
+    others = Counter(
+        status for status, _, _ in outcomes if status not in (200, 503, "ChunkedEncodingError")
+    )
     log = (proxy.prefix / "error.log").read_text()[-3000:]
     assert not others, (others, log)
-    assert len(cut) <= 8 and all(killed_at <= finished < killed_at + 5 for finished in cut), \
-        ([finished - killed_at for finished in cut], log)
+    assert len(cut) <= 8 and all(killed_at <= finished < killed_at + 5 for finished in cut), (
+        [finished - killed_at for finished in cut],
+        log,
+    )
     assert all(ok for status, ok, _ in outcomes if status in (200, 503))
     assert sum(1 for status, _, _ in outcomes if status == 200) > 0
 
     # the replica comes back on its port and nginx sends it work again once it is ready
-    back = ServerProcess(second.model_dir, tmp_path / "replica-2-again.log", port=second.port,
-                         **settings)
+    back = ServerProcess(
+        second.model_dir, tmp_path / "replica-2-again.log", port=second.port, **settings
+    )
     try:
         back.wait_ready()
         outcomes.clear()

@@ -12,9 +12,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import requests
-from prometheus_client.parser import text_string_to_metric_families
-
 from conftest import REPO
+from prometheus_client.parser import text_string_to_metric_families
 
 MAX_STEPS = 200
 
@@ -52,7 +51,12 @@ def synthesize(server, body, **kwargs):
 
 def read_wav(payload: bytes):
     with wave.open(io.BytesIO(payload)) as reader:
-        return reader.getframerate(), reader.getnchannels(), reader.getsampwidth(), reader.getnframes()
+        return (
+            reader.getframerate(),
+            reader.getnchannels(),
+            reader.getsampwidth(),
+            reader.getnframes(),
+        )
 
 
 def scrape(server) -> dict[str, float]:
@@ -88,7 +92,7 @@ def test_health_endpoints(server):
 
 
 def test_status_names_what_multiplies_the_int8_layers(server):
-    from chattts_service import kernels
+    from chattts_service.kernels import bindings as kernels
 
     status = requests.get(server.url + "/status", timeout=5).json()
     assert status["quantization"] == "int8" and status["kernels"] == "on"
@@ -132,21 +136,24 @@ def test_omitted_seed_uses_the_default_so_the_same_request_gives_the_same_audio(
     assert explicit.headers["X-Cache"] == "HIT" and explicit.content == first.content
 
 
-@pytest.mark.parametrize("body,status,fragment", [
-    ({}, 400, "'text' is required"),
-    ({"text": ""}, 400, "must not be empty"),
-    ({"text": 12}, 400, "must be a string"),
-    ({"text": None}, 400, "must be a string"),
-    ({"text": "hi", "seed": "x"}, 400, "'seed' must be an integer"),
-    ({"text": "hi", "seed": -5}, 400, "between 0 and"),
-    ({"text": "hi", "refine_text": 1}, 400, "'refine_text'"),
-    ({"text": "hi", "pitch": 3}, 400, "unknown fields: pitch"),
-    ({"text": "hi", "voice": "nobody"}, 400, "unknown voice 'nobody'; voices: alloy, echo"),
-    ({"text": "hi", "voice": "../../etc/passwd"}, 400, "voice names are"),
-    ({"text": "长" * 51}, 413, "the limit is 50"),
-    ({"text": "1+1=2", "normalize": False}, 422, "nothing speakable"),
-    ({"text": "hi", "format": "aac"}, 400, "'format' must be one of"),
-])
+@pytest.mark.parametrize(
+    "body,status,fragment",
+    [
+        ({}, 400, "'text' is required"),
+        ({"text": ""}, 400, "must not be empty"),
+        ({"text": 12}, 400, "must be a string"),
+        ({"text": None}, 400, "must be a string"),
+        ({"text": "hi", "seed": "x"}, 400, "'seed' must be an integer"),
+        ({"text": "hi", "seed": -5}, 400, "between 0 and"),
+        ({"text": "hi", "refine_text": 1}, 400, "'refine_text'"),
+        ({"text": "hi", "pitch": 3}, 400, "unknown fields: pitch"),
+        ({"text": "hi", "voice": "nobody"}, 400, "unknown voice 'nobody'; voices: alloy, echo"),
+        ({"text": "hi", "voice": "../../etc/passwd"}, 400, "voice names are"),
+        ({"text": "长" * 51}, 413, "the limit is 50"),
+        ({"text": "1+1=2", "normalize": False}, 422, "nothing speakable"),
+        ({"text": "hi", "format": "aac"}, 400, "'format' must be one of"),
+    ],
+)
 def test_errors_are_json_with_the_right_status(server, body, status, fragment):
     response = synthesize(server, body)
     assert response.status_code == status
@@ -156,16 +163,25 @@ def test_errors_are_json_with_the_right_status(server, body, status, fragment):
 
 def test_malformed_requests(server):
     url = server.url + "/synthesize"
-    bad_json = requests.post(url, data=b'{"text": "hi"', timeout=10,
-                             headers={"Content-Type": "application/json"})
+    bad_json = requests.post(
+        url, data=b'{"text": "hi"', timeout=10, headers={"Content-Type": "application/json"}
+    )
     assert bad_json.status_code == 400 and "not valid JSON" in bad_json.json()["error"]
-    not_json = requests.post(url, data="text=hi", timeout=10,
-                             headers={"Content-Type": "application/x-www-form-urlencoded"})
+    not_json = requests.post(
+        url,
+        data="text=hi",
+        timeout=10,
+        headers={"Content-Type": "application/x-www-form-urlencoded"},
+    )
     assert not_json.status_code == 415 and "application/json" in not_json.json()["error"]
     no_type = requests.post(url, data=b'{"text": "hi"}', timeout=10)
     assert no_type.status_code == 415
-    huge = requests.post(url, data=b'{"text": "' + b"a" * 200_000 + b'"}', timeout=10,
-                         headers={"Content-Type": "application/json"})
+    huge = requests.post(
+        url,
+        data=b'{"text": "' + b"a" * 200_000 + b'"}',
+        timeout=10,
+        headers={"Content-Type": "application/json"},
+    )
     assert huge.status_code == 413 and "error" in huge.json()
     wrong_method = requests.get(url, timeout=10)
     assert wrong_method.status_code == 405 and "error" in wrong_method.json()
@@ -197,7 +213,9 @@ def test_metrics_move_by_the_right_amounts(server):
     assert 0 <= after["chatts_cpu_percent"] <= 100
     assert after["chatts_cache_entries"] >= 1
     # the model's tensors are live heap memory (mmapped: the large ones)
-    assert after["chatts_heap_bytes{kind=mmapped}"] + after["chatts_heap_bytes{kind=in_use}"] > 2**20
+    assert (
+        after["chatts_heap_bytes{kind=mmapped}"] + after["chatts_heap_bytes{kind=in_use}"] > 2**20
+    )
     assert after["chatts_heap_bytes{kind=free}"] >= 0
 
 
@@ -222,9 +240,23 @@ def test_request_log_has_one_line_per_request(server):
 
 def test_bench_runs_against_the_server(server):
     result = subprocess.run(
-        [sys.executable, "bench.py", "--url", server.url, "--concurrency", "2", "--requests", "4",
-         "--json", "--max-seconds", "60"],
-        cwd=REPO, capture_output=True, text=True, timeout=120,
+        [
+            sys.executable,
+            "bench.py",
+            "--url",
+            server.url,
+            "--concurrency",
+            "2",
+            "--requests",
+            "4",
+            "--json",
+            "--max-seconds",
+            "60",
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     assert result.returncode == 0, result.stderr
     report = json.loads(result.stdout)
@@ -232,15 +264,23 @@ def test_bench_runs_against_the_server(server):
     assert report["latency_p50"] > 0 and report["audio_seconds_per_wall_second"] > 0
     human = subprocess.run(
         [sys.executable, "bench.py", "--url", server.url, "--requests", "2", "--repeat-seed"],
-        cwd=REPO, capture_output=True, text=True, timeout=120,
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     assert human.returncode == 0 and "latency       p50" in human.stdout
     assert "(1 cache hits)" in human.stdout or "(2 cache hits)" in human.stdout
 
 
 def test_warmup_script_against_the_server(server):
-    result = subprocess.run([sys.executable, "warmup.py", "--url", server.url],
-                            cwd=REPO, capture_output=True, text=True, timeout=120)
+    result = subprocess.run(
+        [sys.executable, "warmup.py", "--url", server.url],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert result.returncode == 0, result.stderr
     assert result.stdout.startswith("warmed " + server.url)
 
@@ -257,14 +297,24 @@ def test_warmup_script_compiles_the_numba_cache_the_image_ships(tmp_path):
         env.pop("NUMBA_CACHE_DIR", None)
         if cache is not None:
             env["NUMBA_CACHE_DIR"] = str(cache)
-        return subprocess.run([sys.executable, "warmup.py", "--jit-cache"], cwd=REPO, env=env,
-                              capture_output=True, text=True, timeout=180)
+        return subprocess.run(
+            [sys.executable, "warmup.py", "--jit-cache"],
+            cwd=REPO,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=180,
+        )
 
     built = run(tmp_path / "built")
     assert built.returncode == 0, built.stderr
     names = {path.name.split("-")[0] for path in (tmp_path / "built").rglob("*.nbi")}
-    assert names == {"norm._find_index", "norm._fast_replace", "norm._split_tags",
-                     "norm._combine_tags"}
+    assert names == {
+        "norm._find_index",
+        "norm._fast_replace",
+        "norm._split_tags",
+        "norm._combine_tags",
+    }
     shutil.copytree(tmp_path / "built", tmp_path / "copy")
     again = run(tmp_path / "copy", NUMBA_DEBUG_CACHE="1")
     assert again.returncode == 0, again.stderr

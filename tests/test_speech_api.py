@@ -32,10 +32,15 @@ def decode(payload: bytes):
     return audio, rate
 
 
-@pytest.mark.parametrize("audio_format,content_type", [
-    ("wav", "audio/wav"), ("flac", "audio/flac"), ("mp3", "audio/mpeg"),
-    ("opus", "audio/ogg; codecs=opus"),
-])
+@pytest.mark.parametrize(
+    "audio_format,content_type",
+    [
+        ("wav", "audio/wav"),
+        ("flac", "audio/flac"),
+        ("mp3", "audio/mpeg"),
+        ("opus", "audio/ogg; codecs=opus"),
+    ],
+)
 def test_every_format_decodes_at_the_model_rate(api, audio_format, content_type):
     response = post(api, "/synthesize", {"text": "格式测试。", "seed": 5, "format": audio_format})
     assert response.status_code == 200, response.text
@@ -104,7 +109,9 @@ def test_streaming_refuses_formats_it_cannot_stream(api):
 
 
 def test_long_text_of_2000_characters(api):
-    sentence = "第{}段：今天是2024年3月{}日，气温{}摄氏度，票价12.5元。We met at 3:30 pm and paid $20. "
+    sentence = (
+        "第{}段：今天是2024年3月{}日，气温{}摄氏度，票价12.5元。We met at 3:30 pm and paid $20. "
+    )
     text, index = "", 1
     while len(text) < 2000:
         text += sentence.format(index, index % 28 + 1, index % 30)
@@ -123,8 +130,16 @@ def test_long_text_of_2000_characters(api):
 
 
 def test_control_tokens_pass_through_and_unknown_ones_are_refused(api):
-    ok = post(api, "/synthesize", {"text": "你好[uv_break]世界[laugh]。", "seed": 3,
-                                   "refine_text": True, "refine_prompt": "[oral_2][break_4]"})
+    ok = post(
+        api,
+        "/synthesize",
+        {
+            "text": "你好[uv_break]世界[laugh]。",
+            "seed": 3,
+            "refine_text": True,
+            "refine_prompt": "[oral_2][break_4]",
+        },
+    )
     assert ok.status_code == 200, ok.text
     bad = post(api, "/synthesize", {"text": "你好[speed_9]世界"})
     assert bad.status_code == 400 and "[speed_9]" in bad.json()["error"]
@@ -148,6 +163,7 @@ def test_openapi_document_covers_every_route(api):
 
 # -- the OpenAI API, through the OpenAI client --------------------------------------------------
 
+
 @pytest.fixture(scope="module")
 def client(api):
     import openai
@@ -163,21 +179,35 @@ def test_openai_client_gets_mp3_by_default(client):
 
 
 def test_openai_client_formats_speed_and_extras(client):
-    wav = client.audio.speech.create(model="tts-1-hd", voice="nova", input="你好，世界。",
-                                     response_format="wav", speed=1.5,
-                                     extra_body={"seed": 4, "temperature": 0.5})
+    wav = client.audio.speech.create(
+        model="tts-1-hd",
+        voice="nova",
+        input="你好，世界。",
+        response_format="wav",
+        speed=1.5,
+        extra_body={"seed": 4, "temperature": 0.5},
+    )
     audio, rate = decode(wav.content)
     assert rate == 24_000 and len(audio) > 0
-    slower = client.audio.speech.create(model="tts-1-hd", voice="nova", input="你好，世界。",
-                                        response_format="wav", speed=0.5,
-                                        extra_body={"seed": 4, "temperature": 0.5})
+    slower = client.audio.speech.create(
+        model="tts-1-hd",
+        voice="nova",
+        input="你好，世界。",
+        response_format="wav",
+        speed=0.5,
+        extra_body={"seed": 4, "temperature": 0.5},
+    )
     assert slower.content != wav.content  # speed reaches the model's prompt
 
 
 def test_openai_client_streams_pcm(client):
     with client.audio.speech.with_streaming_response.create(
-            model="tts-1", voice="echo", input="流式的OpenAI请求。", response_format="pcm",
-            extra_body={"stream": True}) as response:
+        model="tts-1",
+        voice="echo",
+        input="流式的OpenAI请求。",
+        response_format="pcm",
+        extra_body={"stream": True},
+    ) as response:
         assert response.headers["Content-Type"].startswith("audio/L16")
         data = b"".join(response.iter_bytes())
     assert len(data) > 0 and len(data) % 2 == 0
@@ -192,8 +222,7 @@ def test_openai_errors_have_openai_shape(client):
     assert "unknown voice 'nobody'" in error["message"] and "alloy" in error["message"]
     assert error["type"] == "invalid_request_error"
     with pytest.raises(openai.BadRequestError, match="response_format"):
-        client.audio.speech.create(model="tts-1", voice="alloy", input="hi",
-                                   response_format="aac")
+        client.audio.speech.create(model="tts-1", voice="alloy", input="hi", response_format="aac")
     with pytest.raises(openai.NotFoundError):
         client.models.retrieve("whisper-1")
 
@@ -206,8 +235,8 @@ def test_openai_model_listing(client):
 def test_voices_listing_registration_and_use(api, client):
     import torch
 
-    from chattts_service.testmodel import TINY
-    from chattts_service.voices import encode_embedding
+    from chattts_service.services.voices import encode_embedding
+    from chattts_service.tools.testmodel import TINY
 
     listing = requests.get(api.url + "/v1/audio/voices", timeout=10).json()
     assert {"alloy", "echo", "fable", "onyx", "nova", "shimmer"} <= set(listing["voices"])
@@ -218,10 +247,14 @@ def test_voices_listing_registration_and_use(api, client):
     assert created.status_code == 201, created.text
     assert (api.voices_dir / "narrator.json").is_file()
     assert "narrator" in requests.get(api.url + "/v1/audio/voices", timeout=10).json()["voices"]
-    first = client.audio.speech.create(model="tts-1", voice="narrator", input="注册的声音。",
-                                       response_format="wav")
-    again = post(api, "/synthesize", {"text": "注册的声音。", "voice": "narrator", "format": "wav",
-                                      "seed": 1234})
+    first = client.audio.speech.create(
+        model="tts-1", voice="narrator", input="注册的声音。", response_format="wav"
+    )
+    again = post(
+        api,
+        "/synthesize",
+        {"text": "注册的声音。", "voice": "narrator", "format": "wav", "seed": 1234},
+    )
     assert decode(first.content)[0].shape == decode(again.content)[0].shape
 
     exists = post(api, "/v1/audio/voices", {"name": "narrator", "embedding": embedding})
@@ -247,16 +280,21 @@ def test_a_stream_whose_client_leaves_stops_generating(api):
 
     before = counter("chatts_requests_total", 'status="499"')
     text = "这是一段很长的话，用来测试客户端离开以后生成是否停止。" * 60
-    response = requests.post(api.url + "/synthesize", json={"text": text[:1500], "seed": 10,
-                                                            "stream": True, "format": "pcm"},
-                             stream=True, timeout=120)
+    response = requests.post(
+        api.url + "/synthesize",
+        json={"text": text[:1500], "seed": 10, "stream": True, "format": "pcm"},
+        stream=True,
+        timeout=120,
+    )
     assert response.status_code == 200
     next(response.iter_content(chunk_size=1024))  # audio is flowing
     response.close()  # the client goes away mid-stream
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline:
-        if counter("chatts_requests_total", 'status="499"') > before and \
-                counter("chatts_queue_depth", "") == 0:
+        if (
+            counter("chatts_requests_total", 'status="499"') > before
+            and counter("chatts_queue_depth", "") == 0
+        ):
             break
         time.sleep(0.2)
     assert counter("chatts_requests_total", 'status="499"') == before + 1

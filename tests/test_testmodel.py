@@ -1,7 +1,7 @@
 import json
 
-from chattts_service.model_files import MODEL_FILES, check_present, sha256_of
-from chattts_service.testmodel import NUM_TEXT_TOKENS, build
+from chattts_service.inference.model_files import MODEL_FILES, check_present, sha256_of
+from chattts_service.tools.testmodel import NUM_TEXT_TOKENS, build
 
 
 def test_tiny_model_has_the_layout_and_is_small(tiny_model_dir):
@@ -18,7 +18,8 @@ def test_same_seed_builds_identical_files_other_seed_differs(tiny_model_dir, tmp
     for relative in MODEL_FILES:
         assert sha256_of(again / relative) == sha256_of(tiny_model_dir / relative), relative
     assert sha256_of(other / "asset/gpt/model.safetensors") != sha256_of(
-        tiny_model_dir / "asset/gpt/model.safetensors")
+        tiny_model_dir / "asset/gpt/model.safetensors"
+    )
 
 
 def test_tokenizer_matches_chattts_expectations(tiny_model_dir):
@@ -30,5 +31,6 @@ def test_tokenizer_matches_chattts_expectations(tiny_model_dir):
     assert tokenizer.spk_emb_ids > tokenizer.break_0_ids - 30
     assert tokenizer.break_0_ids > 21127
     tokens = tokenizer._tokenizer.convert_ids_to_tokens(
-        tokenizer._tokenizer.encode("[Stts]你好hello[Ptts]", add_special_tokens=False))
+        tokenizer._tokenizer.encode("[Stts]你好hello[Ptts]", add_special_tokens=False)
+    )
     assert tokens == ["[Stts]", "你", "好", "h", "##e", "##l", "##l", "##o", "[Ptts]"]

@@ -1,9 +1,14 @@
 import pytest
 
+from chattts_service.api.errors import BadRequest, PayloadTooLarge, UnsupportedMediaType
+from chattts_service.api.validation import (
+    json_body,
+    normalise_text,
+    speech_request,
+    speed_level,
+    synthesize_request,
+)
 from chattts_service.config import Settings
-from chattts_service.errors import BadRequest, PayloadTooLarge, UnsupportedMediaType
-from chattts_service.validation import (json_body, normalise_text, speech_request, speed_level,
-                                         synthesize_request)
 
 SETTINGS = Settings.from_env({}, max_chars=20, default_seed=77)
 
@@ -24,35 +29,38 @@ def test_text_is_normalised_for_model_and_cache_alike():
     assert normalise_text("e\u0301") == "\u00e9"
 
 
-@pytest.mark.parametrize("body,message", [
-    ({}, "'text' is required"),
-    ({"text": 5}, "must be a string"),
-    ({"text": ["a"]}, "must be a string"),
-    ({"text": "   \n "}, "must not be empty"),
-    ({"text": "hi", "seed": "1"}, "'seed' must be an integer"),
-    ({"text": "hi", "seed": 1.5}, "'seed' must be an integer"),
-    ({"text": "hi", "seed": True}, "'seed' must be an integer"),
-    ({"text": "hi", "seed": -1}, "between 0 and"),
-    ({"text": "hi", "seed": 2**31}, "between 0 and"),
-    ({"text": "hi", "refine_text": "yes"}, "'refine_text' must be true or false"),
-    ({"text": "hi", "pitch": 2}, "unknown fields: pitch"),
-    ({"text": "a\ud800b"}, "surrogate"),
-    ({"text": "hi", "speed": 0.1}, "'speed' must be between 0.25 and 4"),
-    ({"text": "hi", "speed": "fast"}, "'speed' must be a number"),
-    ({"text": "hi", "temperature": 0}, "'temperature' must be between"),
-    ({"text": "hi", "top_p": 1.5}, "'top_p' must be between"),
-    ({"text": "hi", "top_k": 2.5}, "'top_k' must be an integer"),
-    ({"text": "hi", "top_k": 0}, "'top_k' must be between 1 and 100"),
-    ({"text": "hi", "format": "aac"}, "'format' must be one of mp3, opus, flac, wav, pcm"),
-    ({"text": "hi", "format": "mp3", "stream": True}, "cannot be streamed"),
-    ({"text": "hi", "stream": "yes"}, "'stream' must be true or false"),
-    ({"text": "hi", "normalize": 1}, "'normalize' must be true or false"),
-    ({"text": "hi [cough] there"}, r"unknown control token\(s\) \[cough\]"),
-    ({"text": "hi", "refine_prompt": "[oral_2]"}, "set 'refine_text': true"),
-    ({"text": "hi", "refine_text": True, "refine_prompt": "[laugh_7]"}, "out of range"),
-    ({"text": "hi", "refine_text": True, "refine_prompt": "be happy"}, "may only hold"),
-    ({"text": "hi", "voice": "seed:x"}, "voices are not available"),
-])
+@pytest.mark.parametrize(
+    "body,message",
+    [
+        ({}, "'text' is required"),
+        ({"text": 5}, "must be a string"),
+        ({"text": ["a"]}, "must be a string"),
+        ({"text": "   \n "}, "must not be empty"),
+        ({"text": "hi", "seed": "1"}, "'seed' must be an integer"),
+        ({"text": "hi", "seed": 1.5}, "'seed' must be an integer"),
+        ({"text": "hi", "seed": True}, "'seed' must be an integer"),
+        ({"text": "hi", "seed": -1}, "between 0 and"),
+        ({"text": "hi", "seed": 2**31}, "between 0 and"),
+        ({"text": "hi", "refine_text": "yes"}, "'refine_text' must be true or false"),
+        ({"text": "hi", "pitch": 2}, "unknown fields: pitch"),
+        ({"text": "a\ud800b"}, "surrogate"),
+        ({"text": "hi", "speed": 0.1}, "'speed' must be between 0.25 and 4"),
+        ({"text": "hi", "speed": "fast"}, "'speed' must be a number"),
+        ({"text": "hi", "temperature": 0}, "'temperature' must be between"),
+        ({"text": "hi", "top_p": 1.5}, "'top_p' must be between"),
+        ({"text": "hi", "top_k": 2.5}, "'top_k' must be an integer"),
+        ({"text": "hi", "top_k": 0}, "'top_k' must be between 1 and 100"),
+        ({"text": "hi", "format": "aac"}, "'format' must be one of mp3, opus, flac, wav, pcm"),
+        ({"text": "hi", "format": "mp3", "stream": True}, "cannot be streamed"),
+        ({"text": "hi", "stream": "yes"}, "'stream' must be true or false"),
+        ({"text": "hi", "normalize": 1}, "'normalize' must be true or false"),
+        ({"text": "hi [cough] there"}, r"unknown control token\(s\) \[cough\]"),
+        ({"text": "hi", "refine_prompt": "[oral_2]"}, "set 'refine_text': true"),
+        ({"text": "hi", "refine_text": True, "refine_prompt": "[laugh_7]"}, "out of range"),
+        ({"text": "hi", "refine_text": True, "refine_prompt": "be happy"}, "may only hold"),
+        ({"text": "hi", "voice": "seed:x"}, "voices are not available"),
+    ],
+)
 def test_bad_bodies_are_400_with_a_reason(body, message):
     with pytest.raises(BadRequest, match=message):
         synthesize_request(body, SETTINGS)
@@ -71,8 +79,9 @@ def test_too_many_control_tokens_is_400():
         synthesize_request({"text": "a[uv_break]b[laugh]c[lbreak]"}, settings)
 
 
-@pytest.mark.parametrize("speed,level", [(0.25, 1), (0.5, 3), (0.8, 4), (1.0, 5), (1.25, 6),
-                                         (2.0, 7), (4.0, 9)])
+@pytest.mark.parametrize(
+    "speed,level", [(0.25, 1), (0.5, 3), (0.8, 4), (1.0, 5), (1.25, 6), (2.0, 7), (4.0, 9)]
+)
 def test_speed_maps_onto_chattts_levels(speed, level):
     assert speed_level(speed) == level
     request, _ = synthesize_request({"text": "hi", "speed": speed}, SETTINGS)
@@ -80,15 +89,20 @@ def test_speed_maps_onto_chattts_levels(speed, level):
 
 
 def test_openai_request_fields():
-    request, output = speech_request({"model": "tts-1", "input": "hello", "voice": None},
-                                     SETTINGS, None)
+    request, output = speech_request(
+        {"model": "tts-1", "input": "hello", "voice": None}, SETTINGS, None
+    )
     assert output.format == "mp3" and request.text == "hello"
-    for body, message in [({"input": "a", "voice": "alloy"}, "'model' is required"),
-                          ({"model": "whisper", "input": "a", "voice": "alloy"}, "unknown model"),
-                          ({"model": "tts-1", "input": "a"}, "'voice' is required"),
-                          ({"model": "tts-1", "text": "a", "voice": None}, "unknown fields: text"),
-                          ({"model": "tts-1", "input": "a", "voice": None,
-                            "instructions": "whisper"}, "not supported")]:
+    for body, message in [
+        ({"input": "a", "voice": "alloy"}, "'model' is required"),
+        ({"model": "whisper", "input": "a", "voice": "alloy"}, "unknown model"),
+        ({"model": "tts-1", "input": "a"}, "'voice' is required"),
+        ({"model": "tts-1", "text": "a", "voice": None}, "unknown fields: text"),
+        (
+            {"model": "tts-1", "input": "a", "voice": None, "instructions": "whisper"},
+            "not supported",
+        ),
+    ]:
         with pytest.raises(BadRequest, match=message):
             speech_request(body, SETTINGS, None)
 

@@ -7,23 +7,35 @@ import json
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from chattts_service.api.errors import ApiError
+from chattts_service.api.validation import (
+    SPEECH_FIELDS,
+    SYNTHESIZE_FIELDS,
+    json_body,
+    normalise_text,
+    speech_request,
+    synthesize_request,
+)
 from chattts_service.config import Settings
-from chattts_service.errors import ApiError
-from chattts_service.text import TOKEN, pack, split_sentences
-from chattts_service.validation import (SPEECH_FIELDS, SYNTHESIZE_FIELDS, json_body,
-                                        normalise_text, speech_request, synthesize_request)
+from chattts_service.services.text import TOKEN, pack, split_sentences
 
 SETTINGS = Settings.from_env({}, max_chars=300)
 FIELDS = sorted(SYNTHESIZE_FIELDS | SPEECH_FIELDS)
 
 json_values = st.recursive(
     st.none() | st.booleans() | st.integers() | st.floats(allow_nan=True) | st.text(),
-    lambda children: st.lists(children, max_size=3) | st.dictionaries(st.text(), children,
-                                                                      max_size=3),
-    max_leaves=6)
-texts = st.lists(st.characters(codec="utf-8") | st.sampled_from(
-    ["[uv_break]", "[laugh]", "[bad]", "。", ". ", "\x00", "\ud800", "1", "$", "\n"]),
-    max_size=300).map("".join)
+    lambda children: (
+        st.lists(children, max_size=3) | st.dictionaries(st.text(), children, max_size=3)
+    ),
+    max_leaves=6,
+)
+texts = st.lists(
+    st.characters(codec="utf-8")
+    | st.sampled_from(
+        ["[uv_break]", "[laugh]", "[bad]", "。", ". ", "\x00", "\ud800", "1", "$", "\n"]
+    ),
+    max_size=300,
+).map("".join)
 bodies = st.dictionaries(st.sampled_from(FIELDS + ["extra"]), json_values | texts, max_size=8)
 
 

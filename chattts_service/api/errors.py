@@ -1,0 +1,141 @@
+"""Typed errors and the one place that turns them into JSON HTTP responses."""
+
+from __future__ import annotations
+
+import logging
+import math
+
+from flask import Flask, jsonify, request
+from werkzeug.exceptions import HTTPException
+
+from chattts_service.inference.types import (
+    Cancelled,
+    DeadlineExceeded,
+    EngineError,
+    NothingToSay,
+    Overloaded,
+)
+
+log = logging.getLogger(__name__)
+
+
+class ApiError(Exception):
+    status = 400
+
+    def __init__(self, message: str, status: int | None = None, headers: dict | None = None):
+        super().__init__(message)
+        self.message = message
+        if status is not None:
+            self.status = status
+        self.headers = headers or {}
+
+
+class BadRequest(ApiError):
+    status = 400
+
+
+class Unauthorized(ApiError):
+    status = 401
+
+
+class NotFound(ApiError):
+    status = 404
+
+
+class PayloadTooLarge(ApiError):
+    status = 413
+
+
+class UnsupportedMediaType(ApiError):
+    status = 415
+
+
+class Unprocessable(ApiError):
+    status = 422
+
+
+class NotReady(ApiError):
+    status = 503
+
+
+class GatewayTimeout(ApiError):
+    status = 504
+
+
+class ClientClosedRequest(ApiError):
+    status = 499  # nobody reads it; it marks the request in logs and metrics
+
+
+class InternalError(ApiError):
+    status = 500
+
+
+# The one table from the engine's errors to HTTP: the error class answered and how its message
+# reads. The first row whose type matches wins, so subclasses come before their bases.
+ENGINE_ERRORS: list[tuple[type[EngineError], type[ApiError], str]] = [
+    (NothingToSay, Unprocessable, "{error}"),
+    (Overloaded, NotReady, "server is overloaded: {error}"),
+    (DeadlineExceeded, GatewayTimeout, "synthesis dropped: {error}"),
+    (Cancelled, ClientClosedRequest, "synthesis dropped: {error}"),
+    (EngineError, InternalError, "synthesis failed: {error}"),
+]
+RETRY_AFTER_SECONDS = "5"  # what a client told "not ready yet" should wait
+RETRY_AFTER_BOUNDS = (1, 300)  # seconds an overloaded answer's Retry-After may say
+
+
+def from_engine_error(error: EngineError) -> ApiError:
+    """The HTTP error a client gets for an engine error (see ``ENGINE_ERRORS``)."""
+    for kind, api_error, message in ENGINE_ERRORS:
+        if isinstance(error, kind):
+            headers = {}
+            if isinstance(error, Overloaded):
+                low, high = RETRY_AFTER_BOUNDS
+                headers["Retry-After"] = str(max(low, min(high, math.ceil(error.retry_after))))
+            return api_error(message.format(error=error), headers=headers)
+    raise TypeError(f"not an engine error: {error!r}")
+
+
+OPENAI_ERROR_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    404: "not_found_error",
+    413: "invalid_request_error",
+    415: "invalid_request_error",
+    422: "invalid_request_error",
+    429: "rate_limit_error",
+    503: "server_busy",
+    504: "timeout",
+}
+
+
+def error_response(message: str, status: int, headers: dict | None = None):
+    """``{"error": "..."}``, or OpenAI's error object on the /v1/ paths."""
+    if request.path.startswith("/v1/"):
+        response = jsonify(
+            error={
+                "message": message,
+                "type": OPENAI_ERROR_TYPES.get(status, "server_error"),
+                "param": None,
+                "code": status,
+            }
+        )
+    else:
+        response = jsonify(error=message)
+    response.status_code = status
+    response.headers.update(headers or {})
+    return response
+
+
+def register_error_handlers(app: Flask) -> None:
+    @app.errorhandler(ApiError)
+    def handle_api_error(error: ApiError):
+        return error_response(error.message, error.status, error.headers)
+
+    @app.errorhandler(HTTPException)
+    def handle_http_exception(error: HTTPException):
+        return error_response(error.description or error.name, error.code or 500)
+
+    @app.errorhandler(Exception)
+    def handle_unexpected(error: Exception):
+        log.exception("unhandled error")
+        return error_response("internal error; the details are in the server log", 500)

@@ -1,0 +1,227 @@
+"""The model facade: loaded once per process, requests batched by one scheduler thread.
+
+ChatTTS's ``Chat.infer`` is not called: it mutates the parameter objects it is given, takes one
+speaker and seed per call, splits and re-synthesises text, deletes quiet samples from the output,
+and its ``source="local"`` loader runs a downloaded binary. Instead ``loader`` builds ChatTTS's
+modules, ``prompts`` builds each prompt as upstream does, a lean int8 decode loop
+(``transformer``, ``generation``, ``scheduler``) generates for many requests at once, and
+ChatTTS's decoder and vocoder make audio (``decoding``). No HTTP here: the API layer calls
+``start`` and reads a ``Run``.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from concurrent.futures import Future
+
+import numpy as np
+
+from chattts_service.config import Settings
+from chattts_service.inference.admission import Admission
+from chattts_service.inference.job import SynthesisJob
+from chattts_service.inference.policy import BatchingPolicy
+from chattts_service.inference.run import Run
+from chattts_service.inference.scheduler import QueueFull, Scheduler
+from chattts_service.inference.types import (
+    SAMPLE_RATE,
+    EngineError,
+    NothingToSay,
+    Overloaded,
+    Synthesis,
+    SynthesisRequest,
+)
+from chattts_service.services.text import Normaliser
+from chattts_service.services.voices import VoiceStore
+
+log = logging.getLogger(__name__)
+
+WARMUP_TEXTS = ("你好，欢迎使用语音合成服务。", "Hello, this is a warm-up sentence.")
+WARMUP_MAX_STEPS = 24
+
+
+class Engine:
+    def __init__(self, settings: Settings, step_observer=None):
+        """``step_observer(rows, seconds)`` is called after every decode step."""
+        self.settings = settings
+        self.policy = BatchingPolicy.from_settings(settings)
+        self.admission = Admission(self.policy)
+        self.scheduler = Scheduler(self.policy, on_step=step_observer)
+        self.model = None  # a loader.LoadedModel once loaded
+        self.prompts = None  # a prompts.Prompts once loaded
+        self.voices: VoiceStore | None = None
+        self.sample_rate = SAMPLE_RATE
+        self.text_normaliser = Normaliser()
+
+    # -- loading -------------------------------------------------------------------------------
+
+    @property
+    def loaded(self) -> bool:
+        return self.model is not None
+
+    def load(self) -> None:
+        """Verify (unless disabled) and load the model files; raise ModelFilesError when bad.
+
+        Loading runs on the scheduler's thread, like every later use of the model."""
+        self.scheduler.start()
+        try:
+            self.scheduler.call(self._load_on_model_thread).result()
+        except BaseException:
+            self.scheduler.stop()
+            raise
+
+    def _load_on_model_thread(self) -> None:
+        # torch and ChatTTS are imported here, when the model loads, not when the app is built
+        from chattts_service.inference.loader import load_model
+        from chattts_service.inference.prompts import Prompts
+
+        model = load_model(self.settings)
+        self.prompts = Prompts(
+            model.chat,
+            model.heads,
+            model.transformer.max_positions,
+            self.settings,
+            self.text_normaliser,
+        )
+        self.voices = VoiceStore(
+            self.settings.voices_dir, model.chat.speaker.dim, self.prompts.speaker_embedding
+        )
+        self.scheduler.attach(model.batch, model.kv_positions)
+        self.model = model
+
+    @property
+    def model_name(self) -> str:
+        return self.model.name if self.model is not None else "unloaded"
+
+    @property
+    def load_seconds(self) -> float | None:
+        return self.model.seconds if self.model is not None else None
+
+    @property
+    def kernels(self) -> str:
+        return self.model.kernels if self.model is not None else "off"
+
+    @property
+    def gpt_linear_kernel(self) -> str:
+        return self.model.transformer.linear_kernel if self.model is not None else ""
+
+    @property
+    def gpt_linear_bytes(self) -> int:
+        return self.model.transformer.linear_bytes if self.model is not None else 0
+
+    @property
+    def kv_cache_dtype(self) -> str:
+        return self.model.transformer.cache_kind if self.model is not None else ""
+
+    @property
+    def context_steps(self) -> int:
+        return self.model.decoder.context_steps if self.model is not None else 0
+
+    @property
+    def identity(self) -> str:
+        """Names everything that shapes the audio besides the request: model and precisions."""
+        return (
+            f"{self.model_name}/gpt-{self.settings.quantize}"
+            f"/decoder-{self.settings.resolved_decoder_dtype}/kernels-{self.kernels}"
+            f"/kv-{self.kv_cache_dtype}"
+        )
+
+    def tune(self, **changes: int) -> dict[str, int]:
+        """Change the batching policy on the running engine (see ``BatchingPolicy.tune``);
+        it takes effect between two steps."""
+        current = self.policy.tune(**changes)
+        self.scheduler.policy_changed()
+        return current
+
+    # -- requests ------------------------------------------------------------------------------
+
+    def speaker_embedding(self, seed: int):
+        return self.prompts.speaker_embedding(seed)
+
+    def segments(self, request: SynthesisRequest) -> list[str]:
+        """The request's text as the model will read it (see ``Prompts.segments``)."""
+        return self.prompts.segments(request)
+
+    def estimated_wait(self, segments: int = 1) -> float | None:
+        return self.admission.estimated_wait(self.scheduler, segments)
+
+    def start(
+        self,
+        request: SynthesisRequest,
+        fixed_steps: int | None = None,
+        stream: bool = False,
+        step_cap: int | None = None,
+    ) -> Run:
+        """Queue every segment of a request; they generate together, in one batch when
+        there is room. Raises Overloaded when the queue cannot take them all or the estimated
+        wait is longer than the policy allows. ``step_cap`` lowers the per-segment step
+        cap (degraded mode)."""
+        if self.model is None:
+            raise EngineError("model is not loaded")
+        segments = self.segments(request)
+        voice = request.voice if request.voice is not None else self.voices.from_seed(request.seed)
+        jobs = [
+            SynthesisJob(
+                self.prompts,
+                self.model.decoder,
+                self.context_steps,
+                text,
+                request,
+                voice.embedding,
+                fixed_steps,
+                stream,
+                step_cap,
+                on_finished=self.admission.job_finished,
+            )
+            for text in segments
+        ]
+        self.admission.check(self.scheduler, len(jobs))
+        run = Run(jobs, self.settings.segment_pause_ms / 1000.0)
+        try:
+            for job in jobs:
+                self.scheduler.submit(job)
+        except QueueFull as error:
+            run.cancel()
+            raise Overloaded(str(error)) from None
+        return run
+
+    def submit(self, request: SynthesisRequest, fixed_steps: int | None = None) -> Future:
+        """Queue a one-segment request; the future gives its Synthesis."""
+        run = self.start(request, fixed_steps)
+        if len(run.jobs) != 1:
+            run.cancel()
+            raise EngineError("submit takes one segment; use start() for long text")
+        return run.jobs[0].future
+
+    def synthesize(
+        self,
+        request: SynthesisRequest,
+        fixed_steps: int | None = None,
+        timeout: float | None = None,
+        should_stop: Callable[[], bool] | None = None,
+    ) -> Synthesis:
+        """Generate and wait. After ``timeout`` seconds, or as soon as ``should_stop()`` says so
+        (checked every quarter second), the request is dropped from the batch and this raises
+        DeadlineExceeded or Cancelled: nobody is left to take the audio."""
+        return self.start(request, fixed_steps).result(timeout, should_stop)
+
+    def decode(self, hiddens, decoder_dtype: str | None = None) -> np.ndarray:
+        """GPT hidden states [steps, hidden] -> waveform (see ``decoding.AudioDecoder``)."""
+        return self.model.decoder(hiddens, decoder_dtype)
+
+    def warm_up(self, texts=WARMUP_TEXTS, max_steps: int = WARMUP_MAX_STEPS) -> float:
+        """Run short texts through the whole pipeline (Numba JIT, allocator, kernels)."""
+        started = time.perf_counter()
+        self.text_normaliser.warm_up()
+        for index, text in enumerate(texts):
+            try:
+                self.synthesize(SynthesisRequest(text=text, seed=index), fixed_steps=max_steps)
+            except NothingToSay:
+                pass
+        elapsed = time.perf_counter() - started
+        log.info("warm-up of %d texts took %.2fs", len(texts), elapsed)
+        return elapsed
+
+    def close(self) -> None:
+        self.scheduler.stop()

@@ -1,0 +1,210 @@
+"""Load ChatTTS's modules from a model directory, lean and in the order that keeps memory low.
+
+``Chat.load`` is not used: its default source runs a downloaded binary, and it loads what the
+service never uses (the DVAE encoder, the weight-normalised heads, the transformers GPT once
+quantised). The same classes are built here from the model's files, the GPT first: its fp32
+weights are memory-mapped, read once into the lean int8 transformer and unmapped before
+anything else is loaded. Loaded state dicts are assigned, not copied.
+"""
+
+from __future__ import annotations
+
+import gc
+import logging
+import os
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+from chattts_service.config import Settings
+from chattts_service.inference import model_files
+from chattts_service.inference.architecture import config_from_architecture, read_architecture
+from chattts_service.inference.decoding import AudioDecoder
+from chattts_service.inference.generation import Batch, Heads
+from chattts_service.inference.transformer import Transformer
+from chattts_service.runtime import heap
+
+log = logging.getLogger(__name__)
+
+# ChatTTS's Numba functions (ChatTTS/norm.py), compiled on first use in every process
+NUMBA_FUNCTIONS = ("_find_index", "_fast_replace", "_split_tags", "_combine_tags")
+
+
+@dataclass
+class LoadedModel:
+    chat: object  # ChatTTS's Chat, holding its normaliser, tokenizer, speaker...
+    heads: Heads
+    transformer: Transformer
+    batch: Batch
+    decoder: AudioDecoder
+    kv_positions: int  # KV-cache budget in positions
+    name: str
+    seconds: float
+
+    @property
+    def kernels(self) -> str:
+        return "on" if self.transformer.kernels is not None else "off"
+
+
+def load_model(settings: Settings) -> LoadedModel:
+    """Verify (unless disabled) and load the model files; raise ModelFilesError when bad.
+    Call it on the thread that will run the model."""
+    quiet_library_chatter()
+    cache_normaliser_jit()
+    started = time.perf_counter()
+    model_dir = Path(settings.model_dir)
+    paths = model_files.check_present(model_dir)
+    if settings.verify_model:
+        model_files.verify(model_dir)
+    architecture = read_architecture(paths.architecture)
+
+    torch.set_num_threads(settings.torch_threads)
+    try:
+        torch.set_num_interop_threads(1)
+    except RuntimeError:  # already set once in this process
+        pass
+    model = _load_modules(settings, paths, architecture)
+    model.name = (architecture or {}).get("name", "chattts")
+    model.seconds = time.perf_counter() - started
+    log.info(
+        "model %s loaded from %s in %.2fs (%s GPT linears on %s, %.0f MB; "
+        "C++ kernels %s; %s KV cache; %s decoder; %d torch threads)",
+        model.name,
+        model_dir,
+        model.seconds,
+        settings.quantize,
+        model.transformer.linear_kernel,
+        model.transformer.linear_bytes / 1e6,
+        model.kernels,
+        model.transformer.cache_kind,
+        settings.resolved_decoder_dtype,
+        settings.torch_threads,
+    )
+    return model
+
+
+def _load_modules(settings: Settings, paths: model_files.ModelPaths, architecture) -> LoadedModel:
+    from ChatTTS import Chat
+    from ChatTTS.model import DVAE, Embed, Speaker, Tokenizer
+    from safetensors.torch import load_file as load_safetensors
+    from transformers import LlamaModel
+    from vocos import Vocos
+    from vocos.pretrained import instantiate_class
+
+    chat = Chat(logging.getLogger("ChatTTS"))
+    config = chat.config = config_from_architecture(architecture)
+
+    llama = LlamaModel.from_pretrained(str(paths.gpt))
+    transformer = Transformer(
+        llama,
+        settings.quantize,
+        settings.kernels,
+        settings.int8_product,
+        settings.kv_cache_dtype,
+        kernel_dir=settings.kernel_dir,
+    )
+    del llama
+    gc.collect()
+
+    embed = Embed(
+        config.embed.hidden_size,
+        config.embed.num_audio_tokens,
+        config.embed.num_text_tokens,
+        config.embed.num_vq,
+    )
+    embed.load_state_dict(load_safetensors(str(paths.embed)), assign=True)
+    heads = Heads(
+        embed.eval().requires_grad_(False),
+        rows=settings.max_batch,
+        quantization=settings.quantize,
+        kernels=transformer.kernels,
+    )
+    del embed.head_text, embed.head_code  # folded into Heads
+    chat.embed = embed
+
+    decoder = DVAE(decoder_config=asdict(config.decoder), dim=config.decoder.idim)
+    decoder.load_state_dict(load_safetensors(str(paths.decoder)), assign=True)
+    chat.decoder = decoder.eval().requires_grad_(False)
+
+    vocos = Vocos(
+        feature_extractor=instantiate_class(args=(), init=asdict(config.vocos.feature_extractor)),
+        backbone=instantiate_class(args=(), init=asdict(config.vocos.backbone)),
+        head=instantiate_class(args=(), init=asdict(config.vocos.head)),
+    )
+    vocos.load_state_dict(load_safetensors(str(paths.vocos)), assign=True)
+    chat.vocos = vocos.eval().requires_grad_(False)
+
+    chat.speaker = Speaker(config.gpt.hidden_size, config.spk_stat)
+    chat.tokenizer = Tokenizer(str(paths.tokenizer))
+    if chat.tokenizer.len != config.gpt.num_text_tokens:
+        raise model_files.ModelFilesError(
+            f"tokenizer in {paths.tokenizer} has {chat.tokenizer.len} tokens, "
+            f"the model expects {config.gpt.num_text_tokens}"
+        )
+
+    gc.collect()
+    heap.release()
+    kv_positions = settings.kv_cache_mb * 2**20 // transformer.bytes_per_position()
+    batch = Batch(transformer, heads, settings.max_batch, on_empty=heap.release)
+    return LoadedModel(
+        chat=chat,
+        heads=heads,
+        transformer=transformer,
+        batch=batch,
+        decoder=AudioDecoder(chat.decoder, chat.vocos, settings.resolved_decoder_dtype),
+        kv_positions=kv_positions,
+        name="chattts",
+        seconds=0.0,
+    )
+
+
+def cache_normaliser_jit() -> None:
+    """Let ChatTTS's Numba functions use NUMBA_CACHE_DIR.
+
+    They are declared without ``cache=True``, so every process compiles them again on first use
+    (seconds of the time to ready). Re-declared with caching, a restarted worker finds them
+    compiled in the cache directory (a tmpfs in the container)."""
+    if not os.environ.get("NUMBA_CACHE_DIR"):
+        return
+    import numba
+    from ChatTTS import norm
+
+    for name in NUMBA_FUNCTIONS:
+        function = getattr(norm, name)
+        if getattr(function, "_chattts_service_cached", False):
+            continue
+        cached = numba.jit(nopython=True, cache=True)(function.py_func)
+        cached._chattts_service_cached = True
+        setattr(norm, name, cached)
+
+
+def compile_normaliser_jit(texts: tuple[str, ...]) -> float:
+    """Compile ChatTTS's Numba functions into ``NUMBA_CACHE_DIR`` (which must be set) by running
+    its normaliser over ``texts`` and a tagged one; returns the seconds it took. The image does
+    this at build time and its entrypoint copies the result into the cache tmpfs, so that a
+    container's first start finds them compiled too."""
+    if not os.environ.get("NUMBA_CACHE_DIR"):
+        raise RuntimeError("NUMBA_CACHE_DIR must name the directory to compile into")
+    started = time.perf_counter()
+    cache_normaliser_jit()
+    from ChatTTS import Chat
+
+    normalizer = Chat(logging.getLogger("ChatTTS")).normalizer
+    # a tag beside a character ChatTTS rejects ("-") takes it through all four functions
+    for text in (*texts, "你好 [uv_break] hello-world [laugh]"):
+        normalizer(text, do_text_normalization=True, do_homophone_replacement=True)
+    return time.perf_counter() - started
+
+
+def quiet_library_chatter() -> None:
+    """transformers warns on every forward pass about ChatTTS's use of ``past_key_values`` and
+    draws progress bars while loading; neither tells an operator anything."""
+    import warnings
+
+    from transformers.utils import logging as transformers_logging
+
+    warnings.filterwarnings("ignore", message=".*past_key_values.*", category=FutureWarning)
+    transformers_logging.set_verbosity_error()
+    transformers_logging.disable_progress_bar()

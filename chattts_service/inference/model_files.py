@@ -1,0 +1,205 @@
+"""Where the model files live, how they are checked, and how the real ones are fetched.
+
+The directory layout is the one ChatTTS itself expects (``asset/...``). Checksums come from
+the ``sha256_map.json`` that the installed ChatTTS package ships, so a verified directory holds
+exactly the weights that ChatTTS release was built for.
+
+ChatTTS's own ``source="local"`` loader is never used: on a checksum mismatch it renames the
+file and runs a downloaded binary.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+from chattts_service.inference.architecture import ARCHITECTURE_FILE_NAME
+
+HUB_REPO_ID = "2Noise/ChatTTS"
+HUB_ALLOW_PATTERNS = ["asset/*", "asset/gpt/*", "asset/tokenizer/*"]
+
+# Relative paths of every file the service loads, in ChatTTS's layout.
+MODEL_FILES = (
+    "asset/Vocos.safetensors",
+    "asset/DVAE.safetensors",
+    "asset/Decoder.safetensors",
+    "asset/Embed.safetensors",
+    "asset/gpt/config.json",
+    "asset/gpt/model.safetensors",
+    "asset/tokenizer/special_tokens_map.json",
+    "asset/tokenizer/tokenizer_config.json",
+    "asset/tokenizer/tokenizer.json",
+)
+
+
+class ModelFilesError(Exception):
+    """The model directory is missing, incomplete or fails verification."""
+
+
+@dataclass(frozen=True)
+class ModelPaths:
+    """Absolute paths of the files ``Chat._load`` takes, for one model directory."""
+
+    base: Path
+
+    def file(self, relative: str) -> Path:
+        return self.base / relative
+
+    @property
+    def vocos(self) -> Path:
+        return self.file("asset/Vocos.safetensors")
+
+    @property
+    def dvae(self) -> Path:
+        return self.file("asset/DVAE.safetensors")
+
+    @property
+    def decoder(self) -> Path:
+        return self.file("asset/Decoder.safetensors")
+
+    @property
+    def embed(self) -> Path:
+        return self.file("asset/Embed.safetensors")
+
+    @property
+    def gpt(self) -> Path:
+        return self.file("asset/gpt")
+
+    @property
+    def tokenizer(self) -> Path:
+        return self.file("asset/tokenizer")
+
+    @property
+    def architecture(self) -> Path:
+        return self.file(ARCHITECTURE_FILE_NAME)
+
+
+def _map_key(relative: str) -> str:
+    # ChatTTS's sha256_map.json names "asset/gpt/config.json" "sha256_asset_gpt_config_json".
+    return "sha256_" + relative.replace("/", "_").replace(".", "_")
+
+
+def shipped_checksums() -> dict[str, str]:
+    """The sha256 of every model file, as shipped by the installed ChatTTS package."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("ChatTTS")
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelFilesError("the ChatTTS package is not installed")
+    map_path = Path(list(spec.submodule_search_locations)[0]) / "res" / "sha256_map.json"
+    with open(map_path, encoding="utf-8") as handle:
+        raw = json.load(handle)
+    checksums = {}
+    for relative in MODEL_FILES:
+        key = _map_key(relative)
+        if key not in raw:
+            raise ModelFilesError(f"ChatTTS's checksum list has no entry for {relative}")
+        checksums[relative] = raw[key]
+    return checksums
+
+
+def sha256_of(path: Path, chunk_size: int = 1 << 20) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        while chunk := handle.read(chunk_size):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def check_present(model_dir: Path) -> ModelPaths:
+    """Fail with the name of the first missing file; return the paths otherwise."""
+    if not model_dir.is_dir():
+        raise ModelFilesError(f"model directory {model_dir} does not exist")
+    missing = [relative for relative in MODEL_FILES if not (model_dir / relative).is_file()]
+    if missing:
+        raise ModelFilesError(
+            f"model directory {model_dir} is incomplete: missing {', '.join(missing)}"
+        )
+    return ModelPaths(model_dir)
+
+
+def verify(model_dir: Path, checksums: dict[str, str] | None = None) -> None:
+    """Check every file against its expected sha256; the error names each bad file."""
+    check_present(model_dir)
+    expected = shipped_checksums() if checksums is None else checksums
+    bad = []
+    for relative in MODEL_FILES:
+        actual = sha256_of(model_dir / relative)
+        if actual != expected[relative]:
+            bad.append(
+                f"{relative} (sha256 {actual[:12]}..., expected {expected[relative][:12]}...)"
+            )
+    if bad:
+        raise ModelFilesError(
+            f"model files in {model_dir} fail verification: {'; '.join(bad)}. "
+            "Re-download them, or set CHATTTS_VERIFY_MODEL=0 for a self-built test model."
+        )
+
+
+def download(model_dir: Path, revision: str | None = None, endpoint: str | None = None) -> Path:
+    """Fetch the real weights from the Hugging Face hub into ``model_dir`` and verify them.
+
+    ``HF_ENDPOINT`` (or ``endpoint``) selects a mirror; ``HF_TOKEN`` is honoured by the client.
+    """
+    try:
+        from huggingface_hub import snapshot_download
+        from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError
+    except ImportError as error:  # pragma: no cover - the dependency is pinned
+        raise ModelFilesError(f"huggingface_hub is not installed: {error}") from error
+
+    model_dir.mkdir(parents=True, exist_ok=True)
+    hub = endpoint or os.environ.get("HF_ENDPOINT") or "https://huggingface.co"
+    try:
+        snapshot_download(
+            repo_id=HUB_REPO_ID,
+            revision=revision,
+            local_dir=model_dir,
+            allow_patterns=HUB_ALLOW_PATTERNS,
+            endpoint=endpoint,
+        )
+    except (HfHubHTTPError, LocalEntryNotFoundError, OSError) as error:
+        raise ModelFilesError(
+            f"could not download {HUB_REPO_ID} from {hub}: {error.__class__.__name__}: {error}. "
+            "Check the network, or set HF_ENDPOINT to a reachable mirror."
+        ) from error
+    except Exception as error:  # the hub client raises several transport-level types
+        raise ModelFilesError(
+            f"could not download {HUB_REPO_ID} from {hub}: {error.__class__.__name__}: {error}"
+        ) from error
+    verify(model_dir)
+    return model_dir
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m chattts_service.inference.model_files",
+        description="Download the ChatTTS weights into a directory, or verify one.",
+    )
+    sub = parser.add_subparsers(dest="command", required=True)
+    fetch = sub.add_parser("download", help="fetch the weights from the Hugging Face hub")
+    fetch.add_argument("model_dir", type=Path)
+    fetch.add_argument("--revision", default=None, help="hub revision (branch, tag or commit)")
+    fetch.add_argument("--endpoint", default=None, help="hub URL (default: $HF_ENDPOINT)")
+    check = sub.add_parser("verify", help="check a directory against ChatTTS's checksums")
+    check.add_argument("model_dir", type=Path)
+    args = parser.parse_args(argv)
+    try:
+        if args.command == "download":
+            download(args.model_dir, revision=args.revision, endpoint=args.endpoint)
+            print(f"downloaded and verified {HUB_REPO_ID} into {args.model_dir}")
+        else:
+            verify(args.model_dir)
+            print(f"{args.model_dir}: all {len(MODEL_FILES)} files match")
+    except ModelFilesError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,139 @@
+"""From text to the sequences the scheduler generates, with ChatTTS's own pieces.
+
+ChatTTS's normaliser, tokenizer, embeddings and speaker code build each prompt exactly as
+``Chat.infer`` would; wetext writes numbers and symbols out first. Runs on the scheduler's
+thread (``segments`` also on request threads: it touches no torch state).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from chattts_service.config import Settings
+from chattts_service.inference.generation import Heads, Sequence, TextSequence
+from chattts_service.inference.types import (
+    TEXT_SAMPLING,
+    EngineError,
+    NothingToSay,
+    SynthesisRequest,
+    speakable,
+)
+from chattts_service.services.text import Normaliser, pack, split_sentences
+
+BASE_STEPS = 150  # headroom of the per-request step cap
+REFINE_MAX_STEPS = 384  # ChatTTS's default for text refinement
+
+
+class Prompts:
+    def __init__(
+        self,
+        chat,
+        heads: Heads,
+        max_positions: int,
+        settings: Settings,
+        text_normaliser: Normaliser,
+    ):
+        self.chat, self.heads, self.max_positions = chat, heads, max_positions
+        self.settings = settings
+        self.text_normaliser = text_normaliser
+
+    def speaker_embedding(self, seed: int) -> torch.Tensor:
+        return voice_for_seed(self.chat.speaker, seed)
+
+    def max_steps_for(self, text: str) -> int:
+        """Step cap for a text: speech far longer than its text is a runaway generation."""
+        by_length = BASE_STEPS + self.settings.max_steps_per_char * len(text)
+        return min(self.settings.max_new_tokens, by_length)
+
+    def normalise(self, text: str, normalize: bool = True) -> str:
+        """Numbers and symbols written out (``wetext``, when ``normalize``), then ChatTTS's own
+        normaliser; raises NothingToSay when nothing speakable is left."""
+        if normalize:
+            text = self.text_normaliser(text)
+        normalised = self.chat.normalizer(
+            text, do_text_normalization=True, do_homophone_replacement=True
+        )
+        if not speakable(normalised):
+            raise NothingToSay("text has nothing speakable after normalisation")
+        return normalised
+
+    def segments(self, request: SynthesisRequest) -> list[str]:
+        """The request's text as the model will read it: sentences normalised one by one (so
+        each gets its own language), packed into segments of at most the configured length."""
+        sentences = []
+        for sentence in split_sentences(request.text):
+            try:
+                sentences.append(self.normalise(sentence, request.normalize))
+            except NothingToSay:
+                continue  # punctuation or symbols alone: nothing to say, nothing lost
+        if not sentences:
+            raise NothingToSay("text has nothing speakable after normalisation")
+        return pack(sentences, self.settings.max_segment_chars)
+
+    def _prompt(self, decorated: str):
+        chat = self.chat
+        with torch.inference_mode():
+            input_ids, _, text_mask = chat.tokenizer.encode([decorated], chat.config.gpt.num_vq)
+            embeddings = chat.embed(input_ids, text_mask)
+        return input_ids, embeddings
+
+    def code_sequence(
+        self,
+        text: str,
+        request: SynthesisRequest,
+        voice,
+        fixed_steps: int | None = None,
+        step_cap: int | None = None,
+    ) -> Sequence:
+        chat = self.chat
+        decorated = chat.speaker.decorate_code_prompts(
+            [text], f"[speed_{request.speed}]", None, voice
+        )[0]
+        input_ids, embeddings = self._prompt(decorated)
+        with torch.inference_mode():
+            chat.speaker.apply(
+                embeddings, voice, input_ids, chat.tokenizer.spk_emb_ids, torch.device("cpu")
+            )
+        room = self.max_positions - embeddings.shape[1]  # the position table bounds it all
+        if room < 1:
+            raise EngineError(f"text is too long for the model ({embeddings.shape[1]} tokens)")
+        max_steps = min(fixed_steps or self.max_steps_for(text), room, step_cap or room)
+        # at least one step: a generation that ends at once would be an empty answer
+        min_steps = min(fixed_steps or 1, max_steps)
+        return Sequence(
+            embeddings[0].clone(),
+            self.heads,
+            request.sampling,
+            request.seed,
+            max_steps,
+            min_steps,
+            eos_token=self.heads.num_audio_tokens - 1,
+        )
+
+    def text_sequence(self, text: str, request: SynthesisRequest) -> TextSequence:
+        chat = self.chat
+        decorated = chat.speaker.decorate_text_prompts([text], request.refine_prompt)[0]
+        _, embeddings = self._prompt(decorated)
+        return TextSequence(
+            embeddings[0].clone(),
+            self.heads,
+            TEXT_SAMPLING,
+            request.seed,
+            REFINE_MAX_STEPS,
+            0,
+            eos_token=chat.tokenizer.eos_token,
+        )
+
+    def refined_text(self, finished: TextSequence) -> str:
+        tokenizer = self.chat.tokenizer
+        ids = finished.result_tokens()[:, 0]
+        ids = ids[ids < tokenizer.break_0_ids]
+        return tokenizer.decode([ids])[0]
+
+
+def voice_for_seed(speaker, seed: int) -> torch.Tensor:
+    """A reproducible voice from ChatTTS's ``Speaker`` statistics, drawn without touching the
+    global RNG (upstream's ``sample_random_speaker`` does)."""
+    generator = torch.Generator().manual_seed(seed)
+    noise = torch.randn(speaker.dim, generator=generator, dtype=torch.float32)
+    return noise * speaker.std.float() + speaker.mean.float()

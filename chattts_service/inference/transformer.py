@@ -1,0 +1,315 @@
+"""A lean forward pass over ChatTTS's GPT (a Llama body), with a KV cache per sequence.
+
+Weights are taken once from the loaded transformers ``LlamaModel`` (which is then released):
+q/k/v fused into one matrix and gate/up into another, so a layer costs four matrix products.
+Each sequence has its own KV cache with its own positions, so sequences of any lengths share a
+step without padding, and attention reads each cache in place, never a gathered copy: in a decode
+step through the C++ kernel of ``kernels.py`` (one call per layer for all rows, over a bf16
+cache, or an int8 one with a scale per position and head), or else torch's
+``scaled_dot_product_attention`` once per row (over an fp32 cache). With the kernels, the
+RMSNorm before a projection is fused with the int8 kernel's per-row scaling.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+from chattts_service.config import KV_CACHE_DTYPES
+from chattts_service.inference.quantize import KernelInt8Linear, make_linear
+from chattts_service.kernels import bindings as cpp_kernels
+
+CAPACITY_CHUNK = 256
+CACHE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "int8": torch.int8}
+
+
+class RMSNorm:
+    def __init__(self, weight: torch.Tensor, eps: float):
+        self.weight = weight.detach().float().clone()
+        self.shape = tuple(self.weight.shape)
+        self.eps = eps
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        # one fused operator instead of the five of transformers' LlamaRMSNorm
+        return F.rms_norm(x, self.shape, self.weight, self.eps)
+
+
+class Layer:
+    def __init__(self, hf_layer, quantization: str, kernels=None):
+        attention, mlp = hf_layer.self_attn, hf_layer.mlp
+        self.qkv = make_linear(
+            torch.cat([attention.q_proj.weight, attention.k_proj.weight, attention.v_proj.weight]),
+            quantization,
+            kernels,
+        )
+        self.out = make_linear(attention.o_proj.weight, quantization, kernels)
+        self.gate_up = make_linear(
+            torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]), quantization, kernels
+        )
+        self.down = make_linear(mlp.down_proj.weight, quantization, kernels)
+        # the C++ int8 layers add the residual and do SwiGLU in their own call
+        self.fused_epilogue = all(
+            isinstance(linear, KernelInt8Linear) for linear in (self.out, self.down)
+        )
+        self.attention_norm = RMSNorm(
+            hf_layer.input_layernorm.weight, hf_layer.input_layernorm.variance_epsilon
+        )
+        self.mlp_norm = RMSNorm(
+            hf_layer.post_attention_layernorm.weight,
+            hf_layer.post_attention_layernorm.variance_epsilon,
+        )
+
+    @property
+    def linear_bytes(self) -> int:
+        return sum(m.nbytes for m in (self.qkv, self.out, self.gate_up, self.down))
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+class KVCache:
+    """One sequence's keys and values, [layers, heads, capacity, dim] each.
+
+    Each sequence owns its cache, so memory follows the sequences actually running (not the
+    longest one times the batch size) and a finished sequence's memory is freed at once.
+    ``reserve`` allocates a sequence's worst case up front: the pages of a large allocation
+    only become resident when first written, so memory still grows with the positions used,
+    and there is never a copy (or a moment holding two copies) when the sequence grows."""
+
+    def __init__(
+        self,
+        layers: int,
+        heads: int,
+        head_dim: int,
+        reserve: int = 0,
+        dtype: torch.dtype = torch.float32,
+    ):
+        self.shape = (layers, heads, 0, head_dim)
+        self.dtype = dtype
+        self.keys = torch.empty(self.shape, dtype=dtype)
+        self.values = torch.empty(self.shape, dtype=dtype)
+        # int8: each (layer, head, position)'s key and value has its own scale
+        self.key_scales = self.value_scales = None
+        if dtype == torch.int8:
+            self.key_scales = torch.empty(self.shape[:3])
+            self.value_scales = torch.empty(self.shape[:3])
+        self.layer_keys, self.layer_values = self.keys.unbind(0), self.values.unbind(0)
+        if reserve:
+            self.ensure(reserve)
+
+    @property
+    def capacity(self) -> int:
+        return self.keys.shape[2]
+
+    @torch.inference_mode()
+    def ensure(self, positions: int) -> None:
+        if positions <= self.capacity:
+            return
+        capacity, held = rounded_positions(positions), self.capacity
+
+        def grown(tensor: torch.Tensor) -> torch.Tensor:
+            """``tensor`` [layers, heads, positions, ...] with room for ``capacity`` positions,
+            the ``held`` ones copied."""
+            larger = tensor.new_empty((*tensor.shape[:2], capacity, *tensor.shape[3:]))
+            larger[:, :, :held].copy_(tensor)
+            return larger
+
+        self.keys, self.values = grown(self.keys), grown(self.values)
+        if self.key_scales is not None:
+            self.key_scales, self.value_scales = grown(self.key_scales), grown(self.value_scales)
+        # per-layer views, made once rather than on every step
+        self.layer_keys, self.layer_values = self.keys.unbind(0), self.values.unbind(0)
+
+    @torch.inference_mode()
+    def write(self, layer: int, start: int, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """Store ``keys``/``values`` [heads, positions, dim] (float) at positions ``start``...
+        of ``layer``: as they are, rounded to the cache's float type, or quantized per (head,
+        position) as the C++ kernel quantizes the positions it writes itself."""
+        end = start + keys.shape[1]
+        if self.key_scales is None:
+            self.keys[layer, :, start:end].copy_(keys)
+            self.values[layer, :, start:end].copy_(values)
+            return
+        for source, target, scales in (
+            (keys, self.keys, self.key_scales),
+            (values, self.values, self.value_scales),
+        ):
+            quantized, scale = quantize_vectors(source)
+            target[layer, :, start:end].copy_(quantized)
+            scales[layer, :, start:end].copy_(scale)
+
+
+def quantize_vectors(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """int8 vectors along the last dimension: round(x * 127 / max |x|) and the scale
+    max |x| / 127 (0 for a zero vector), so x ~ q * scale; computed in float32 as the C++
+    kernel computes them."""
+    largest = x.abs().amax(dim=-1)
+    inverse = torch.where(largest > 0, torch.tensor(127.0) / largest, torch.zeros(()))
+    quantized = torch.round(x * inverse[..., None]).to(torch.int8)
+    return quantized, largest / 127.0
+
+
+def rounded_positions(positions: int) -> int:
+    return math.ceil(positions / CAPACITY_CHUNK) * CAPACITY_CHUNK
+
+
+class Transformer:
+    def __init__(
+        self,
+        llama_model,
+        quantization: str = "int8",
+        kernels: str = "auto",
+        int8_product: str = "auto",
+        kv_cache: str = "bf16",
+        kernel_dir: str = "",
+    ):
+        config = llama_model.config
+        self.hidden_size = config.hidden_size
+        self.heads = config.num_attention_heads
+        self.head_dim = getattr(config, "head_dim", None) or self.hidden_size // self.heads
+        if getattr(config, "num_key_value_heads", self.heads) != self.heads:
+            raise ValueError("grouped-query attention is not used by ChatTTS and not supported")
+        self.kernels = cpp_kernels.load(kernels, int8_product, kernel_dir)
+        if kv_cache not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache must be one of {KV_CACHE_DTYPES}, not {kv_cache!r}")
+        self.kv_cache = kv_cache  # where the kernels attend; torch's attention reads fp32
+        self.layers = [Layer(layer, quantization, self.kernels) for layer in llama_model.layers]
+        self.norm = RMSNorm(llama_model.norm.weight, llama_model.norm.variance_epsilon)
+        positions = torch.arange(config.max_position_embeddings)[None]
+        with torch.no_grad():
+            cos, sin = llama_model.rotary_emb(torch.zeros(1, dtype=torch.float32), positions)
+        self.cos, self.sin = cos[0].float().contiguous(), sin[0].float().contiguous()  # [P, dim]
+        self.max_positions = config.max_position_embeddings
+        self.scale = 1.0 / math.sqrt(self.head_dim)  # scaled_dot_product_attention's default
+
+    @property
+    def cache_kind(self) -> str:
+        """What the KV cache holds: where the kernels attend, bf16 (half the bytes of fp32 to
+        read and hold) or int8 (``kv_cache``; a quarter, plus a scale per position and head);
+        else fp32."""
+        return self.kv_cache if self.kernels is not None else "fp32"
+
+    @property
+    def cache_dtype(self) -> torch.dtype:
+        return CACHE_DTYPES[self.cache_kind]
+
+    def new_cache(self, reserve: int = 0) -> KVCache:
+        return KVCache(len(self.layers), self.heads, self.head_dim, reserve, self.cache_dtype)
+
+    def bytes_per_position(self) -> int:
+        element = torch.empty(0, dtype=self.cache_dtype).element_size()
+        scales = 4 if self.cache_dtype == torch.int8 else 0  # a float per head and position
+        return len(self.layers) * self.heads * (self.head_dim * element + scales) * 2
+
+    @property
+    def linear_bytes(self) -> int:
+        return sum(layer.linear_bytes for layer in self.layers)
+
+    @property
+    def linear_kernel(self) -> str:
+        """What multiplies the linear layers: vnni, avx2, fbgemm, int_mm or fp32."""
+        return self.layers[0].qkv.kernel
+
+    def _normed(self, norm: RMSNorm, linear, x: torch.Tensor) -> torch.Tensor:
+        """``linear(norm(x))``, the norm fused into the int8 kernel's row scaling if possible."""
+        if self.kernels is not None and hasattr(linear, "normed"):
+            return linear.normed(x, norm.weight, norm.eps)
+        return linear(norm(x))
+
+    def _project(self, layer: Layer, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        rows, length, _ = x.shape
+        qkv = self._normed(layer.attention_norm, layer.qkv, x).view(
+            rows, length, 3, self.heads, self.head_dim
+        )
+        qkv = qkv.permute(2, 0, 3, 1, 4)  # [3, rows, heads, length, dim]
+        qk = qkv[:2] * cos + _rotate_half(qkv[:2]) * sin  # q and k rotated together
+        return qk[0], qk[1], qkv[2]
+
+    def _finish(self, layer: Layer, x: torch.Tensor, attended: torch.Tensor) -> torch.Tensor:
+        rows, _, length, _ = attended.shape
+        attended = attended.transpose(1, 2).reshape(rows, length, self.hidden_size)
+        if layer.fused_epilogue:
+            x = layer.out(attended, residual=x)
+            return layer.down.swiglu(self._normed(layer.mlp_norm, layer.gate_up, x), x)
+        x = x + layer.out(attended)
+        gate, up = self._normed(layer.mlp_norm, layer.gate_up, x).chunk(2, dim=-1)
+        return x + layer.down(F.silu(gate) * up)
+
+    @torch.inference_mode()
+    def prefill(self, embeddings: torch.Tensor, cache: KVCache) -> torch.Tensor:
+        """Run one sequence's prompt [length, hidden] into its empty ``cache``; return the last
+        position's hidden state."""
+        length = embeddings.shape[0]
+        if length > self.max_positions:
+            raise ValueError(f"prompt of {length} tokens exceeds {self.max_positions} positions")
+        cache.ensure(length)
+        cos, sin = self.cos[:length][None, None], self.sin[:length][None, None]
+        x = embeddings.float()[None]
+        for index, layer in enumerate(self.layers):
+            q, k, v = self._project(layer, x, cos, sin)
+            cache.write(index, 0, k[0], v[0])
+            attended = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+            x = self._finish(layer, x, attended)
+        return self.norm(x[0, -1])
+
+    def _attend_per_row(self, index: int, q, k, v, caches, lengths, attended) -> None:
+        k_rows, v_rows = k[:, :, 0].unbind(0), v[:, :, 0].unbind(0)
+        # Attention runs per row over exactly that row's positions: the CPU kernels'
+        # summation order depends on the key count, so padding a row to its neighbours'
+        # length would change its result in the last bits, and a request's audio would
+        # depend on its batch.
+        for row, (cache, length) in enumerate(zip(caches, lengths)):
+            keys, values = cache.layer_keys[index], cache.layer_values[index]
+            keys[:, length] = k_rows[row]
+            values[:, length] = v_rows[row]
+            attended[row] = F.scaled_dot_product_attention(
+                q[row], keys[:, : length + 1], values[:, : length + 1]
+            )
+
+    @torch.inference_mode()
+    def step(
+        self, embeddings: torch.Tensor, caches: list[KVCache], lengths: list[int]
+    ) -> torch.Tensor:
+        """One decode step for several sequences.
+
+        ``embeddings`` [rows, hidden] are the new tokens; ``lengths[i]`` is how many positions
+        ``caches[i]`` already holds, so also the new token's position. Returns [rows, hidden].
+        """
+        rows = embeddings.shape[0]
+        if max(lengths) + 1 > self.max_positions:
+            raise ValueError(f"sequence would exceed {self.max_positions} positions")
+        for cache, length in zip(caches, lengths):
+            cache.ensure(length + 1)
+        x = embeddings.float()[:, None]
+        attended = torch.empty(rows, self.heads, 1, self.head_dim)
+        if self.kernels is not None:
+            # the kernel rotates q and k itself, straight from the fused projection's output
+            step_rows = cpp_kernels.StepRows(caches, lengths)
+            for index, layer in enumerate(self.layers):
+                qkv = self._normed(layer.attention_norm, layer.qkv, x).view(
+                    rows, 3, self.heads, self.head_dim
+                )
+                self.kernels.attention(
+                    index,
+                    qkv[:, 0],
+                    qkv[:, 1],
+                    qkv[:, 2],
+                    step_rows,
+                    attended,
+                    self.scale,
+                    (self.cos, self.sin),
+                )
+                x = self._finish(layer, x, attended)
+            return self.norm(x[:, 0])
+        positions = torch.tensor(lengths)
+        cos = self.cos[positions][:, None, None]  # [rows, 1, 1, dim]
+        sin = self.sin[positions][:, None, None]
+        for index, layer in enumerate(self.layers):
+            q, k, v = self._project(layer, x, cos, sin)
+            self._attend_per_row(index, q, k, v, caches, lengths, attended)
+            x = self._finish(layer, x, attended)
+        return self.norm(x[:, 0])

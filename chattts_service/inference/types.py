@@ -1,0 +1,104 @@
+"""What the inference layer takes and gives: requests, results, errors, sampling defaults.
+
+Nothing here imports torch, so the API layer can build requests and catch engine errors
+without paying for the model's imports.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from chattts_service.services.voices import Voice
+
+SAMPLE_RATE = 24_000
+SAMPLES_PER_STEP = 512  # 2 mel frames of hop 256 per GPT step
+DEFAULT_SPEED = 5  # ChatTTS's default speech prompt is [speed_5]
+
+
+@dataclass(frozen=True)
+class Sampling:
+    temperature: float
+    top_p: float
+    top_k: int
+    repetition_penalty: float
+
+
+# ChatTTS's defaults: for speech codes (a request may change all but the repetition penalty)
+# and for text refinement
+CODE_SAMPLING = Sampling(temperature=0.3, top_p=0.7, top_k=20, repetition_penalty=1.05)
+TEXT_SAMPLING = Sampling(temperature=0.7, top_p=0.7, top_k=20, repetition_penalty=1.0)
+
+
+class EngineError(Exception):
+    """Inference could not produce audio for a request. ``outcome`` labels it in metrics."""
+
+    outcome = "error"
+
+
+class NothingToSay(EngineError):
+    """After text normalisation nothing speakable is left."""
+
+    outcome = "nothing_to_say"
+
+
+class Overloaded(EngineError):
+    """No room: the queue is full, or the estimated wait is longer than allowed."""
+
+    outcome = "overloaded"
+
+    def __init__(self, message: str, reason: str = "queue_full", retry_after: float = 5.0):
+        super().__init__(message)
+        self.reason = reason
+        self.retry_after = retry_after
+
+
+class Cancelled(EngineError):
+    """The caller went away before the audio was ready; its work was dropped."""
+
+    outcome = "cancelled"
+
+
+class DeadlineExceeded(Cancelled):
+    """The request did not finish within its time limit; its work was dropped."""
+
+    outcome = "timeout"
+
+
+@dataclass(frozen=True)
+class SynthesisRequest:
+    """Everything that changes the audio. The cache key is built from these fields."""
+
+    text: str
+    seed: int  # sampling seed; also the voice when ``voice`` is None
+    refine_text: bool = False
+    voice: Voice | None = None
+    speed: int = DEFAULT_SPEED  # ChatTTS's [speed_N] level, 0-9
+    temperature: float = CODE_SAMPLING.temperature
+    top_p: float = CODE_SAMPLING.top_p
+    top_k: int = CODE_SAMPLING.top_k
+    normalize: bool = True  # numbers, dates, money... written out in words first
+    refine_prompt: str = ""  # [oral_N][laugh_N][break_N] for the refinement pass
+
+    @property
+    def sampling(self) -> Sampling:
+        return Sampling(self.temperature, self.top_p, self.top_k, CODE_SAMPLING.repetition_penalty)
+
+
+@dataclass(frozen=True)
+class Synthesis:
+    audio: np.ndarray  # float32 mono in [-1, 1]
+    sample_rate: int
+    steps: int
+    spoken_text: str
+    segments: int = 1
+    truncated: int = 0  # segments stopped by the step cap instead of ending their speech
+
+    @property
+    def seconds(self) -> float:
+        return len(self.audio) / self.sample_rate
+
+
+def speakable(text: str) -> bool:
+    return any(ch.isalnum() for ch in text)

@@ -1,0 +1,142 @@
+"""The kernels' C interface as ctypes sees it: a mirror of ``csrc/kernels.h``.
+
+Each kernel takes one argument struct. ``check`` compares the library's ABI version and each
+struct's size with these, so a library built from other sources is refused at load instead of
+reading the wrong memory.
+"""
+
+from __future__ import annotations
+
+import ctypes
+
+ABI_VERSION = 2
+
+_i64, _i32, _f32, _ptr = ctypes.c_int64, ctypes.c_int32, ctypes.c_float, ctypes.c_void_p
+
+# ChattsProduct
+PRODUCT_AVX2 = 1
+PRODUCT_VNNI = 2
+
+
+class AttentionArgs(ctypes.Structure):
+    _fields_ = [
+        ("rows", _i64),
+        ("heads", _i64),
+        ("dim", _i64),
+        ("layer", _i64),
+        ("scale", _f32),
+        ("threads", _i32),
+        ("q", _ptr),
+        ("q_row_stride", _i64),
+        ("k_new", _ptr),
+        ("k_row_stride", _i64),
+        ("v_new", _ptr),
+        ("v_row_stride", _i64),
+        ("keys", _ptr),
+        ("values", _ptr),
+        ("key_scales", _ptr),
+        ("value_scales", _ptr),
+        ("capacity", _ptr),
+        ("lengths", _ptr),
+        ("cos", _ptr),
+        ("sin", _ptr),
+        ("out", _ptr),
+    ]
+
+
+class RmsNormArgs(ctypes.Structure):
+    _fields_ = [
+        ("rows", _i64),
+        ("width", _i64),
+        ("x", _ptr),
+        ("x_row_stride", _i64),
+        ("gain", _ptr),
+        ("eps", _f32),
+        ("out", _ptr),
+        ("row_max", _ptr),
+    ]
+
+
+class Int8LinearArgs(ctypes.Structure):
+    _fields_ = [
+        ("rows", _i64),
+        ("n", _i64),
+        ("k", _i64),
+        ("x", _ptr),
+        ("x_row_stride", _i64),
+        ("gain", _ptr),
+        ("eps", _f32),
+        ("swiglu", _i32),
+        ("packed", _ptr),
+        ("offsets", _ptr),
+        ("weight_scale", _ptr),
+        ("residual", _ptr),
+        ("residual_stride", _i64),
+        ("out", _ptr),
+        ("out_stride", _i64),
+        ("levels", _i32),
+        ("product", _i32),
+        ("threads", _i32),
+    ]
+
+
+class SampleArgs(ctypes.Structure):
+    _fields_ = [
+        ("rows", _i64),
+        ("width", _i64),
+        ("vocabulary", _i64),
+        ("logits", _ptr),
+        ("parameters", _ptr),
+        ("top_k", _ptr),
+        ("min_keep", _i64),
+        ("windows", _ptr),
+        ("window", _i64),
+        ("banned", _ptr),
+        ("uniforms", _ptr),
+        ("tokens", _ptr),
+        ("threads", _i32),
+    ]
+
+
+# ChattsArgsKind: the library reports each struct's size by this number
+STRUCTS = {0: AttentionArgs, 1: RmsNormArgs, 2: Int8LinearArgs, 3: SampleArgs}
+
+
+class AbiMismatch(RuntimeError):
+    """The library was built from sources whose interface differs from these bindings."""
+
+
+def declare(library: ctypes.CDLL) -> None:
+    """Give every exported function its types, and check the library against this module."""
+    library.chatts_abi_version.restype = _i32
+    library.chatts_abi_version.argtypes = []
+    library.chatts_args_size.restype = _i64
+    library.chatts_args_size.argtypes = [_i32]
+    library.chatts_status_message.restype = ctypes.c_char_p
+    library.chatts_status_message.argtypes = [_i32]
+    for name, struct, result in (
+        ("chatts_decode_attention", AttentionArgs, _i32),
+        ("chatts_rms_norm_unit_rows", RmsNormArgs, None),
+        ("chatts_int8_linear", Int8LinearArgs, _i32),
+        ("chatts_sample", SampleArgs, _i32),
+    ):
+        function = getattr(library, name)
+        function.restype = result
+        function.argtypes = [ctypes.POINTER(struct)]
+    version = library.chatts_abi_version()
+    if version != ABI_VERSION:
+        raise AbiMismatch(
+            f"the kernel library has ABI version {version}, these bindings "
+            f"{ABI_VERSION}: rebuild it (python -m chattts_service.kernels.build)"
+        )
+    for kind, struct in STRUCTS.items():
+        size = library.chatts_args_size(kind)
+        if size != ctypes.sizeof(struct):
+            raise AbiMismatch(
+                f"{struct.__name__} is {size} bytes in the kernel library and "
+                f"{ctypes.sizeof(struct)} in the bindings"
+            )
+
+
+def status_message(library: ctypes.CDLL, status: int) -> str:
+    return library.chatts_status_message(status).decode()

@@ -1,0 +1,393 @@
+"""The decode loop's C++ kernels (``csrc/``, one file per kernel): load and call.
+
+- Decode attention. Attending over a sequence's cache is memory-bound: torch's CPU
+  ``scaled_dot_product_attention``, called once per sequence and layer with one query, reads
+  it at a fraction of the machine's bandwidth. The kernel does one
+  layer for all rows in one call, writes the new token's key and value on the way, and keeps
+  each (row, head) on one thread in a fixed order, so a row's result never depends on its batch.
+  The cache it reads holds bf16 (half the bytes of fp32), or int8 with a scale per position
+  and head (a quarter), converted to fp32 as it is read.
+  It rotates q and k (rotary position embedding) itself, as torch's operators would.
+- The int8 linear layers: one call per projection that RMSNorms (where the layer has a norm
+  before it) or forms SwiGLU's silu(gate) * up (the MLP's down projection), quantizes each
+  row, multiplies by the int8 weights (``Int8Packing``), exact in its integer sums, and adds
+  the residual (see ``quantize.KernelInt8Linear``). The product uses AVX512-VNNI where the CPU
+  has it, else AVX2 (with 7-bit activations, as fbgemm uses on such CPUs).
+- Sampling: ChatTTS's rules and the inverse-CDF draw for every row of a step in one call
+  (``generation.sample_with_kernels``).
+- RMSNorm fused with fbgemm's per-row scaling, for int8 layers on fbgemm: one pass instead of
+  a dozen small operators.
+
+The library is built by ``kernels/build.py`` (an explicit step: the image build,
+``script/setup``, ``script/test``); ``load()`` only loads it. Where it is missing or cannot be
+loaded, ``load()`` says why and the caller keeps torch's operators (``CHATTTS_KERNELS=auto``) or
+stops (``on``).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+from pathlib import Path
+
+import torch
+
+from chattts_service.config import INT8_PRODUCTS, KERNEL_MODES, cpu_flags
+from chattts_service.kernels import abi
+from chattts_service.kernels.build import library_path
+
+log = logging.getLogger(__name__)
+
+REQUIRED_CPU_FLAGS = ("avx2", "fma")
+VNNI_CPU_FLAGS = ("avx512f", "avx512bw", "avx512_vnni")
+# the int8 product's variants (CHATTTS_INT8_PRODUCT but auto): the C++ call's code for each,
+# and the activations' quantization levels either side of zero it takes (AVX2's vpmaddubsw adds
+# pairs of u8 * s8 products into a saturating int16: 7-bit activations keep every pair within it)
+INT8_INSTRUCTIONS = {"avx2": (abi.PRODUCT_AVX2, 63), "vnni": (abi.PRODUCT_VNNI, 127)}
+assert set(INT8_INSTRUCTIONS) == set(INT8_PRODUCTS) - {"auto"}
+
+
+def cpu_supports(required: tuple[str, ...] = REQUIRED_CPU_FLAGS) -> bool:
+    return cpu_flags().issuperset(required)
+
+
+class KernelError(ValueError):
+    """A kernel refused its arguments; the message is the library's own."""
+
+
+class Kernels:
+    """The functions of the built library."""
+
+    def __init__(self, path: Path, int8_product: str = "auto"):
+        # torch has loaded its libgomp.so.1 already; the library's libgomp.so.1 resolves to it
+        self.library = ctypes.CDLL(str(path))
+        abi.declare(self.library)  # raises AbiMismatch for a library of other sources
+        self.path = path
+        # the int8 product's variant: as asked (load() checks the CPU can run it), or VNNI where
+        # the CPU has it (the kernels need AVX2 at least)
+        if int8_product == "auto":
+            int8_product = "vnni" if cpu_supports(VNNI_CPU_FLAGS) else "avx2"
+        self.int8_instructions = int8_product
+
+    def _check(self, status: int, product: str = "") -> None:
+        """Raise the library's own message for a kernel that refused its arguments."""
+        if status:
+            message = abi.status_message(self.library, status)
+            raise KernelError(f"{message} ({product.upper()})" if product else message)
+
+    def attention(
+        self,
+        layer: int,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        rows: StepRows,
+        out: torch.Tensor,
+        scale: float,
+        rotary: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ) -> None:
+        """Write row i's ``k[i]``/``v[i]`` [heads, dim] at position ``lengths[i]`` of its cache
+        (layer ``layer``) and attend with ``q[i]`` over positions 0..lengths[i] into
+        ``out[i]``. ``q``, ``k``, ``v``: [rows, heads, dim] with each row contiguous. With
+        ``rotary`` = (cos, sin) tables [positions, dim], q and k are rotated at the new
+        token's position first."""
+        count, heads, dim = q.shape
+        for tensor in (q, k, v):
+            if tensor.dtype != torch.float32 or tensor.stride()[1:] != (dim, 1):
+                raise ValueError("q, k, v must be float32 with contiguous rows")
+        if not out.is_contiguous() or out.numel() != count * heads * dim:
+            raise ValueError("out must be a contiguous [rows, heads * dim] float32 tensor")
+        cos = sin = None
+        if rotary is not None:
+            cos, sin = rotary
+            for table in rotary:
+                if (
+                    table.dtype != torch.float32
+                    or not table.is_contiguous()
+                    or table.dim() != 2
+                    or table.shape[1] != dim
+                ):
+                    raise ValueError("rotary tables must be contiguous float32 [positions, dim]")
+            if rows.longest >= min(cos.shape[0], sin.shape[0]):
+                raise ValueError("a position beyond the rotary tables")
+            cos, sin = cos.data_ptr(), sin.data_ptr()
+        self._check(
+            self.library.chatts_decode_attention(
+                ctypes.byref(
+                    abi.AttentionArgs(
+                        rows=count,
+                        heads=heads,
+                        dim=dim,
+                        layer=layer,
+                        scale=scale,
+                        threads=torch.get_num_threads(),
+                        q=q.data_ptr(),
+                        q_row_stride=q.stride(0),
+                        k_new=k.data_ptr(),
+                        k_row_stride=k.stride(0),
+                        v_new=v.data_ptr(),
+                        v_row_stride=v.stride(0),
+                        keys=rows.keys.data_ptr(),
+                        values=rows.values.data_ptr(),
+                        key_scales=None if rows.key_scales is None else rows.key_scales.data_ptr(),
+                        value_scales=None
+                        if rows.value_scales is None
+                        else rows.value_scales.data_ptr(),
+                        capacity=rows.capacity.data_ptr(),
+                        lengths=rows.lengths.data_ptr(),
+                        cos=cos,
+                        sin=sin,
+                        out=out.data_ptr(),
+                    )
+                )
+            )
+        )
+
+    def rms_norm_unit_rows(
+        self, x: torch.Tensor, gain: torch.Tensor, eps: float
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """RMSNorm of each row of ``x`` [..., width], divided by its largest magnitude:
+        returns (rows [count, width] within [-1, 1], that magnitude [count, 1])."""
+        rows = _float_rows(x)
+        _check_gain(gain, rows.shape[1])
+        count, width = rows.shape
+        out, row_max = torch.empty(count, width), torch.empty(count, 1)
+        self.library.chatts_rms_norm_unit_rows(
+            ctypes.byref(
+                abi.RmsNormArgs(
+                    rows=count,
+                    width=width,
+                    x=rows.data_ptr(),
+                    x_row_stride=rows.stride(0),
+                    gain=gain.data_ptr(),
+                    eps=eps,
+                    out=out.data_ptr(),
+                    row_max=row_max.data_ptr(),
+                )
+            )
+        )
+        return out, row_max
+
+    def int8_linear(
+        self,
+        x: torch.Tensor,
+        packing: Int8Packing,
+        gain: torch.Tensor | None = None,
+        eps: float = 0.0,
+        residual: torch.Tensor | None = None,
+        swiglu: bool = False,
+    ) -> torch.Tensor:
+        """[count, packing.out_features] float32: the rows of ``x`` [..., in_features]
+        (RMSNorm-ed first with ``gain``) quantized per row and multiplied by the int8 weights
+        that ``packing`` holds (``quantize.KernelInt8Linear`` makes it); plus ``residual``
+        [..., out_features] if given. With ``swiglu``, rows of ``x`` hold 2 * in_features
+        values, gate then up, and ``silu(gate) * up`` is multiplied."""
+        rows = _float_rows(x)
+        if gain is not None:
+            _check_gain(gain, rows.shape[1])
+        count, width = rows.shape
+        k = packing.in_features
+        if width != (2 * k if swiglu else k):
+            raise ValueError(
+                f"rows of {width} values for a layer of {k} inputs"
+                + (" (gate and up: twice that)" if swiglu else "")
+            )
+        residual_pointer, residual_stride = None, 0
+        if residual is not None:
+            residual = _float_rows(residual)
+            if residual.shape != (count, packing.out_features):
+                raise ValueError("residual must be [rows, out_features]")
+            residual_pointer, residual_stride = residual.data_ptr(), residual.stride(0)
+        out = torch.empty(count, packing.out_features)
+        packed, offsets, weight_scale = packing.pointers
+        product = INT8_INSTRUCTIONS[packing.instructions][0]
+        self._check(
+            self.library.chatts_int8_linear(
+                ctypes.byref(
+                    abi.Int8LinearArgs(
+                        rows=count,
+                        n=packing.out_features,
+                        k=k,
+                        x=rows.data_ptr(),
+                        x_row_stride=rows.stride(0),
+                        gain=None if gain is None else gain.data_ptr(),
+                        eps=eps,
+                        swiglu=int(swiglu),
+                        packed=packed,
+                        offsets=offsets,
+                        weight_scale=weight_scale,
+                        residual=residual_pointer,
+                        residual_stride=residual_stride,
+                        out=out.data_ptr(),
+                        out_stride=packing.out_features,
+                        levels=packing.levels,
+                        product=product,
+                        threads=torch.get_num_threads(),
+                    )
+                )
+            ),
+            packing.instructions,
+        )
+        return out
+
+    def sample(
+        self,
+        logits: torch.Tensor,
+        parameters: torch.Tensor,
+        top_k: torch.Tensor,
+        min_keep: int,
+        windows: torch.Tensor,
+        banned: torch.Tensor,
+        uniforms: torch.Tensor,
+    ) -> torch.Tensor:
+        """ChatTTS's sampling rules and one draw for each (row, codebook): tokens
+        [rows, width]. ``logits`` [rows, width * vocabulary]; ``parameters`` [rows, 3]
+        (temperature, repetition penalty, 1 - top_p); ``top_k`` [rows]; ``min_keep`` tokens
+        that top-p and top-k always keep; ``windows``
+        [rows, width, window] recent tokens (``vocabulary`` = none); ``banned`` [rows] a token
+        to forbid or -1; ``uniforms`` [rows, width] in [0, 1)."""
+        rows, width, window = windows.shape
+        vocabulary = logits.shape[-1] // width
+        arguments = [
+            (logits, torch.float32, (rows, width * vocabulary)),
+            (parameters, torch.float32, (rows, 3)),
+            (top_k, torch.int64, (rows,)),
+            (windows, torch.int64, (rows, width, window)),
+            (banned, torch.int64, (rows,)),
+            (uniforms, torch.float32, (rows, width)),
+        ]
+        for tensor, dtype, shape in arguments:
+            if tensor.dtype != dtype or tuple(tensor.shape) != shape or not tensor.is_contiguous():
+                raise ValueError(f"sample takes contiguous {dtype} tensors of shape {shape}")
+        tokens = torch.empty(rows, width, dtype=torch.int64)
+        self._check(
+            self.library.chatts_sample(
+                ctypes.byref(
+                    abi.SampleArgs(
+                        rows=rows,
+                        width=width,
+                        vocabulary=vocabulary,
+                        logits=logits.data_ptr(),
+                        parameters=parameters.data_ptr(),
+                        top_k=top_k.data_ptr(),
+                        min_keep=min_keep,
+                        windows=windows.data_ptr(),
+                        window=window,
+                        banned=banned.data_ptr(),
+                        uniforms=uniforms.data_ptr(),
+                        tokens=tokens.data_ptr(),
+                        threads=torch.get_num_threads(),
+                    )
+                )
+            )
+        )
+        return tokens
+
+
+def _float_rows(x: torch.Tensor) -> torch.Tensor:
+    """``x`` [..., width] as [count, width] float32 rows with contiguous values."""
+    rows = x.reshape(-1, x.shape[-1])
+    if rows.dtype != torch.float32 or rows.stride(-1) != 1:
+        rows = rows.float().contiguous()
+    return rows
+
+
+def _check_gain(gain: torch.Tensor, width: int) -> None:
+    if gain.dtype != torch.float32 or not gain.is_contiguous() or gain.numel() != width:
+        raise ValueError("gain must be a contiguous float32 vector as wide as the rows")
+
+
+class Int8Packing:
+    """int8 weights as ``chatts_int8_linear`` reads them for its ``instructions`` variant
+    ("vnni" or "avx2", which fixes the activations' levels): blocks of 16 output channels
+    (zero channels pad the last), 4 inputs of 16 channels per 64 bytes; each channel's weight
+    sum times the activations' zero point; and each channel's scale divided by the levels, in
+    float32. Made from ``weights`` [out, in] int8 and ``scales`` [out] float32 (one per output
+    channel)."""
+
+    def __init__(self, weights: torch.Tensor, scales: torch.Tensor, instructions: str = "vnni"):
+        if instructions not in INT8_INSTRUCTIONS:
+            raise ValueError(f"instructions must be one of {sorted(INT8_INSTRUCTIONS)}")
+        self.instructions = instructions
+        self.levels = INT8_INSTRUCTIONS[instructions][1]
+        self.out_features, self.in_features = weights.shape
+        if self.in_features % 4:
+            raise ValueError("the int8 linear needs in_features % 4 == 0")
+        padded = -self.out_features % 16
+        weights = torch.cat([weights, weights.new_zeros(padded, self.in_features)])
+        scales = torch.cat([scales.float(), scales.new_zeros(padded, dtype=torch.float32)])
+        blocks = weights.shape[0] // 16
+        self.packed = (
+            weights.view(blocks, 16, self.in_features // 4, 4).transpose(1, 2).contiguous()
+        )
+        # the activations are u8 with zero point levels + 1: this much comes off each channel
+        self.offsets = (weights.sum(dim=1, dtype=torch.int32) * (self.levels + 1)).contiguous()
+        # the product fbgemm forms: the activations' scale (1/levels) times the channel's scale
+        self.weight_scale = (
+            torch.tensor(1 / self.levels, dtype=torch.float32) * scales
+        ).contiguous()
+        self.pointers = (
+            self.packed.data_ptr(),
+            self.offsets.data_ptr(),
+            self.weight_scale.data_ptr(),
+        )
+
+    @property
+    def nbytes(self) -> int:
+        return self.packed.numel() + self.offsets.numel() * 4 + self.weight_scale.numel() * 4
+
+
+class StepRows:
+    """Per-row cache addresses, capacities and lengths for one step, gathered once."""
+
+    def __init__(self, caches, lengths: list[int]):
+        dtypes = {(cache.keys.dtype, cache.values.dtype) for cache in caches}
+        if dtypes not in ({(torch.bfloat16,) * 2}, {(torch.int8,) * 2}):
+            raise ValueError(
+                "the attention kernel reads KV caches of bf16, or of int8 with "
+                "scales, all of a step's the same"
+            )
+        self.caches = caches  # hold the caches (and so their memory) while the step runs
+
+        def addresses(name: str) -> torch.Tensor:
+            return torch.tensor(
+                [getattr(cache, name).data_ptr() for cache in caches], dtype=torch.int64
+            )
+
+        self.keys, self.values = addresses("keys"), addresses("values")
+        self.key_scales = self.value_scales = None
+        if caches[0].keys.dtype == torch.int8:
+            self.key_scales, self.value_scales = addresses("key_scales"), addresses("value_scales")
+        self.capacity = torch.tensor([cache.capacity for cache in caches], dtype=torch.int64)
+        self.lengths = torch.tensor(lengths, dtype=torch.int64)
+        self.longest = max(lengths)
+
+
+def load(mode: str = "auto", int8_product: str = "auto", directory: str = "") -> Kernels | None:
+    """The kernels for ``mode`` = auto (where they can be had), on (or raise), or off (None:
+    torch's operators); their int8 product ``int8_product`` (auto: the CPU's best), from the
+    library built into ``directory`` (``CHATTTS_KERNEL_DIR``). Asking for a product the CPU
+    cannot run raises ``ValueError``, whatever the mode."""
+    if mode not in KERNEL_MODES:
+        raise ValueError(f"kernels must be one of {KERNEL_MODES}, not {mode!r}")
+    if int8_product not in INT8_PRODUCTS:
+        raise ValueError(f"int8 product must be one of {INT8_PRODUCTS}, not {int8_product!r}")
+    if mode == "off":
+        return None
+    if int8_product == "vnni" and not cpu_supports(VNNI_CPU_FLAGS):
+        raise ValueError("CHATTTS_INT8_PRODUCT=vnni, but this CPU lacks AVX512-VNNI")
+    try:
+        if not cpu_supports():
+            raise RuntimeError("this CPU lacks " + "/".join(REQUIRED_CPU_FLAGS))
+        path = library_path(directory)
+        if not path.exists():
+            raise RuntimeError(
+                f"no kernel library at {path} for these sources: build it with "
+                "`python -m chattts_service.kernels.build` (script/setup does)"
+            )
+        return Kernels(path, int8_product)
+    except (OSError, RuntimeError) as error:
+        if mode == "on":
+            raise RuntimeError(f"the C++ kernels are unavailable: {error}") from error
+        log.warning("C++ kernels unavailable, using torch's operators: %s", error)
+        return None

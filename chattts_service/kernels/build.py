@@ -1,0 +1,96 @@
+"""Build the decode loop's C++ kernels: an explicit step, never taken by the serving process.
+
+``python -m chattts_service.kernels.build`` compiles ``csrc/kernels.cpp`` (which includes one
+file per kernel) into ``CHATTTS_KERNEL_DIR`` (default: ``_build`` beside this file) and prints
+the library's path. The image runs it at build time, ``script/setup`` and ``script/test`` run it
+for a checkout. The library's file name holds a digest of the sources, the flags and the
+compiler, so a stale library is never loaded: the server finds none and says how to build it.
+
+Plain C++ with OpenMP and no torch headers: a compile takes a few seconds, and the library runs
+on torch's own OpenMP runtime (the same ``libgomp.so.1``, already loaded by torch). Built for
+x86-64-v3 (AVX2, FMA); the int8 product's AVX512-VNNI variant is chosen at run time.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+SOURCES = Path(__file__).parent / "csrc"
+MAIN_SOURCE = SOURCES / "kernels.cpp"
+FLAGS = (
+    "-O3",
+    "-mavx2",
+    "-mfma",
+    "-fopenmp",
+    "-fno-math-errno",
+    "-fassociative-math",
+    "-fno-signed-zeros",
+    "-fno-trapping-math",
+    "-shared",
+    "-fPIC",
+)
+
+
+def kernel_dir(configured: str = "") -> Path:
+    """``CHATTTS_KERNEL_DIR`` (the settings' ``kernel_dir``), or ``_build`` beside this file."""
+    return Path(configured) if configured else Path(__file__).parent / "_build"
+
+
+def compiler() -> str:
+    return os.environ.get("CXX", "g++")
+
+
+def library_path(directory: str = "", flags: tuple[str, ...] = FLAGS) -> Path:
+    """The library's path, named by what it is built from: every source, flags, compiler."""
+    digest = hashlib.sha256()
+    for source in sorted(SOURCES.iterdir()):
+        if source.suffix in (".cpp", ".h"):
+            digest.update(source.name.encode() + b"\0" + source.read_bytes())
+    digest.update(" ".join(flags).encode())
+    digest.update(compiler().encode())
+    return kernel_dir(directory) / f"kernels-{digest.hexdigest()[:16]}.so"
+
+
+def build(path: Path | None = None, flags: tuple[str, ...] = FLAGS) -> Path:
+    """Compile the kernels into ``path``; raise ``RuntimeError`` saying why it failed."""
+    path = path or library_path(flags=flags)
+    found = shutil.which(compiler())
+    if found is None:
+        raise RuntimeError(f"no C++ compiler ({compiler()}) to build the kernels")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    # build beside the target and rename: a concurrent builder never sees half a file
+    with tempfile.TemporaryDirectory(dir=path.parent) as scratch:
+        built = Path(scratch) / path.name
+        result = subprocess.run(
+            [found, *flags, str(MAIN_SOURCE), "-o", str(built)],
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+        if result.returncode != 0:
+            raise RuntimeError(f"building the kernels failed: {result.stderr[-2000:]}")
+        os.replace(built, path)
+    return path
+
+
+def main() -> int:
+    from chattts_service.config import Settings, SettingsError
+
+    try:
+        directory = Settings.from_env().kernel_dir
+        path = library_path(directory)
+        print(path if path.exists() else build(path))
+    except (SettingsError, RuntimeError, OSError, subprocess.SubprocessError) as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,29 @@
+// The library's identity for the bindings: its ABI version, its structs' sizes, its messages.
+#include "kernels.h"
+
+extern "C" int32_t chatts_abi_version() { return CHATTS_ABI_VERSION; }
+
+extern "C" int64_t chatts_args_size(int32_t kind) {
+    switch (kind) {
+        case CHATTS_ARGS_ATTENTION: return sizeof(ChattsAttentionArgs);
+        case CHATTS_ARGS_RMS_NORM: return sizeof(ChattsRmsNormArgs);
+        case CHATTS_ARGS_INT8_LINEAR: return sizeof(ChattsInt8LinearArgs);
+        case CHATTS_ARGS_SAMPLE: return sizeof(ChattsSampleArgs);
+        default: return -1;
+    }
+}
+
+extern "C" const char* chatts_status_message(int32_t status) {
+    switch (status) {
+        case CHATTS_OK: return "ok";
+        case CHATTS_HEAD_DIM_TOO_LARGE: return "head dimension above 256";
+        case CHATTS_CACHE_FULL: return "a sequence's cache is full";
+        case CHATTS_WIDTH_NOT_MULTIPLE_OF_4: return "int8_linear needs in_features % 4 == 0";
+        case CHATTS_CPU_LACKS_PRODUCT: return "this CPU lacks the int8 product's instructions";
+        case CHATTS_TOO_MANY_LEVELS:
+            return "too many activation levels for the int8 product's instructions";
+        case CHATTS_UNKNOWN_PRODUCT: return "unknown int8 product";
+        case CHATTS_BAD_SAMPLING: return "sample needs a vocabulary and min_keep >= 1";
+        default: return "unknown status";
+    }
+}

@@ -1,0 +1,50 @@
+// What the kernels share: the standard headers, bf16 conversions, a vectorisable exp(x).
+#pragma once
+
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <memory>
+#include <vector>
+
+#include "kernels.h"
+
+namespace {
+
+inline float from_bf16(uint16_t value) {
+    const uint32_t bits = static_cast<uint32_t>(value) << 16;
+    float result;
+    std::memcpy(&result, &bits, sizeof result);
+    return result;
+}
+
+inline uint16_t to_bf16(float value) {  // round to nearest even (no NaNs arrive here)
+    uint32_t bits;
+    std::memcpy(&bits, &value, sizeof bits);
+    bits += 0x7fffu + ((bits >> 16) & 1u);
+    return static_cast<uint16_t>(bits >> 16);
+}
+
+// exp(x) for x <= 0, Cephes' single-precision polynomial (about 1 ulp); written without
+// branches or calls so the compiler vectorises the loops that use it.
+inline float exp_nonpositive(float x) {
+    x = x < -87.0f ? -87.0f : x;
+    float n = __builtin_floorf(x * 1.44269504088896341f + 0.5f);
+    float r = x - n * 0.693359375f + n * 2.12194440e-4f;
+    float y = 1.9875691500e-4f;
+    y = y * r + 1.3981999507e-3f;
+    y = y * r + 8.3334519073e-3f;
+    y = y * r + 4.1665795894e-2f;
+    y = y * r + 1.6666665459e-1f;
+    y = y * r + 5.0000001201e-1f;
+    y = y * r * r + r + 1.0f;
+    int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
+    float scale;
+    std::memcpy(&scale, &bits, sizeof scale);
+    return y * scale;
+}
+
+}  // namespace

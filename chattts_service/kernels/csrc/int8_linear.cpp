@@ -1,0 +1,294 @@
+// chatts_int8_linear: int8 linear layers, the norm and the activations' quantization included;
+// the product with AVX512-VNNI (x86 CPUs that have it: Ice Lake and later, Zen 4) or AVX2.
+//
+// Activations: each row (RMSNorm-ed first when there is a gain) divided by its largest
+// magnitude and quantized to u8 as round(levels * x) + levels + 1: levels 127 for VNNI, so in
+// [1, 255]; 63 for AVX2, so in [1, 127]. The magnitude multiplies the result back. Weights: s8
+// with one scale per output channel, packed once in blocks of 16 output channels so that one
+// 64-byte load holds 4 consecutive inputs of 16 channels: packed[block][k / 4][channel][k % 4]
+// (zero channels pad the last block). vpdpbusd multiplies u8 by s8 and adds groups of four into
+// int32 lanes, exactly (the AVX2 product adds the same sums in two steps), so the sum is the
+// same whatever the row count or thread split; subtracting (levels + 1) * (sum of the channel's
+// weights) removes the u8 offset, and each row's epilogue is its own. So a row's result never
+// depends on the other rows of its batch. The integers and the float products are the ones
+// fbgemm forms for the same quantized tensors at the same levels, in the same order (a test
+// holds the two to the same bits). Up to 8 rows (4 with AVX2) share each load of weights, so
+// they stream from memory once per call for a decode step's batch; more rows find each block in
+// cache.
+#include "prepared_row.h"
+
+namespace {
+
+// Quantize one row as described above, to round(levels * x) + levels + 1; returns its largest
+// magnitude.
+float quantize_row(const float* x, int64_t width, const float* gain, float eps, int levels,
+                   uint8_t* quantized) {
+    const PreparedRow prepared(x, width, gain, eps);
+    // as fbgemm quantizes the same rows (divided by their maximum, then times the inverse of
+    // the scale 1/levels, rounded to even), so both kernels see the same integers
+    const float inverse_scale = 1.0f / static_cast<float>(1.0 / levels);
+    const int32_t zero_point = levels + 1;
+    for (int64_t i = 0; i < width; ++i) {
+        const float level =
+            __builtin_nearbyintf((prepared.value(i) / prepared.largest) * inverse_scale);
+        quantized[i] = static_cast<uint8_t>(static_cast<int32_t>(level) + zero_point);
+    }
+    return prepared.largest;
+}
+
+constexpr int64_t kPrefetchGroups = 16;  // groups of 64 bytes of weights
+
+// BLOCKS (1 or 2) neighbouring blocks of 16 channels for ROWS (1..8) rows: each broadcast input
+// serves both blocks, and 2 * ROWS accumulators keep the multiply unit busy. The accumulators
+// are named variables, not an array: GCC 12 kept an array of them on the stack, or copied them
+// between registers around every vpdpbusd (1.4x slower at 8 rows). `valid`: how many of the
+// last block's 16 channels are real (the rest are padding and are not stored).
+// optimize: without -fassociative-math the epilogue multiplies in the written order for every
+// ROWS (with it, GCC regrouped the two products for some row counts, and a row's result
+// changed in its last bit with its batch); without fp-contract the residual is added to the
+// rounded product, as torch adds it, not fused into a multiply-add.
+template <int ROWS, int BLOCKS>
+__attribute__((target("avx512f,avx512bw,avx512vnni"),
+               optimize("no-associative-math", "signed-zeros", "trapping-math",
+                        "fp-contract=off")))
+void gemm_blocks(int64_t k_groups, const uint8_t* xq, int64_t x_stride, const int8_t* blocks,
+                 int64_t block_bytes, const int32_t* offsets, const float* weight_scale,
+                 const float* row_max, const float* residual, int64_t residual_stride,
+                 float* out, int64_t out_stride, int valid, uintptr_t weights_end) {
+    __m512i a0 = _mm512_setzero_si512(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0,
+            a7 = a0, b0 = a0, b1 = a0, b2 = a0, b3 = a0, b4 = a0, b5 = a0, b6 = a0, b7 = a0;
+    const uint8_t* x = xq;
+    const int8_t* w = blocks;
+    for (int64_t group = 0; group < k_groups; ++group, x += 4, w += 64) {
+        // the weights are read once per call: fetch them 1 KB ahead of use, marked
+        // non-temporal (a decode step at 8 rows 14.6-15.1 -> 12.5-13.2 ms here; the T0 hint
+        // measured the same, and the hardware prefetcher alone falls behind); at a block's end
+        // into the next block, which is read next, but never past the weights
+        const uintptr_t ahead = reinterpret_cast<uintptr_t>(w) + kPrefetchGroups * 64;
+        if (ahead + (BLOCKS - 1) * block_bytes < weights_end) {
+            _mm_prefetch(reinterpret_cast<const char*>(ahead), _MM_HINT_NTA);
+            if constexpr (BLOCKS == 2)
+                _mm_prefetch(reinterpret_cast<const char*>(ahead + block_bytes), _MM_HINT_NTA);
+        }
+        const __m512i w0 = _mm512_loadu_si512(w);
+        __m512i w1 = w0;
+        if constexpr (BLOCKS == 2) w1 = _mm512_loadu_si512(w + block_bytes);
+#define CHATTS_ROW(R)                                                                     \
+        if constexpr (ROWS > R) {                                                         \
+            int32_t four;                                                                 \
+            std::memcpy(&four, x + R * x_stride, sizeof four);                            \
+            const __m512i inputs = _mm512_set1_epi32(four);                               \
+            a##R = _mm512_dpbusd_epi32(a##R, inputs, w0);                                 \
+            if constexpr (BLOCKS == 2) b##R = _mm512_dpbusd_epi32(b##R, inputs, w1);      \
+        }
+        CHATTS_ROW(0) CHATTS_ROW(1) CHATTS_ROW(2) CHATTS_ROW(3)
+        CHATTS_ROW(4) CHATTS_ROW(5) CHATTS_ROW(6) CHATTS_ROW(7)
+#undef CHATTS_ROW
+    }
+    const __m512i accumulators[2][8] = {{a0, a1, a2, a3, a4, a5, a6, a7},
+                                        {b0, b1, b2, b3, b4, b5, b6, b7}};
+    for (int b = 0; b < BLOCKS; ++b) {
+        // zero point * (sum of the channel's weights): the u8 offset of the activations
+        const __m512i offset = _mm512_loadu_si512(offsets + b * 16);
+        const __m512 scale = _mm512_loadu_ps(weight_scale + b * 16);
+        const int channels = b + 1 < BLOCKS ? 16 : valid;
+        const __mmask16 mask = static_cast<__mmask16>((1u << channels) - 1u);
+        for (int r = 0; r < ROWS; ++r) {
+            const __m512 sums = _mm512_cvtepi32_ps(_mm512_sub_epi32(accumulators[b][r], offset));
+            __m512 result = _mm512_mul_ps(_mm512_mul_ps(sums, scale), _mm512_set1_ps(row_max[r]));
+            if (residual != nullptr)  // added after the product is rounded, as torch adds
+                result = _mm512_add_ps(
+                    _mm512_maskz_loadu_ps(mask, residual + r * residual_stride + b * 16), result);
+            _mm512_mask_storeu_ps(out + r * out_stride + b * 16, mask, result);
+        }
+    }
+}
+
+using BlockFunction = void (*)(int64_t, const uint8_t*, int64_t, const int8_t*, int64_t,
+                               const int32_t*, const float*, const float*, const float*,
+                               int64_t, float*, int64_t, int, uintptr_t);
+template <int BLOCKS>
+constexpr BlockFunction kBlockFunctions[9] = {
+    nullptr, gemm_blocks<1, BLOCKS>, gemm_blocks<2, BLOCKS>, gemm_blocks<3, BLOCKS>,
+    gemm_blocks<4, BLOCKS>, gemm_blocks<5, BLOCKS>, gemm_blocks<6, BLOCKS>,
+    gemm_blocks<7, BLOCKS>, gemm_blocks<8, BLOCKS>};
+
+__attribute__((target("avx512f,avx512bw,avx512vnni")))
+void gemm(int64_t rows, int64_t n, int64_t k, const uint8_t* xq, const int8_t* packed,
+          const int32_t* offsets, const float* weight_scale, const float* row_max,
+          const float* residual, int64_t residual_stride, float* out, int64_t out_stride,
+          int threads) {
+    // up to 8 rows (a decode step) one block at a time, more two at a time, each broadcast
+    // input serving both (the 80 projections of a step here, against pairs throughout: 1 row
+    // 4.1-4.5 vs 4.7-5.3 ms, 8 rows 5.5-5.8 vs 6.3-6.6 ms; pairs at 64 rows 18.7-21.3 vs
+    // 22.9-23.8 ms); the same bits either way
+    const int64_t blocks = (n + 15) / 16, block_bytes = 16 * k, span = rows > 8 ? 2 : 1;
+    const int64_t tasks = (blocks + span - 1) / span;
+    const uintptr_t weights_end = reinterpret_cast<uintptr_t>(packed) + blocks * block_bytes;
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t task = 0; task < tasks; ++task) {
+        const int64_t block = task * span;
+        const bool both = span == 2 && block + 1 < blocks;
+        const int64_t last = both ? block + 1 : block;
+        const int valid = static_cast<int>(n - last * 16 < 16 ? n - last * 16 : 16);
+        for (int64_t first = 0; first < rows; first += 8) {
+            const int64_t count = rows - first < 8 ? rows - first : 8;
+            (both ? kBlockFunctions<2> : kBlockFunctions<1>)[count](
+                k / 4, xq + first * k, k, packed + block * block_bytes, block_bytes,
+                offsets + block * 16, weight_scale + block * 16, row_max + first,
+                residual == nullptr ? nullptr : residual + first * residual_stride + block * 16,
+                residual_stride, out + first * out_stride + block * 16, out_stride, valid,
+                weights_end);
+        }
+    }
+}
+
+// The same product for CPUs with AVX2 but not AVX512-VNNI (Haswell to Skylake, Zen 1-3), on
+// the same packed weights. vpmaddubsw multiplies u8 by s8 and adds pairs into int16, saturating:
+// with activations of 63 levels a side (u8 in [1, 127]) and weights in [-127, 127] a pair's
+// sum is at most 32258, so it never saturates; vpmaddwd by ones then adds the pairs into int32
+// lanes, so each group of four inputs adds to its channel exactly what vpdpbusd adds. 256-bit
+// registers hold 8 channels: a block's 16 take two, and ROWS (1..4) rows keep 2 * ROWS
+// accumulators (16 ymm registers in all). More rows pass over the block again, from cache.
+template <int ROWS>
+__attribute__((target("avx2,fma"),
+               optimize("no-associative-math", "signed-zeros", "trapping-math",
+                        "fp-contract=off")))
+void gemm_block_avx2(int64_t k_groups, const uint8_t* xq, int64_t x_stride,
+                     const int8_t* block, const int32_t* offsets, const float* weight_scale,
+                     const float* row_max, const float* residual, int64_t residual_stride,
+                     float* out, int64_t out_stride, int valid, uintptr_t weights_end) {
+    __m256i a0 = _mm256_setzero_si256(), a1 = a0, a2 = a0, a3 = a0, b0 = a0, b1 = a0, b2 = a0,
+            b3 = a0;
+    const __m256i ones = _mm256_set1_epi16(1);
+    const uint8_t* x = xq;
+    const int8_t* w = block;
+    for (int64_t group = 0; group < k_groups; ++group, x += 4, w += 64) {
+        const uintptr_t ahead = reinterpret_cast<uintptr_t>(w) + kPrefetchGroups * 64;
+        if (ahead < weights_end) _mm_prefetch(reinterpret_cast<const char*>(ahead), _MM_HINT_NTA);
+        const __m256i w0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w));
+        const __m256i w1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + 32));
+#define CHATTS_ROW(R)                                                                     \
+        if constexpr (ROWS > R) {                                                         \
+            int32_t four;                                                                 \
+            std::memcpy(&four, x + R * x_stride, sizeof four);                            \
+            const __m256i inputs = _mm256_set1_epi32(four);                               \
+            a##R = _mm256_add_epi32(                                                      \
+                a##R, _mm256_madd_epi16(_mm256_maddubs_epi16(inputs, w0), ones));         \
+            b##R = _mm256_add_epi32(                                                      \
+                b##R, _mm256_madd_epi16(_mm256_maddubs_epi16(inputs, w1), ones));         \
+        }
+        CHATTS_ROW(0) CHATTS_ROW(1) CHATTS_ROW(2) CHATTS_ROW(3)
+#undef CHATTS_ROW
+    }
+    const __m256i accumulators[2][4] = {{a0, a1, a2, a3}, {b0, b1, b2, b3}};
+    const __m256i lanes = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+    for (int half = 0; half < 2; ++half) {
+        const int channels = valid - 8 * half;
+        if (channels <= 0) break;
+        const __m256i mask = _mm256_cmpgt_epi32(_mm256_set1_epi32(channels), lanes);
+        const __m256i offset =
+            _mm256_loadu_si256(reinterpret_cast<const __m256i*>(offsets + 8 * half));
+        const __m256 scale = _mm256_loadu_ps(weight_scale + 8 * half);
+        for (int r = 0; r < ROWS; ++r) {
+            const __m256 sums =
+                _mm256_cvtepi32_ps(_mm256_sub_epi32(accumulators[half][r], offset));
+            __m256 result = _mm256_mul_ps(_mm256_mul_ps(sums, scale),
+                                          _mm256_set1_ps(row_max[r]));
+            if (residual != nullptr)  // added after the product is rounded, as torch adds
+                result = _mm256_add_ps(
+                    _mm256_maskload_ps(residual + r * residual_stride + 8 * half, mask), result);
+            _mm256_maskstore_ps(out + r * out_stride + 8 * half, mask, result);
+        }
+    }
+}
+
+using Avx2BlockFunction = void (*)(int64_t, const uint8_t*, int64_t, const int8_t*,
+                                   const int32_t*, const float*, const float*, const float*,
+                                   int64_t, float*, int64_t, int, uintptr_t);
+constexpr Avx2BlockFunction kAvx2BlockFunctions[5] = {
+    nullptr, gemm_block_avx2<1>, gemm_block_avx2<2>, gemm_block_avx2<3>, gemm_block_avx2<4>};
+
+__attribute__((target("avx2,fma")))
+void gemm_avx2(int64_t rows, int64_t n, int64_t k, const uint8_t* xq, const int8_t* packed,
+               const int32_t* offsets, const float* weight_scale, const float* row_max,
+               const float* residual, int64_t residual_stride, float* out, int64_t out_stride,
+               int threads) {
+    const int64_t blocks = (n + 15) / 16, block_bytes = 16 * k;
+    const uintptr_t weights_end = reinterpret_cast<uintptr_t>(packed) + blocks * block_bytes;
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t block = 0; block < blocks; ++block) {
+        const int valid = static_cast<int>(n - block * 16 < 16 ? n - block * 16 : 16);
+        for (int64_t first = 0; first < rows; first += 4) {
+            const int64_t count = rows - first < 4 ? rows - first : 4;
+            kAvx2BlockFunctions[count](
+                k / 4, xq + first * k, k, packed + block * block_bytes, offsets + block * 16,
+                weight_scale + block * 16, row_max + first,
+                residual == nullptr ? nullptr : residual + first * residual_stride + block * 16,
+                residual_stride, out + first * out_stride + block * 16, out_stride, valid,
+                weights_end);
+        }
+    }
+}
+
+// SwiGLU's product silu(gate) * up, as torch computes it: silu(x) = x / (1 + exp(-x)), rounded,
+// then times up. exp(-x) from the non-positive exponential: exp(-x) itself for x >= 0, its
+// reciprocal exp(x) for x < 0 (about 1 ulp from torch's exp either way).
+void silu_times(const float* gate, const float* up, int64_t width, float* out) {
+    for (int64_t i = 0; i < width; ++i) {
+        const float x = gate[i];
+        const float decay = exp_nonpositive(-std::fabs(x));
+        const float exp_minus_x = x >= 0.0f ? decay : 1.0f / decay;
+        out[i] = (x / (1.0f + exp_minus_x)) * up[i];
+    }
+}
+
+}  // namespace
+
+// out[rows, n] (rows `out_stride` floats apart) = the rows of x (`x_row_stride` floats apart)
+// times the packed weights, transposed; plus `residual` [rows, n] (`residual_stride` apart)
+// when it is not NULL. The rows are RMSNorm-ed with `gain` first when it is not NULL; with
+// `swiglu`, each row of x holds 2k values, gate then up, and the row multiplied is
+// silu(gate) * up. k % 4 == 0; `packed`, `offsets` and `weight_scale` cover n rounded up to 16
+// channels; `offsets` is (levels + 1) * each channel's weight sum, `weight_scale` each channel's
+// scale divided by `levels` (the activations' levels either side of zero). `instructions`:
+// a ChattsProduct (kernels.h).
+static int32_t int8_linear(
+    int64_t rows, int64_t n, int64_t k, const float* x, int64_t x_row_stride, const float* gain,
+    float eps, int swiglu, const int8_t* packed, const int32_t* offsets,
+    const float* weight_scale, const float* residual, int64_t residual_stride, float* out,
+    int64_t out_stride, int levels, int instructions, int threads) {
+    if (k % 4 != 0) return CHATTS_WIDTH_NOT_MULTIPLE_OF_4;
+    if (instructions == CHATTS_PRODUCT_VNNI) {
+        if (!__builtin_cpu_supports("avx512vnni") || !__builtin_cpu_supports("avx512bw"))
+            return CHATTS_CPU_LACKS_PRODUCT;
+        if (levels < 1 || levels > 127) return CHATTS_TOO_MANY_LEVELS;
+    } else if (instructions == CHATTS_PRODUCT_AVX2) {
+        if (!__builtin_cpu_supports("avx2")) return CHATTS_CPU_LACKS_PRODUCT;
+        if (levels < 1 || levels > 63) return CHATTS_TOO_MANY_LEVELS;
+    } else {
+        return CHATTS_UNKNOWN_PRODUCT;
+    }
+    std::unique_ptr<uint8_t[]> xq(new uint8_t[rows * k]);
+    std::unique_ptr<float[]> row_max(new float[rows]);
+    std::unique_ptr<float[]> products(swiglu ? new float[rows * k] : nullptr);
+#pragma omp parallel for num_threads(threads) schedule(static) if (rows > 16)
+    for (int64_t row = 0; row < rows; ++row) {
+        const float* values = x + row * x_row_stride;
+        if (swiglu) {
+            silu_times(values, values + k, k, products.get() + row * k);
+            values = products.get() + row * k;
+        }
+        row_max[row] = quantize_row(values, k, gain, eps, levels, xq.get() + row * k);
+    }
+    (instructions == CHATTS_PRODUCT_VNNI ? gemm : gemm_avx2)(rows, n, k, xq.get(), packed, offsets, weight_scale,
+                                           row_max.get(), residual, residual_stride, out,
+                                           out_stride, threads);
+    return CHATTS_OK;
+}
+
+extern "C" int32_t chatts_int8_linear(const ChattsInt8LinearArgs* a) {
+    return int8_linear(a->rows, a->n, a->k, a->x, a->x_row_stride, a->gain, a->eps, a->swiglu,
+                       a->packed, a->offsets, a->weight_scale, a->residual, a->residual_stride,
+                       a->out, a->out_stride, a->levels, a->product, a->threads);
+}

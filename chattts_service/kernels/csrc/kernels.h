@@ -1,0 +1,112 @@
+// The C interface of the decode loop's kernels: what Python's ctypes bindings
+// (chattts_service/kernels/bindings.py) mirror. Each kernel takes one argument struct, so the
+// two sides agree on names and types, not on the position of twenty arguments; the bindings
+// check CHATTS_ABI_VERSION and every struct's size when they load the library, so a library
+// built from other sources fails loudly instead of reading the wrong memory.
+#pragma once
+
+#include <cstdint>
+
+#ifndef CHATTS_ABI_VERSION  // a test builds a library of another version to see it refused
+#define CHATTS_ABI_VERSION 2
+#endif
+
+// What a kernel returns. chatts_status_message() gives each one's text.
+enum ChattsStatus : int32_t {
+    CHATTS_OK = 0,
+    CHATTS_HEAD_DIM_TOO_LARGE = 1,     // attention: head dimension above 256
+    CHATTS_CACHE_FULL = 2,             // attention: a sequence's cache holds no more positions
+    CHATTS_WIDTH_NOT_MULTIPLE_OF_4 = 3,  // int8 linear: in_features % 4 != 0
+    CHATTS_CPU_LACKS_PRODUCT = 4,      // int8 linear: the CPU cannot run the product asked for
+    CHATTS_TOO_MANY_LEVELS = 5,        // int8 linear: activation levels beyond the product's
+    CHATTS_UNKNOWN_PRODUCT = 6,        // int8 linear: not one of ChattsProduct
+    CHATTS_BAD_SAMPLING = 7,           // sample: empty vocabulary or min_keep < 1
+};
+
+// The int8 product's instructions.
+enum ChattsProduct : int32_t {
+    CHATTS_PRODUCT_AVX2 = 1,  // 7-bit activations (levels up to 63)
+    CHATTS_PRODUCT_VNNI = 2,  // AVX512-VNNI, 8-bit activations (levels up to 127)
+};
+
+struct ChattsAttentionArgs {
+    int64_t rows, heads, dim, layer;
+    float scale;
+    int32_t threads;
+    const float* q;                  // per row: heads * dim floats, rows q_row_stride apart
+    int64_t q_row_stride;
+    const float* k_new;              // the new token's key and value, likewise
+    int64_t k_row_stride;
+    const float* v_new;
+    int64_t v_row_stride;
+    void* const* keys;               // per row: its cache's first element
+    void* const* values;
+    float* const* key_scales;        // per row (int8 caches), or NULL (bf16 caches)
+    float* const* value_scales;
+    const int64_t* capacity;         // per row: positions its cache can hold
+    const int64_t* lengths;          // per row: positions already held
+    const float* cos;                // [positions, dim] rotary tables, or NULL
+    const float* sin;
+    float* out;                      // [rows, heads * dim]
+};
+
+struct ChattsRmsNormArgs {
+    int64_t rows, width;
+    const float* x;
+    int64_t x_row_stride;
+    const float* gain;               // or NULL: only divide by the largest magnitude
+    float eps;
+    float* out;                      // [rows, width]
+    float* row_max;                  // [rows]
+};
+
+struct ChattsInt8LinearArgs {
+    int64_t rows, n, k;
+    const float* x;
+    int64_t x_row_stride;
+    const float* gain;               // RMSNorm gain, or NULL
+    float eps;
+    int32_t swiglu;                  // rows of x hold gate then up: multiply silu(gate) * up
+    const int8_t* packed;            // the weights as Int8Packing lays them out
+    const int32_t* offsets;
+    const float* weight_scale;
+    const float* residual;           // [rows, n] added to the result, or NULL
+    int64_t residual_stride;
+    float* out;
+    int64_t out_stride;
+    int32_t levels;                  // the activations' levels either side of zero
+    int32_t product;                 // a ChattsProduct
+    int32_t threads;
+};
+
+struct ChattsSampleArgs {
+    int64_t rows, width, vocabulary;
+    const float* logits;             // [rows, width * vocabulary]
+    const float* parameters;         // [rows, 3]: temperature, repetition penalty, 1 - top_p
+    const int64_t* top_k;            // [rows]
+    int64_t min_keep;                // tokens top-p and top-k always keep (ChatTTS: 3)
+    const int64_t* windows;          // [rows, width, window]: recent tokens, `vocabulary` = none
+    int64_t window;
+    const int64_t* banned;           // [rows]: a token to forbid, or -1
+    const float* uniforms;           // [rows, width], in [0, 1)
+    int64_t* tokens;                 // [rows, width], out
+    int32_t threads;
+};
+
+// Argument structs by number, for chatts_args_size.
+enum ChattsArgsKind : int32_t {
+    CHATTS_ARGS_ATTENTION = 0,
+    CHATTS_ARGS_RMS_NORM = 1,
+    CHATTS_ARGS_INT8_LINEAR = 2,
+    CHATTS_ARGS_SAMPLE = 3,
+};
+
+extern "C" {
+int32_t chatts_abi_version();
+int64_t chatts_args_size(int32_t kind);  // sizeof the struct, or -1 for an unknown kind
+const char* chatts_status_message(int32_t status);
+int32_t chatts_decode_attention(const ChattsAttentionArgs* args);
+void chatts_rms_norm_unit_rows(const ChattsRmsNormArgs* args);
+int32_t chatts_int8_linear(const ChattsInt8LinearArgs* args);
+int32_t chatts_sample(const ChattsSampleArgs* args);
+}

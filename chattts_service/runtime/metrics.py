@@ -1,0 +1,129 @@
+"""Prometheus metrics, one registry per app so tests can build as many apps as they like."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import GaugeMetricFamily
+
+from chattts_service.runtime import heap
+from chattts_service.runtime.cpu import CpuSampler
+
+LATENCY_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2, 4, 8, 15, 30, 60, 120)
+
+
+class HeapCollector:
+    """``chatts_heap_bytes{kind}``: one ``mallinfo2`` walk of the arenas per scrape, for all
+    three kinds (NaN where the C library cannot tell)."""
+
+    def collect(self):
+        numbers = heap.stats()
+        family = GaugeMetricFamily(
+            "chatts_heap_bytes",
+            "glibc heap: in_use (live allocations), mmapped (live large "
+            "ones), free (held in the arenas, not returned to the OS)",
+            labels=["kind"],
+        )
+        for kind in heap.KINDS:
+            family.add_metric([kind], float(numbers[kind]) if numbers else float("nan"))
+        yield family
+
+
+class Metrics:
+    def __init__(self):
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.infer_total = Counter(
+            "chatts_infer",
+            "Inferences run (cache misses that reached the model)",
+            ["outcome"],
+            registry=r,
+        )
+        self.infer_duration = Histogram(
+            "chatts_infer_duration_seconds",
+            "Model time per inference",
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.request_duration = Histogram(
+            "chatts_request_duration_seconds",
+            "Time to answer a speech request",
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.first_audio = Histogram(
+            "chatts_first_audio_seconds",
+            "Time from a streamed request's arrival to its first audio",
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.segments_truncated = Counter(
+            "chatts_segments_truncated",
+            "Segments stopped by the step cap before their speech ended",
+            registry=r,
+        )
+        self.rejected = Counter(
+            "chatts_rejected",
+            "Requests refused at once with 503 (queue_full, wait, draining)",
+            ["reason"],
+            registry=r,
+        )
+        self.degraded = Gauge(
+            "chatts_degraded",
+            "1 while degraded mode is on (CPU pressure: no refinement, shorter step cap)",
+            registry=r,
+        )
+        self.segments_queued = Gauge(
+            "chatts_segments_queued", "Segments queued, waiting for room, or generating", registry=r
+        )
+        self.config = Gauge(
+            "chatts_config",
+            "Batching settings in effect (tunable at run time)",
+            ["setting"],
+            registry=r,
+        )
+        self.auth_failures = Counter(
+            "chatts_auth_failures", "Requests refused for a missing or wrong API key", registry=r
+        )
+        self.cache_bytes = Gauge("chatts_cache_bytes", "Bytes of audio in the cache", registry=r)
+        self.requests_total = Counter(
+            "chatts_requests", "Answered speech requests", ["status"], registry=r
+        )
+        self.cache_hits = Counter(
+            "chatts_cache_hits", "Requests answered from the audio cache", registry=r
+        )
+        self.cache_misses = Counter(
+            "chatts_cache_misses", "Requests the cache could not answer", registry=r
+        )
+        self.audio_seconds = Counter("chatts_audio_seconds", "Seconds of audio served", registry=r)
+        self.queue_depth = Gauge(
+            "chatts_queue_depth", "Requests waiting for or running inference", registry=r
+        )
+        self.cache_entries = Gauge("chatts_cache_entries", "Entries in the audio cache", registry=r)
+        self.ready = Gauge("chatts_ready", "1 once the model is loaded and warmed up", registry=r)
+        self.cpu_percent = Gauge(
+            "chatts_cpu_percent",
+            "Process CPU use since the previous scrape, % of its CPUs",
+            registry=r,
+        )
+        self.step_duration = Histogram(
+            "chatts_step_duration_seconds",
+            "Time of one batched GPT decode step",
+            buckets=(0.005, 0.01, 0.02, 0.03, 0.05, 0.1, 0.25, 1),
+            registry=r,
+        )
+        self.batch_rows = Histogram(
+            "chatts_batch_rows",
+            "Sequences in a decode step",
+            buckets=(1, 2, 3, 4, 6, 8, 12, 16, 32, 64),
+            registry=r,
+        )
+        self._cpu = CpuSampler()
+        self.cpu_percent.set_function(self._cpu.percent)
+        r.register(HeapCollector())
+
+    def observe_step(self, rows: int, seconds: float) -> None:
+        self.step_duration.observe(seconds)
+        self.batch_rows.observe(rows)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

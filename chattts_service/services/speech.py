@@ -1,0 +1,293 @@
+"""The speech pipeline both endpoints call: cache lookup -> engine -> encoding, metrics once.
+
+No HTTP here. The API layer parses and validates a request, then asks ``SpeechPipeline`` for
+the whole answer (``synthesize``) or a stream (``stream``); engine errors come back as the
+engine's typed errors, which ``api.errors`` maps to statuses. Every speech request is counted
+once, by ``RequestRecord.finish``, however it ends.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, replace
+
+import numpy as np
+
+from chattts_service.config import Settings
+from chattts_service.inference.engine import Engine
+from chattts_service.inference.run import Run
+from chattts_service.inference.types import EngineError, Overloaded, SynthesisRequest
+from chattts_service.runtime.metrics import Metrics
+from chattts_service.services.audio import content_type, encode, to_pcm16, wav_header
+from chattts_service.services.cache import AudioCache, cache_key
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Output:
+    format: str
+    stream: bool
+
+
+@dataclass(frozen=True)
+class Plan:
+    """What will actually be made: degraded mode drops refinement and lowers the step cap."""
+
+    request: SynthesisRequest
+    step_cap: int | None = None
+
+    @property
+    def degraded(self) -> bool:
+        return self.step_cap is not None
+
+
+@dataclass(frozen=True)
+class Speech:
+    body: bytes
+    content_type: str
+    cache: str  # HIT or MISS
+    seconds: float
+    segments: int | None  # known when the model made it now
+
+
+class RequestRecord:
+    """One speech request in the metrics and the status page's recent list: begun when it
+    arrives, finished exactly once with its status, however and wherever it ends."""
+
+    def __init__(self, metrics: Metrics, recent):
+        self._metrics, self._recent = metrics, recent
+        self.started = time.perf_counter()
+        self._finished = False
+        self._lock = threading.Lock()
+        recent.begin()
+
+    def finish(self, status: int, audio_seconds: float = 0.0, cache: str | None = None) -> None:
+        with self._lock:
+            if self._finished:
+                return
+            self._finished = True
+        elapsed = time.perf_counter() - self.started
+        self._metrics.requests_total.labels(status=str(status)).inc()
+        self._metrics.request_duration.observe(elapsed)
+        self._recent.end(elapsed, audio_seconds, cache if status == 200 else None)
+
+
+class SpeechStream:
+    """A streamed answer: ``chunks`` yields the body; ``close_unsent`` releases a stream whose
+    body was never started (the client left before the first byte)."""
+
+    def __init__(
+        self,
+        chunks: Iterator[bytes],
+        content_type: str,
+        cache: str,
+        seconds: float | None,
+        close_unsent: Callable[[], None],
+    ):
+        self.chunks, self.content_type, self.cache = chunks, content_type, cache
+        self.seconds, self.close_unsent = seconds, close_unsent
+
+
+class StreamBroken(Exception):
+    """A stream could not be finished after its first bytes were sent."""
+
+    def __init__(self, error: EngineError):
+        super().__init__(str(error))
+        self.error = error
+
+
+class SpeechPipeline:
+    """``status_of(engine_error)`` is the HTTP status the API answers it with: a stream that
+    breaks after its first bytes is counted under it too."""
+
+    def __init__(
+        self,
+        settings: Settings,
+        engine: Engine,
+        cache: AudioCache,
+        metrics: Metrics,
+        recent,
+        status_of: Callable[[EngineError], int],
+    ):
+        self.settings, self.engine, self.cache = settings, engine, cache
+        self.metrics, self.recent, self.status_of = metrics, recent, status_of
+
+    def record(self) -> RequestRecord:
+        return RequestRecord(self.metrics, self.recent)
+
+    def plan(self, request: SynthesisRequest, degraded: bool) -> Plan:
+        if not degraded:
+            return Plan(request)
+        return Plan(
+            replace(request, refine_text=False, refine_prompt=""),
+            self.settings.degraded_max_new_tokens,
+        )
+
+    # -- whole answers -------------------------------------------------------------------------
+
+    def synthesize(
+        self, plan: Plan, output: Output, should_stop: Callable[[], bool] | None
+    ) -> Speech:
+        """The whole answer, from the cache when it holds it (in this format, or as PCM to
+        encode again), else from the engine; filled on the way back unless degraded mode cut
+        a segment short."""
+        identity, rate = self.engine.identity, self.engine.sample_rate
+        key = cache_key(plan.request, identity, output.format)
+        cached = self.cache.get(key)
+        segments = None
+        if cached is not None:
+            body, seconds, cache_status = cached[0], cached[1], "HIT"
+        else:
+            pcm_key = cache_key(plan.request, identity, "pcm")
+            pcm = self.cache.get(pcm_key)
+            if pcm is not None:  # the same speech was made for another format: encode it again
+                audio, seconds, cache_status = from_pcm16(pcm[0]), pcm[1], "HIT"
+            else:
+                result = self._infer(plan, should_stop)
+                audio, seconds, cache_status = result.audio, result.seconds, "MISS"
+                segments = result.segments
+                cacheable = _cacheable(plan, result.truncated)
+                if cacheable:
+                    self.cache.put(pcm_key, (to_pcm16(audio), seconds))
+            body = encode(audio, rate, output.format)
+            if cache_status == "HIT" or cacheable:
+                self.cache.put(key, (body, seconds))
+        self._count_served(cache_status, seconds)
+        return Speech(body, content_type(output.format, rate), cache_status, seconds, segments)
+
+    def _infer(self, plan: Plan, should_stop):
+        run = self._start(plan, stream=False)
+        started = time.perf_counter()
+        try:
+            result = run.result(self.settings.request_timeout_s, should_stop)
+        except EngineError as error:
+            self._count_failure(error)
+            raise
+        finally:
+            self.metrics.queue_depth.dec()
+        self.metrics.infer_total.labels(outcome="ok").inc()
+        self.metrics.infer_duration.observe(time.perf_counter() - started)
+        if result.truncated:
+            self.metrics.segments_truncated.inc(result.truncated)
+        return result
+
+    # -- streams -------------------------------------------------------------------------------
+
+    def stream(
+        self,
+        plan: Plan,
+        output: Output,
+        record: RequestRecord,
+        should_stop: Callable[[], bool] | None,
+    ) -> SpeechStream:
+        """Audio as it is decoded (WAV with an open-ended header, or PCM). Queueing errors
+        raise here, before any byte; later failures break the stream (``StreamBroken``)."""
+        metrics, rate = self.metrics, self.engine.sample_rate
+        pcm_key = cache_key(plan.request, self.engine.identity, "pcm")
+        header = wav_header(rate, None) if output.format == "wav" else b""
+        cached = self.cache.get(pcm_key)
+        run = None if cached is not None else self._start(plan, stream=True)
+        cache_status = "HIT" if cached is not None else "MISS"
+
+        def chunks() -> Iterator[bytes]:
+            status, parts, seconds = 200, [], 0.0
+            try:
+                if cached is not None:
+                    seconds = cached[1]
+                    self._count_served("HIT", 0.0)
+                    yield header + cached[0]
+                    return
+                self._count_served("MISS", 0.0)
+                yield from self._stream_run(run, header, parts, record, should_stop)
+                seconds = sum(len(part) for part in parts) / 2 / rate
+                if _cacheable(plan, run.truncated):
+                    self.cache.put(pcm_key, (b"".join(parts), seconds))
+            except StreamBroken as broken:
+                status = self.status_of(broken.error)
+                raise
+            except GeneratorExit:  # the client went away while we were sending
+                status = 499
+                if run is not None:
+                    run.cancel()
+                    metrics.infer_total.labels(outcome="cancelled").inc()
+                raise
+            finally:
+                if run is not None:
+                    metrics.queue_depth.dec()
+                    seconds = seconds or sum(len(part) for part in parts) / 2 / rate
+                metrics.audio_seconds.inc(seconds)
+                record.finish(status, seconds, cache_status)
+
+        def close_unsent() -> None:
+            if run is not None:
+                run.cancel()
+                metrics.queue_depth.dec()
+            record.finish(499)
+
+        return SpeechStream(
+            chunks(),
+            content_type(output.format, rate),
+            cache_status,
+            cached[1] if cached is not None else None,
+            close_unsent,
+        )
+
+    def _stream_run(
+        self,
+        run: Run,
+        header: bytes,
+        parts: list[bytes],
+        record: RequestRecord,
+        should_stop: Callable[[], bool] | None,
+    ) -> Iterator[bytes]:
+        first = True
+        try:
+            for chunk in run.chunks(self.settings.request_timeout_s, should_stop):
+                pcm = to_pcm16(chunk)
+                parts.append(pcm)
+                if first:
+                    self.metrics.first_audio.observe(time.perf_counter() - record.started)
+                yield (header + pcm) if first else pcm
+                first = False
+        except EngineError as error:
+            self._count_failure(error)
+            log.warning("stream ended early: %s", error)
+            raise StreamBroken(error) from None
+        self.metrics.infer_total.labels(outcome="ok").inc()
+        self.metrics.infer_duration.observe(time.perf_counter() - record.started)
+
+    # -- shared --------------------------------------------------------------------------------
+
+    def _start(self, plan: Plan, stream: bool) -> Run:
+        """Queue a request's segments; the queue depth gauge counts it until it is answered."""
+        try:
+            run = self.engine.start(plan.request, stream=stream, step_cap=plan.step_cap)
+        except EngineError as error:
+            self._count_failure(error)
+            raise
+        self.metrics.queue_depth.inc()
+        return run
+
+    def _count_failure(self, error: EngineError) -> None:
+        self.metrics.infer_total.labels(outcome=error.outcome).inc()
+        if isinstance(error, Overloaded):
+            self.metrics.rejected.labels(reason=error.reason).inc()
+
+    def _count_served(self, cache_status: str, seconds: float) -> None:
+        (self.metrics.cache_hits if cache_status == "HIT" else self.metrics.cache_misses).inc()
+        if seconds:
+            self.metrics.audio_seconds.inc(seconds)
+
+
+def from_pcm16(pcm: bytes) -> np.ndarray:
+    return np.frombuffer(pcm, dtype="<i2").astype(np.float32) / 32767.0
+
+
+def _cacheable(plan: Plan, truncated: int) -> bool:
+    """A degraded answer (a lowered step cap) is what the request gets normally unless the
+    lowered cap cut a segment short: only then is it kept out of the cache."""
+    return not plan.degraded or truncated == 0

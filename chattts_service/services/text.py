@@ -1,0 +1,165 @@
+"""Text before the model: control tokens, sentence splitting and real text normalisation.
+
+ChatTTS's own normaliser deletes digits and most symbols ("1+1=2" becomes silence), so numbers,
+dates, times, money, units and phone numbers are first written out in words by ``wetext``
+(WeTextProcessing's FSTs), with the language detected per sentence. Control tokens such as
+``[uv_break]`` are kept out of its way and put back unchanged.
+
+Long text is split at sentence boundaries (Chinese and English punctuation) and packed into
+segments of at most ``max_chars`` characters; a sentence longer than that is cut at a clause
+boundary, then at a space, and only as a last resort in the middle of a run of characters.
+"""
+
+from __future__ import annotations
+
+import re
+import threading
+
+# Tokens ChatTTS understands inside the text itself.
+INLINE_TOKENS = ("[uv_break]", "[v_break]", "[lbreak]", "[laugh]")
+# Tokens that steer the text-refinement pass (its prompt), with their ranges.
+REFINE_TOKENS = {"oral": range(10), "laugh": range(3), "break": range(8)}
+
+TOKEN = re.compile(r"\[[^\[\]]*\]")
+_REFINE_TOKEN = re.compile(r"\[(oral|laugh|break)_(\d)\]")
+# A sentence ends after these, with any closing quotes or brackets that follow.
+_SENTENCE_END = re.compile(r"(?<=[。！？!?；;…\n])[”’\"'）)\]」』]*|(?<=[.])[”’\"')\]]*(?=\s|$)")
+_CLAUSE_END = re.compile(r"(?<=[，,、：:])")
+
+
+class TextError(ValueError):
+    """The text breaks a rule about control tokens; the message says which."""
+
+
+def check_tokens(text: str, max_tokens: int) -> int:
+    """Every ``[...]`` in the text must be an inline control token; returns how many there are."""
+    found = TOKEN.findall(text)
+    unknown = sorted({token for token in found if token not in INLINE_TOKENS})
+    if unknown:
+        raise TextError(
+            f"unknown control token(s) {', '.join(unknown)}; allowed in the text: "
+            f"{', '.join(INLINE_TOKENS)}"
+        )
+    if len(found) > max_tokens:
+        raise TextError(f"text has {len(found)} control tokens; the limit is {max_tokens}")
+    return len(found)
+
+
+def check_refine_prompt(prompt: str) -> str:
+    """A refinement prompt is a run of ``[oral_N]``, ``[laugh_N]`` and ``[break_N]`` tokens."""
+    prompt = prompt.replace(" ", "")
+    rest = _REFINE_TOKEN.sub("", prompt)
+    if rest:
+        raise TextError(
+            "'refine_prompt' may only hold [oral_0-9], [laugh_0-2] and [break_0-7] "
+            f"tokens; got {prompt!r}"
+        )
+    for kind, number in _REFINE_TOKEN.findall(prompt):
+        if int(number) not in REFINE_TOKENS[kind]:
+            allowed = REFINE_TOKENS[kind]
+            raise TextError(
+                f"[{kind}_{number}] is out of range: {kind} goes from "
+                f"{allowed.start} to {allowed.stop - 1}"
+            )
+    return prompt
+
+
+def split_sentences(text: str) -> list[str]:
+    """Sentences, each with its closing punctuation; nothing dropped, whitespace trimmed."""
+    pieces, start = [], 0
+    for match in _SENTENCE_END.finditer(text):
+        end = match.end()
+        if end > start:
+            pieces.append(text[start:end])
+            start = end
+    pieces.append(text[start:])
+    return [piece.strip() for piece in pieces if piece.strip()]
+
+
+def _cut_long(sentence: str, max_chars: int) -> list[str]:
+    """Cut one over-long sentence at clause boundaries, then spaces, then anywhere."""
+    if len(sentence) <= max_chars:
+        return [sentence]
+    for boundary in (_CLAUSE_END, re.compile(r"(?<=\s)")):
+        parts = [part for part in boundary.split(sentence) if part]
+        if len(parts) > 1:
+            return pack([p for part in parts for p in _cut_long(part, max_chars)], max_chars)
+    # no boundary at all: cut, but never inside a control token
+    pieces, current = [], ""
+    for chunk in re.split(r"(\[[^\[\]]*\])", sentence):
+        units = [chunk] if TOKEN.fullmatch(chunk) else list(chunk)
+        for unit in units:
+            if current and len(current) + len(unit) > max_chars:
+                pieces.append(current)
+                current = ""
+            current += unit
+    if current:
+        pieces.append(current)
+    return pieces
+
+
+def pack(sentences: list[str], max_chars: int) -> list[str]:
+    """Join consecutive sentences while a segment stays within ``max_chars``."""
+    segments: list[str] = []
+    for sentence in sentences:
+        for piece in _cut_long(sentence, max_chars):
+            piece = piece.strip()
+            if not piece:
+                continue
+            joined = (
+                f"{segments[-1]} {piece}"
+                if segments and _needs_space(segments[-1], piece)
+                else (segments[-1] + piece if segments else piece)
+            )
+            if segments and len(joined) <= max_chars:
+                segments[-1] = joined
+            else:
+                segments.append(piece)
+    return segments
+
+
+def _needs_space(left: str, right: str) -> bool:
+    return left[-1].isascii() and right[0].isascii()
+
+
+class Normaliser:
+    """``wetext`` text normalisation, language detected per call, control tokens protected.
+
+    The FSTs load on first use (~0.2 s); ``warm_up`` does that before the service is ready."""
+
+    def __init__(self):
+        self._normalizer = None
+        self._lock = threading.Lock()  # wetext's FST objects are not documented as thread-safe
+
+    def warm_up(self) -> None:
+        self("今天是2024年3月5日。")
+        self("It is 3:30 pm on Jan 5, 2024.")
+
+    def __call__(self, text: str) -> str:
+        parts = re.split(r"(\[[^\[\]]*\])", text)
+        out = []
+        for part in parts:
+            if (
+                not part
+                or TOKEN.fullmatch(part)
+                or not any(ch.isdigit() or not ch.isalnum() for ch in part)
+            ):
+                out.append(part)  # control tokens, and plain words with nothing to expand
+                continue
+            out.append(self._normalise(part))
+        return "".join(out)
+
+    def _normalise(self, text: str) -> str:
+        stripped = text.strip()
+        if not stripped:
+            return text
+        with self._lock:
+            if self._normalizer is None:
+                from wetext import Normalizer
+
+                self._normalizer = Normalizer(lang="auto", operator="tn")
+            normalised = self._normalizer.normalize(stripped)
+        # keep the whitespace around the part: it separates it from neighbouring tokens
+        lead = text[: len(text) - len(text.lstrip())]
+        trail = text[len(text.rstrip()) :]
+        return f"{lead}{normalised}{trail}"

@@ -1,0 +1,203 @@
+"""Named voices: speaker embeddings kept as files, so a name sounds the same on every call.
+
+A voice is one of
+- a file ``<name>.json`` in ``CHATTTS_VOICES_DIR`` holding a ChatTTS speaker embedding string
+  (the ``spk_emb`` string ChatTTS's ``sample_random_speaker`` and its community tools produce);
+  clients register them with ``POST /v1/audio/voices``;
+- a shipped default: the OpenAI names map to fixed seeds, drawn from the loaded model's speaker
+  statistics (a file with the same name takes precedence);
+- ``seed:N``: the voice drawn from seed N, without touching the global RNG.
+
+Names are checked against a strict pattern before they come near a path.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import lzma
+import os
+import re
+import tempfile
+import threading
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+NAME = re.compile(r"^[a-z0-9][a-z0-9_-]{0,63}$")
+SEED_VOICE = re.compile(r"^seed:(\d{1,10})$")
+MAX_EMBEDDING_CHARS = 16_384
+# OpenAI's voice names -> the seeds their embeddings are drawn from
+DEFAULT_VOICES = {
+    "alloy": 2222,
+    "echo": 7869,
+    "fable": 6653,
+    "onyx": 4099,
+    "nova": 5099,
+    "shimmer": 1111,
+}
+MAX_SEED = 2**31 - 1
+
+
+class VoiceError(ValueError):
+    """A voice name or embedding that cannot be used; the message says why."""
+
+
+class UnknownVoice(VoiceError):
+    pass
+
+
+@dataclass(frozen=True)
+class Voice:
+    name: str
+    embedding: object = field(compare=False, repr=False)  # float32 torch tensor [hidden]
+    digest: str = ""  # sha256 of the embedding: part of the cache key
+
+    def describe(self) -> dict:
+        return {"name": self.name, "digest": self.digest}
+
+
+def decode_embedding(text: str, dim: int):
+    """A ChatTTS speaker embedding string -> float32 tensor [dim], or VoiceError."""
+    import pybase16384 as b14
+    import torch
+
+    if not isinstance(text, str) or not text:
+        raise VoiceError("'embedding' must be a non-empty string")
+    if len(text) > MAX_EMBEDDING_CHARS:
+        raise VoiceError(f"'embedding' is longer than {MAX_EMBEDDING_CHARS} characters")
+    try:
+        raw = lzma.decompress(
+            b14.decode_from_string(text),
+            format=lzma.FORMAT_RAW,
+            filters=[{"id": lzma.FILTER_LZMA2, "preset": 9 | lzma.PRESET_EXTREME}],
+        )
+    except Exception:
+        raise VoiceError("'embedding' is not a ChatTTS speaker embedding string") from None
+    if len(raw) != dim * 2:
+        raise VoiceError(f"'embedding' has {len(raw) // 2} values; this model's voices have {dim}")
+    values = np.frombuffer(raw, dtype=np.float16).astype(np.float32)
+    if not np.isfinite(values).all():
+        raise VoiceError("'embedding' holds non-finite values")
+    return torch.from_numpy(values.copy())
+
+
+def encode_embedding(embedding) -> str:
+    """The inverse of ``decode_embedding`` (ChatTTS's own string format)."""
+    import pybase16384 as b14
+
+    raw = embedding.detach().to("cpu").numpy().astype(np.float16).tobytes()
+    packed = lzma.compress(
+        raw,
+        format=lzma.FORMAT_RAW,
+        filters=[{"id": lzma.FILTER_LZMA2, "preset": 9 | lzma.PRESET_EXTREME}],
+    )
+    return b14.encode_to_string(packed)
+
+
+def _digest(embedding) -> str:
+    return hashlib.sha256(embedding.numpy().astype("<f4").tobytes()).hexdigest()[:32]
+
+
+class VoiceStore:
+    """Resolves voice names; ``sampler(seed)`` draws a seed's voice from the loaded model."""
+
+    def __init__(self, directory: Path, dim: int, sampler):
+        self.directory = Path(directory)
+        self.dim = dim
+        self._sampler = sampler
+        self._lock = threading.Lock()
+        self._memo: dict[str, tuple[float, Voice]] = {}
+
+    def names(self) -> list[str]:
+        stored = set()
+        if self.directory.is_dir():
+            stored = {path.stem for path in self.directory.glob("*.json") if NAME.match(path.stem)}
+        return sorted(stored | set(DEFAULT_VOICES))
+
+    def listing(self) -> list[dict]:
+        return [
+            {"name": name, "source": "file" if self._path(name).is_file() else "default"}
+            for name in self.names()
+        ]
+
+    def get(self, name: str) -> Voice:
+        if not isinstance(name, str):
+            raise VoiceError("'voice' must be a string")
+        name = name.strip().lower()
+        seed = SEED_VOICE.match(name)
+        if seed:
+            value = int(seed.group(1))
+            if value > MAX_SEED:
+                raise VoiceError(f"voice seed must be between 0 and {MAX_SEED}")
+            return self.from_seed(value)
+        if not NAME.match(name):
+            raise VoiceError(
+                "voice names are 1-64 characters of a-z, 0-9, '-' and '_', "
+                "starting with a letter or digit; or 'seed:N'"
+            )
+        path = self._path(name)
+        try:
+            mtime = path.stat().st_mtime
+        except FileNotFoundError:
+            if name in DEFAULT_VOICES:
+                voice = self.from_seed(DEFAULT_VOICES[name])
+                return Voice(name, voice.embedding, voice.digest)
+            raise UnknownVoice(
+                f"unknown voice {name!r}; voices: {', '.join(self.names())}, or seed:N"
+            ) from None
+        with self._lock:
+            memo = self._memo.get(name)
+            if memo is not None and memo[0] == mtime:
+                return memo[1]
+        try:
+            record = json.loads(path.read_text(encoding="utf-8"))
+            embedding = decode_embedding(record["embedding"], self.dim)
+        except (OSError, ValueError, KeyError, TypeError) as error:
+            raise VoiceError(f"voice file for {name!r} is unusable: {error}") from None
+        voice = Voice(name, embedding, _digest(embedding))
+        with self._lock:
+            self._memo[name] = (mtime, voice)
+        return voice
+
+    def from_seed(self, seed: int) -> Voice:
+        embedding = self._sampler(seed)
+        return Voice(f"seed:{seed}", embedding, "")  # the seed alone defines it for this model
+
+    def register(self, name: str, embedding_text: str, replace: bool = False) -> Voice:
+        if not isinstance(name, str) or not NAME.match(name):
+            raise VoiceError(
+                "voice names are 1-64 characters of a-z, 0-9, '-' and '_', "
+                "starting with a letter or digit"
+            )
+        embedding = decode_embedding(embedding_text, self.dim)
+        self.directory.mkdir(parents=True, exist_ok=True)
+        path = self._path(name)
+        with self._lock:
+            if path.exists() and not replace:
+                raise VoiceError(f'voice {name!r} exists; send "replace": true to overwrite it')
+            record = {"name": name, "embedding": encode_embedding(embedding)}
+            handle, temporary = tempfile.mkstemp(dir=self.directory, suffix=".tmp")
+            try:
+                with os.fdopen(handle, "w", encoding="utf-8") as out:
+                    json.dump(record, out)
+                os.replace(temporary, path)
+            except BaseException:
+                Path(temporary).unlink(missing_ok=True)
+                raise
+            self._memo.pop(name, None)
+        return self.get(name)
+
+    def delete(self, name: str) -> None:
+        if not isinstance(name, str) or not NAME.match(name):
+            raise VoiceError("invalid voice name")
+        path = self._path(name)
+        if not path.is_file():
+            raise UnknownVoice(f"no stored voice {name!r}")
+        path.unlink()
+        with self._lock:
+            self._memo.pop(name, None)
+
+    def _path(self, name: str) -> Path:
+        return self.directory / f"{name}.json"
