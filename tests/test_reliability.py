@@ -324,35 +324,6 @@ def test_logs_on_a_full_disk_do_not_stop_serving(tiny_model_dir, tmp_path):
         process.wait(timeout=60)
 
 
-# -- a bounded fuzz of the whole API from its OpenAPI document ------------------------------------
-
-
-def test_schema_fuzz_finds_no_server_errors(start_server):
-    server = start_server(CHATTTS_MAX_NEW_TOKENS="40", CHATTTS_MAX_CHARS="200")
-    server.wait_ready()
-    result = subprocess.run(
-        [
-            os.path.join(os.path.dirname(sys.executable), "schemathesis"),
-            "run",
-            server.url + "/openapi.json",
-            "--checks",
-            "not_a_server_error",
-            "--max-examples",
-            "25",
-            "--seed",
-            "1",
-            "--request-timeout",
-            "60",
-            "--generation-deterministic",
-            "--no-color",
-        ],
-        capture_output=True,
-        text=True,
-        timeout=900,
-    )
-    assert result.returncode == 0, result.stdout[-6000:] + result.stderr[-2000:]
-
-
 # -- tuning without a restart ---------------------------------------------------------------------
 
 

@@ -258,12 +258,14 @@ def test_voices_listing_registration_and_use(api, client):
     assert decode(first.content)[0].shape == decode(again.content)[0].shape
 
     exists = post(api, "/v1/audio/voices", {"name": "narrator", "embedding": embedding})
-    assert exists.status_code == 400 and "exists" in exists.json()["error"]["message"]
+    assert exists.status_code == 409 and "exists" in exists.json()["error"]["message"]
     for name in ("../x", "Narrator", "a" * 70):
         bad = post(api, "/v1/audio/voices", {"name": name, "embedding": embedding})
         assert bad.status_code == 400
     junk = post(api, "/v1/audio/voices", {"name": "junk", "embedding": "zzz"})
-    assert junk.status_code == 400 and "embedding" in junk.json()["error"]["message"]
+    assert junk.status_code == 422 and "embedding" in junk.json()["error"]["message"]
+    empty = post(api, "/v1/audio/voices", {"name": "junk", "embedding": ""})
+    assert empty.status_code == 400
 
     assert requests.delete(api.url + "/v1/audio/voices/narrator", timeout=10).status_code == 200
     assert requests.delete(api.url + "/v1/audio/voices/narrator", timeout=10).status_code == 404

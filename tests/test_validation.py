@@ -39,8 +39,10 @@ def test_text_is_normalised_for_model_and_cache_alike():
         ({"text": "hi", "seed": "1"}, "'seed' must be an integer"),
         ({"text": "hi", "seed": 1.5}, "'seed' must be an integer"),
         ({"text": "hi", "seed": True}, "'seed' must be an integer"),
-        ({"text": "hi", "seed": -1}, "between 0 and"),
-        ({"text": "hi", "seed": 2**31}, "between 0 and"),
+        ({"text": "hi", "seed": -1}, "between 0 and 2147483647"),
+        ({"text": "hi", "seed": 2**31}, "between 0 and 2147483647"),
+        ({"text": "hi", "seed": 2.0**31}, "between 0 and 2147483647"),
+        ({"text": "hi", "refine_prompt": {}}, "'refine_prompt' must be a string"),
         ({"text": "hi", "refine_text": "yes"}, "'refine_text' must be true or false"),
         ({"text": "hi", "pitch": 2}, "unknown fields: pitch"),
         ({"text": "a\ud800b"}, "surrogate"),
@@ -88,23 +90,31 @@ def test_speed_maps_onto_chattts_levels(speed, level):
     assert request.speed == level
 
 
-def test_openai_request_fields():
+def test_openai_request_fields(tmp_path):
+    import torch
+
+    from chattts_service.services.voices import VoiceStore
+
+    voices = VoiceStore(tmp_path, 4, lambda seed: torch.full((4,), float(seed)))
     request, output = speech_request(
-        {"model": "tts-1", "input": "hello", "voice": None}, SETTINGS, None
+        {"model": "tts-1", "input": "hello", "voice": "seed:3"}, SETTINGS, voices
     )
     assert output.format == "mp3" and request.text == "hello"
+    assert request.voice.name == "seed:3"
+    with pytest.raises(BadRequest, match="'voice' is required"):
+        speech_request({"model": "tts-1", "input": "hello", "voice": None}, SETTINGS, voices)
     for body, message in [
         ({"input": "a", "voice": "alloy"}, "'model' is required"),
         ({"model": "whisper", "input": "a", "voice": "alloy"}, "unknown model"),
         ({"model": "tts-1", "input": "a"}, "'voice' is required"),
-        ({"model": "tts-1", "text": "a", "voice": None}, "unknown fields: text"),
+        ({"model": "tts-1", "text": "a", "voice": "alloy"}, "unknown fields: text"),
         (
-            {"model": "tts-1", "input": "a", "voice": None, "instructions": "whisper"},
+            {"model": "tts-1", "input": "a", "voice": "alloy", "instructions": "whisper"},
             "not supported",
         ),
     ]:
         with pytest.raises(BadRequest, match=message):
-            speech_request(body, SETTINGS, None)
+            speech_request(body, SETTINGS, voices)
 
 
 def test_body_parsing():
@@ -117,3 +127,33 @@ def test_body_parsing():
         json_body("application/json", b'["text"]')
     with pytest.raises(BadRequest, match="UTF-8"):
         json_body("application/json", b'{"text": "\xff"}')
+
+
+def test_integers_take_integral_json_numbers_as_json_schema_does():
+    request, _ = synthesize_request({"text": "hi", "top_k": 4.0, "seed": 12.0}, SETTINGS)
+    assert request.top_k == 4 and isinstance(request.top_k, int)
+    assert request.seed == 12 and isinstance(request.seed, int)
+
+
+def test_null_options_mean_their_defaults():
+    body = {
+        "text": "hi",
+        "seed": None,
+        "voice": None,
+        "speed": None,
+        "top_k": None,
+        "format": None,
+        "stream": None,
+        "refine_prompt": None,
+        "normalize": None,
+    }
+    request, output = synthesize_request(body, SETTINGS)
+    assert request.seed == 77 and request.top_k == 20 and output.format == "wav"
+
+
+def test_text_length_counts_the_code_points_sent():
+    # JSON Schema's maxLength counts what the client sent, before white space is collapsed
+    with pytest.raises(PayloadTooLarge, match="21 characters; the limit is 20"):
+        synthesize_request({"text": "a" + " " * 20}, SETTINGS)
+    request, _ = synthesize_request({"text": "a" + " " * 19}, SETTINGS)
+    assert request.text == "a"

@@ -15,6 +15,7 @@ from chattts_service.inference.types import (
     NothingToSay,
     Overloaded,
 )
+from chattts_service.services.voices import NotAnEmbedding, UnknownVoice, VoiceError, VoiceExists
 
 log = logging.getLogger(__name__)
 
@@ -40,6 +41,10 @@ class Unauthorized(ApiError):
 
 class NotFound(ApiError):
     status = 404
+
+
+class Conflict(ApiError):
+    status = 409
 
 
 class PayloadTooLarge(ApiError):
@@ -79,8 +84,20 @@ ENGINE_ERRORS: list[tuple[type[EngineError], type[ApiError], str]] = [
     (Cancelled, ClientClosedRequest, "synthesis dropped: {error}"),
     (EngineError, InternalError, "synthesis failed: {error}"),
 ]
+# The voice store's errors: a missing voice, a name taken, a string that is not an embedding;
+# any other is a malformed request.
+VOICE_ERRORS: list[tuple[type[VoiceError], type[ApiError]]] = [
+    (UnknownVoice, NotFound),
+    (VoiceExists, Conflict),
+    (NotAnEmbedding, Unprocessable),
+    (VoiceError, BadRequest),
+]
 RETRY_AFTER_SECONDS = "5"  # what a client told "not ready yet" should wait
 RETRY_AFTER_BOUNDS = (1, 300)  # seconds an overloaded answer's Retry-After may say
+
+
+def from_voice_error(error: VoiceError) -> ApiError:
+    return next(api(str(error)) for kind, api in VOICE_ERRORS if isinstance(error, kind))
 
 
 def from_engine_error(error: EngineError) -> ApiError:
@@ -99,6 +116,8 @@ OPENAI_ERROR_TYPES = {
     400: "invalid_request_error",
     401: "authentication_error",
     404: "not_found_error",
+    405: "invalid_request_error",
+    409: "invalid_request_error",
     413: "invalid_request_error",
     415: "invalid_request_error",
     422: "invalid_request_error",
@@ -133,7 +152,9 @@ def register_error_handlers(app: Flask) -> None:
 
     @app.errorhandler(HTTPException)
     def handle_http_exception(error: HTTPException):
-        return error_response(error.description or error.name, error.code or 500)
+        # keep what the exception says in headers (405's Allow, RFC 9110), not its HTML body
+        headers = {k: v for k, v in error.get_headers() if k.lower() != "content-type"}
+        return error_response(error.description or error.name, error.code or 500, headers)
 
     @app.errorhandler(Exception)
     def handle_unexpected(error: Exception):

@@ -1,122 +1,238 @@
-"""The OpenAPI 3.1 document served at /openapi.json, built from the same constants the
-validation uses, so the ranges it states are the ranges enforced."""
+"""The OpenAPI 3.1 document served at /openapi.json.
+
+Built from the definitions the validation enforces (the numeric fields, the formats, the
+control tokens, the voice names, the settings' bounds), so a field is never checked otherwise
+than it is documented; every status a route can answer is listed with its error schema.
+"""
 
 from __future__ import annotations
 
-from chattts_service.api.validation import MAX_SEED, MODEL_IDS, SPEED, TEMPERATURE, TOP_K, TOP_P
+from chattts_service.api.validation import (
+    MODEL_IDS,
+    SEED,
+    SPEED,
+    TEMPERATURE,
+    TOP_K,
+    TOP_P,
+)
 from chattts_service.config import Settings
+from chattts_service.inference.policy import KNOBS
 from chattts_service.services.audio import FORMATS, STREAM_FORMATS
 from chattts_service.services.text import INLINE_TOKENS
-from chattts_service.services.voices import DEFAULT_VOICES
+from chattts_service.services.voices import MAX_EMBEDDING_CHARS, MAX_SEED
+
+VOICE_NAME = r"^[a-z0-9][a-z0-9_-]{0,63}$"  # services/voices.py's NAME
 
 
-def _error(description: str, openai: bool = False) -> dict:
-    schema = {
-        "$ref": "#/components/schemas/OpenAIError" if openai else "#/components/schemas/Error"
-    }
+def seed_voice_pattern(maximum: int = MAX_SEED) -> str:
+    """``seed:N`` for N from 0 to ``maximum`` (leading zeros allowed, as int() takes them)."""
+    digits = str(maximum)
+    alternatives = [rf"\d{{1,{len(digits) - 1}}}"]
+    for index, digit in enumerate(digits):
+        rest = len(digits) - index - 1
+        if index == len(digits) - 1:
+            alternatives.append(digits[:index] + f"[0-{digit}]")
+        elif digit != "0":
+            low = "0" if index else "1"
+            if int(digit) - 1 >= int(low):
+                alternatives.append(digits[:index] + f"[{low}-{int(digit) - 1}]" + rf"\d{{{rest}}}")
+    return r"^seed:0*(" + "|".join(alternatives) + r")$"
+
+
+def text_patterns() -> tuple[str, str]:
+    """What the service takes as text, as two plain patterns: the whole text holds no
+    ``[...]`` but the inline control tokens (a "[" counts as a token's start when a "]" comes
+    before the next "["); and somewhere it has something besides white space and control
+    characters. (Unpaired UTF-16 surrogates are refused too; JSON Schema cannot say so.)"""
+    tokens = "|".join(token.strip("[]") for token in INLINE_TOKENS)
+    segment = rf"\[(?:(?:{tokens})\][^\[]*|[^\[\]]*)"
+    visible = rf"[^\s\x00-\x1f\x7f-\x9f\[]|\[(?:{tokens})\]"
+    return rf"^[^\[]*(?:{segment})*$", visible
+
+
+def _error(description: str, openai: bool) -> dict:
+    name = "OpenAIError" if openai else "Error"
+    schema = {"$ref": f"#/components/schemas/{name}"}
     return {"description": description, "content": {"application/json": {"schema": schema}}}
+
+
+def _errors(openai: bool, *codes: int) -> dict:
+    meaning = {
+        400: "A field missing, of the wrong type or out of range; unknown fields; a body "
+        "that is not a JSON object",
+        401: "API keys are configured and the request has none or a wrong one",
+        403: "The endpoint needs API keys to be configured (CHATTTS_API_KEYS)",
+        404: "No such resource",
+        409: "A voice of that name exists (send replace: true)",
+        413: "A text longer than CHATTTS_MAX_CHARS, or a body over 64 KiB",
+        415: "Content-Type is not application/json",
+        422: "Well-formed but not usable: nothing speakable after normalisation, too many "
+        "control tokens, or a string that is not a speaker embedding",
+        503: "Not ready (loading, warming up), the queue has no room, the estimated wait is "
+        "too long, or shutting down; Retry-After says when to try again",
+        504: "Not finished within CHATTTS_REQUEST_TIMEOUT_S; the work was dropped",
+    }
+    return {str(code): _error(meaning[code], openai) for code in codes}
+
+
+BODY_ERRORS = (400, 401, 413, 415)
 
 
 def _audio_responses(openai: bool) -> dict:
     audio = {"schema": {"type": "string", "format": "binary"}}
     content = {FORMATS[name][0]: audio for name in FORMATS if name != "pcm"}
     content["audio/L16"] = audio
-    return {
-        "200": {
-            "description": "Audio. Headers: X-Cache (HIT/MISS), X-Audio-Seconds, "
-            "X-Segments (how many segments a long text was split into).",
-            "content": content,
-        },
-        "400": _error("Invalid field, unknown voice, unknown control token", openai),
-        "413": _error("Text longer than CHATTTS_MAX_CHARS, or body over 64 KiB", openai),
-        "415": _error("Content-Type is not application/json", openai),
-        "422": _error("Nothing speakable left after normalisation", openai),
-        "503": _error("Model not ready, or the queue is full (see Retry-After)", openai),
-        "504": _error("Not finished within CHATTTS_REQUEST_TIMEOUT_S", openai),
+    ok = {
+        "description": "Audio. Headers: X-Cache (HIT/MISS), X-Audio-Seconds, X-Segments (how "
+        "many segments a long text was split into).",
+        "content": content,
     }
+    return {"200": ok, **_errors(openai, *BODY_ERRORS, 422, 503, 504)}
 
 
-def _options(settings: Settings) -> dict:
-    def number(spec, description, integer=False):
-        default, low, high = spec
-        return {
-            "type": "integer" if integer else "number",
-            "minimum": low,
-            "maximum": high,
-            "default": default,
-            "description": description,
-        }
+def _nullable(kind: str, **schema) -> dict:
+    return {"type": [kind, "null"], **schema}
 
+
+def _voice(voices: list[str], required: bool) -> dict:
+    choices = [{"enum": sorted(voices)}, {"type": "string", "pattern": seed_voice_pattern()}]
+    description = "A named voice (GET /v1/audio/voices) or seed:N." + (
+        "" if required else " Without it the voice of 'seed'."
+    )
+    if not required:
+        choices.append({"type": "null"})
+    return {"anyOf": choices, "description": description}
+
+
+def _options(settings: Settings, voices: list[str], required_voice: bool) -> dict:
     return {
-        "voice": {
-            "type": "string",
-            "pattern": r"^([a-z0-9][a-z0-9_-]{0,63}|seed:\d{1,10})$",
-            "description": "A named voice (see GET /v1/audio/voices; "
-            f"{', '.join(DEFAULT_VOICES)} are always there) or seed:N. "
-            "Without it /synthesize uses the voice of 'seed'.",
-        },
-        "seed": {
-            "type": "integer",
-            "minimum": 0,
-            "maximum": MAX_SEED,
-            "description": "Sampling seed (and the voice when 'voice' is absent).",
-        },
-        "speed": number(
-            SPEED,
-            "1 = normal. Mapped onto ChatTTS's [speed_0]..[speed_9] prompt "
-            "(two levels per doubling: 0.5 -> 3, 1 -> 5, 2 -> 7, 4 -> 9); "
-            "the model's own pace range is narrower than the numbers say.",
+        "voice": _voice(voices, required_voice),
+        "seed": SEED.schema(settings.default_seed),
+        "speed": SPEED.schema(),
+        "temperature": TEMPERATURE.schema(),
+        "top_p": TOP_P.schema(),
+        "top_k": TOP_K.schema(),
+        "refine_text": _nullable(
+            "boolean",
+            default=settings.refine_text,
+            description="Let the model rewrite the text first (pauses, fillers, laughter).",
         ),
-        "temperature": number(TEMPERATURE, "Sampling temperature of the speech codes."),
-        "top_p": number(TOP_P, "Nucleus sampling threshold."),
-        "top_k": number(TOP_K, "Top-k sampling.", integer=True),
-        "refine_text": {
-            "type": "boolean",
-            "default": settings.refine_text,
-            "description": "Let the model rewrite the text first (adds pauses, fillers, laughter).",
-        },
-        "refine_prompt": {
-            "type": "string",
-            "pattern": r"^(\[(oral_\d|laugh_[0-2]|break_[0-7])\])*$",
-            "description": "Control tokens for refinement, e.g. "
-            "[oral_2][laugh_0][break_6]; needs refine_text.",
-        },
-        "normalize": {
-            "type": "boolean",
-            "default": settings.normalize,
-            "description": "Write numbers, dates, times, money, units and phone "
-            "numbers out in words (wetext, zh and en) first.",
-        },
-        "stream": {
-            "type": "boolean",
-            "default": False,
-            "description": "Send audio while it is generated (chunked; "
+        "refine_prompt": _nullable(
+            "string",
+            pattern=r"^( *\[(oral_\d|laugh_[0-2]|break_[0-7])\])* *$",
+            description="Control tokens for refinement, e.g. [oral_2][laugh_0][break_6]; "
+            "needs refine_text.",
+        ),
+        "normalize": _nullable(
+            "boolean",
+            default=settings.normalize,
+            description="Write numbers, dates, money, units and phone numbers out in words "
+            "(wetext, zh and en) first.",
+        ),
+        "stream": _nullable(
+            "boolean",
+            default=False,
+            description="Send audio while it is generated (chunked; "
             f"{' or '.join(STREAM_FORMATS)} only).",
-        },
+        ),
     }
 
 
 def _text(settings: Settings) -> dict:
+    whole, somewhere = text_patterns()
     return {
         "type": "string",
         "minLength": 1,
         "maxLength": settings.max_chars,
-        "description": "Chinese and/or English. Inline control tokens allowed: "
-        f"{', '.join(INLINE_TOKENS)} (at most {settings.max_control_tokens}). "
+        "pattern": whole,
+        "allOf": [{"pattern": somewhere}],
+        "description": "Chinese and/or English, up to maxLength code points. Inline control "
+        f"tokens allowed: {', '.join(INLINE_TOKENS)} (at most {settings.max_control_tokens}). "
         "Long text is split at sentence boundaries.",
     }
 
 
-def document(settings: Settings) -> dict:
-    options = _options(settings)
-    formats = list(FORMATS)
+def _speech_request(settings, voices, text_field, format_field, default_format, openai):
+    """/synthesize's and /v1/audio/speech's body: the same options, two spellings."""
+    properties = {
+        text_field: _text(settings),
+        format_field: _nullable("string", enum=[*FORMATS, None], default=default_format),
+        **_options(settings, voices, required_voice=openai),
+    }
+    required = [text_field]
+    if openai:
+        properties["model"] = {"type": "string", "enum": list(MODEL_IDS)}
+        properties["instructions"] = _nullable(
+            "string", maxLength=0, description="Not supported; must be empty."
+        )
+        required = ["model", text_field, "voice"]
+    stream_then = {"properties": {format_field: {"enum": list(STREAM_FORMATS)}}}
+    if default_format not in STREAM_FORMATS:
+        stream_then["required"] = [format_field]
+    refine_then = (
+        {"properties": {"refine_text": {"enum": [True, None]}}}
+        if settings.refine_text
+        else {"properties": {"refine_text": {"const": True}}, "required": ["refine_text"]}
+    )
+    return {
+        "type": "object",
+        "additionalProperties": False,
+        "required": required,
+        "properties": properties,
+        "allOf": [
+            {  # a stream sends wav or pcm
+                "if": {"properties": {"stream": {"const": True}}, "required": ["stream"]},
+                "then": stream_then,
+            },
+            {  # a refinement prompt needs refinement
+                "if": {
+                    "properties": {"refine_prompt": {"type": "string", "pattern": r"\["}},
+                    "required": ["refine_prompt"],
+                },
+                "then": refine_then,
+            },
+        ],
+    }
 
-    def json_body(ref: str) -> dict:
-        return {"required": True, "content": {"application/json": {"schema": {"$ref": ref}}}}
 
-    def plain(description: str) -> dict:
-        return {"200": {"description": description}}
+def _tuning(limits: dict) -> dict:
+    properties = {
+        name: {"type": "integer", "minimum": limits[name].low, "maximum": limits[name].high}
+        for name in KNOBS
+    }
+    return {
+        "type": "object",
+        "additionalProperties": False,
+        "minProperties": 1,
+        "properties": properties,
+    }
 
+
+def _path_name(pattern: str | None = None, enum: list[str] | None = None, example=None) -> list:
+    schema = {"type": "string"}
+    if pattern:
+        schema["pattern"] = pattern
+    if enum:
+        schema["enum"] = enum
+    parameter = {"name": "name", "in": "path", "required": True, "schema": schema}
+    if example:
+        parameter["example"] = example
+    return [parameter]
+
+
+def _json_body(name: str) -> dict:
+    schema = {"$ref": f"#/components/schemas/{name}"}
+    return {"required": True, "content": {"application/json": {"schema": schema}}}
+
+
+def _ok(description: str) -> dict:
+    return {"200": {"description": description}}
+
+
+# Long: the whole document as one literal shows every path beside its neighbours; field types
+# and bounds come from the shared definitions above.
+def document(settings: Settings, voices: list[str], limits: dict) -> dict:
+    """``voices``: the names a request may use now; ``limits``: the batching policy's bounds."""
     return {
         "openapi": "3.1.0",
         "info": {
@@ -128,172 +244,118 @@ def document(settings: Settings) -> dict:
             "/synthesize": {
                 "post": {
                     "summary": "Synthesise speech (WAV by default)",
-                    "requestBody": json_body("#/components/schemas/SynthesizeRequest"),
+                    "requestBody": _json_body("SynthesizeRequest"),
                     "responses": _audio_responses(openai=False),
                 }
             },
             "/v1/audio/speech": {
                 "post": {
                     "summary": "OpenAI-compatible speech (MP3 by default)",
-                    "requestBody": json_body("#/components/schemas/SpeechRequest"),
+                    "requestBody": _json_body("SpeechRequest"),
                     "responses": _audio_responses(openai=True),
                 }
             },
             "/v1/models": {
                 "get": {
                     "summary": "Model names accepted in 'model'",
-                    "responses": plain("OpenAI model list"),
+                    "responses": {**_ok("OpenAI model list"), **_errors(True, 401)},
                 }
             },
             "/v1/models/{name}": {
                 "get": {
                     "summary": "One model",
-                    "parameters": [
-                        {
-                            "name": "name",
-                            "in": "path",
-                            "required": True,
-                            "schema": {"type": "string"},
-                        }
-                    ],
-                    "responses": {
-                        **plain("OpenAI model object"),
-                        "404": _error("No such model", True),
-                    },
+                    "parameters": _path_name(enum=list(MODEL_IDS), example="tts-1"),
+                    "responses": {**_ok("OpenAI model object"), **_errors(True, 401, 404)},
                 }
             },
             "/v1/audio/voices": {
-                "get": {"summary": "Named voices", "responses": plain("{voices: [names]}")},
+                "get": {
+                    "summary": "Named voices",
+                    "responses": {**_ok("{voices: [names]}"), **_errors(True, 401, 503)},
+                },
                 "post": {
                     "summary": "Register a voice from a ChatTTS speaker embedding string",
-                    "requestBody": json_body("#/components/schemas/VoiceRequest"),
+                    "requestBody": _json_body("VoiceRequest"),
                     "responses": {
                         "201": {"description": "Registered"},
-                        "400": _error("Bad name or embedding, or it exists", True),
+                        **_errors(True, *BODY_ERRORS, 409, 422, 503),
                     },
                 },
             },
             "/v1/audio/voices/{name}": {
                 "delete": {
                     "summary": "Delete a registered voice",
-                    "parameters": [
-                        {
-                            "name": "name",
-                            "in": "path",
-                            "required": True,
-                            "schema": {"type": "string"},
-                        }
-                    ],
-                    "responses": {
-                        **plain("Deleted"),
-                        "404": _error("No stored voice", True),
-                        "400": _error("Invalid name", True),
-                    },
+                    "parameters": _path_name(pattern=VOICE_NAME, example="narrator"),
+                    "responses": {**_ok("Deleted"), **_errors(True, 400, 401, 404, 503)},
                 }
             },
             "/admin/config": {
                 "get": {
                     "summary": "Batching settings in effect, and their limits (API key)",
-                    "responses": {**plain("Settings"), "403": _error("No API keys configured")},
+                    "responses": {**_ok("Settings"), **_errors(False, 401, 403, 503)},
                 },
                 "post": {
-                    "summary": "Change max_batch, batch_wait_ms, max_queue, max_wait_s "
-                    "on the running server (API key)",
-                    "requestBody": json_body("#/components/schemas/TuningRequest"),
+                    "summary": "Change max_batch, batch_wait_ms, max_queue, max_wait_s on the "
+                    "running server (API key)",
+                    "requestBody": _json_body("TuningRequest"),
                     "responses": {
-                        **plain("Settings now in effect"),
-                        "400": _error("Out of range or unknown"),
-                        "403": _error("No API keys configured"),
+                        **_ok("Settings now in effect"),
+                        **_errors(False, *BODY_ERRORS, 403, 503),
                     },
                 },
             },
-            "/healthz": {"get": {"summary": "Liveness", "responses": plain("Alive")}},
+            "/healthz": {"get": {"summary": "Liveness", "responses": _ok("Alive")}},
             "/readyz": {
                 "get": {
                     "summary": "Readiness: 200 once loaded and warmed up",
-                    "responses": {**plain("Ready"), "503": _error("Loading, warming up or failed")},
+                    "responses": {**_ok("Ready"), **_errors(False, 503)},
                 }
             },
             "/metrics": {
                 "get": {
                     "summary": "Prometheus metrics",
-                    "responses": plain("Prometheus text format"),
+                    "responses": {**_ok("Prometheus text format"), **_errors(False, 401)},
                 }
             },
             "/": {
                 "get": {
                     "summary": "The playground page (HTML, no external assets)",
-                    "responses": plain("HTML"),
+                    "responses": _ok("HTML"),
                 }
             },
             "/status": {
                 "get": {
                     "summary": "Service status for the playground: state, queue, cache, recent "
                     "latency and real-time factor, degraded mode, model, uptime",
-                    "responses": plain("Status object"),
+                    "responses": {**_ok("Status object"), **_errors(False, 401)},
                 }
             },
-            "/openapi.json": {
-                "get": {"summary": "This document", "responses": plain("OpenAPI 3.1")}
-            },
+            "/openapi.json": {"get": {"summary": "This document", "responses": _ok("OpenAPI 3.1")}},
         },
         "components": {
             "schemas": {
-                "SynthesizeRequest": {
-                    "type": "object",
-                    "additionalProperties": False,
-                    "required": ["text"],
-                    "properties": {
-                        "text": _text(settings),
-                        "format": {"type": "string", "enum": formats, "default": "wav"},
-                        **options,
-                    },
-                },
-                "SpeechRequest": {
-                    "type": "object",
-                    "additionalProperties": False,
-                    "required": ["model", "input", "voice"],
-                    "properties": {
-                        "model": {"type": "string", "enum": list(MODEL_IDS)},
-                        "input": _text(settings),
-                        "response_format": {"type": "string", "enum": formats, "default": "mp3"},
-                        "instructions": {
-                            "type": "string",
-                            "maxLength": 0,
-                            "description": "Not supported; must be empty.",
-                        },
-                        **options,
-                    },
-                },
+                "SynthesizeRequest": _speech_request(
+                    settings, voices, "text", "format", "wav", openai=False
+                ),
+                "SpeechRequest": _speech_request(
+                    settings, voices, "input", "response_format", "mp3", openai=True
+                ),
                 "VoiceRequest": {
                     "type": "object",
                     "additionalProperties": False,
                     "required": ["name", "embedding"],
                     "properties": {
-                        "name": {"type": "string", "pattern": r"^[a-z0-9][a-z0-9_-]{0,63}$"},
+                        "name": {"type": "string", "pattern": VOICE_NAME},
                         "embedding": {
                             "type": "string",
-                            "maxLength": 16384,
+                            "minLength": 1,
+                            "maxLength": MAX_EMBEDDING_CHARS,
                             "description": "ChatTTS speaker embedding string",
                         },
                         "replace": {"type": "boolean", "default": False},
                     },
                 },
-                "TuningRequest": {
-                    "type": "object",
-                    "additionalProperties": False,
-                    "minProperties": 1,
-                    "properties": {
-                        "max_batch": {
-                            "type": "integer",
-                            "minimum": 1,
-                            "maximum": settings.max_batch,
-                        },
-                        "batch_wait_ms": {"type": "integer", "minimum": 0, "maximum": 2000},
-                        "max_queue": {"type": "integer", "minimum": 1, "maximum": 4096},
-                        "max_wait_s": {"type": "integer", "minimum": 0, "maximum": 3600},
-                    },
-                },
+                "TuningRequest": _tuning(limits),
                 "Error": {
                     "type": "object",
                     "required": ["error"],

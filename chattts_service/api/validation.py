@@ -2,18 +2,20 @@
 
 from __future__ import annotations
 
+import json
 import math
 import re
 import unicodedata
+from dataclasses import dataclass
 from typing import Any
 
 from chattts_service.api.errors import BadRequest, PayloadTooLarge, UnsupportedMediaType
 from chattts_service.config import Settings
-from chattts_service.inference.types import SynthesisRequest
+from chattts_service.inference.types import CODE_SAMPLING, SynthesisRequest
 from chattts_service.services.audio import FORMATS, STREAM_FORMATS
 from chattts_service.services.speech import Output
 from chattts_service.services.text import TextError, check_refine_prompt, check_tokens
-from chattts_service.services.voices import VoiceError
+from chattts_service.services.voices import MAX_SEED, VoiceError
 
 OPTION_FIELDS = {
     "seed",
@@ -31,13 +33,10 @@ SYNTHESIZE_FIELDS = {"text", "format"} | OPTION_FIELDS
 SPEECH_FIELDS = {"model", "input", "response_format", "instructions"} | OPTION_FIELDS
 # Model names an OpenAI client may send; they all mean the one model this service runs.
 MODEL_IDS = ("chattts", "tts-1", "tts-1-hd", "gpt-4o-mini-tts")
-MAX_SEED = 2**31 - 1
 _WHITESPACE = re.compile(r"\s+")
 
 
 def json_body(content_type: str | None, raw: bytes) -> dict[str, Any]:
-    import json
-
     if content_type != "application/json":
         raise UnsupportedMediaType("Content-Type must be application/json")
     try:
@@ -46,6 +45,8 @@ def json_body(content_type: str | None, raw: bytes) -> dict[str, Any]:
         raise BadRequest("body is not valid UTF-8") from None
     except ValueError as error:
         raise BadRequest(f"body is not valid JSON: {error}") from None
+    except RecursionError:  # deeply nested arrays or objects
+        raise BadRequest("body is nested too deeply") from None
     if not isinstance(body, dict):
         raise BadRequest("body must be a JSON object")
     return body
@@ -59,32 +60,98 @@ def normalise_text(text: str) -> str:
     return _WHITESPACE.sub(" ", text).strip()
 
 
+@dataclass(frozen=True)
+class NumberField:
+    """A numeric option: what validation enforces and what the OpenAPI document states, from
+    one declaration. An integer field takes integral JSON numbers (4 and 4.0), as JSON Schema
+    does; null means the default."""
+
+    name: str
+    default: float | None
+    low: float
+    high: float
+    integer: bool
+    description: str
+
+    def parse(self, body: dict[str, Any], default=None):
+        value = body.get(self.name)
+        if value is None:
+            return self.default if default is None else default
+        kind = "an integer" if self.integer else "a number"
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise BadRequest(f"'{self.name}' must be {kind}")
+        if self.integer:
+            value = integral(value)
+            if not isinstance(value, int):
+                raise BadRequest(f"'{self.name}' must be {kind}")
+        if not math.isfinite(value) or not self.low <= value <= self.high:
+            raise BadRequest(
+                f"'{self.name}' must be between {number_text(self.low)} and "
+                f"{number_text(self.high)}"
+            )
+        return value
+
+    def schema(self, default=None) -> dict:
+        schema = {
+            "type": ["integer" if self.integer else "number", "null"],
+            "minimum": self.low,
+            "maximum": self.high,
+            "description": self.description,
+        }
+        if (default if default is not None else self.default) is not None:
+            schema["default"] = default if default is not None else self.default
+        return schema
+
+
+def integral(value):
+    """An integral JSON number as an int (4.0 -> 4), as JSON Schema counts it an integer;
+    anything else unchanged, for its own check to refuse."""
+    if isinstance(value, float) and math.isfinite(value) and value.is_integer():
+        return int(value)
+    return value
+
+
+def number_text(value: float) -> str:
+    """A bound as people write it: 2147483647, not 2.14748e+09; 0.25, not 0.250000."""
+    return str(int(value)) if float(value).is_integer() else f"{value:g}"
+
+
 # The sampling knobs, with ChatTTS's defaults for speech codes and the ranges accepted.
-TEMPERATURE = (0.3, 0.01, 2.0)
-TOP_P = (0.7, 0.01, 1.0)
-TOP_K = (20, 1, 100)
-SPEED = (1.0, 0.25, 4.0)
+TEMPERATURE = NumberField(
+    "temperature",
+    CODE_SAMPLING.temperature,
+    0.01,
+    2.0,
+    False,
+    "Sampling temperature of the speech codes.",
+)
+TOP_P = NumberField("top_p", CODE_SAMPLING.top_p, 0.01, 1.0, False, "Nucleus sampling threshold.")
+TOP_K = NumberField("top_k", CODE_SAMPLING.top_k, 1, 100, True, "Top-k sampling.")
+SPEED = NumberField(
+    "speed",
+    1.0,
+    0.25,
+    4.0,
+    False,
+    "1 = normal. Mapped onto ChatTTS's [speed_0]..[speed_9] prompt (two levels "
+    "per doubling: 0.5 -> 3, 1 -> 5, 2 -> 7, 4 -> 9); the model's own pace range "
+    "is narrower than the numbers say.",
+)
+SEED = NumberField(
+    "seed",
+    None,
+    0,
+    MAX_SEED,
+    True,
+    "Sampling seed (and the voice when 'voice' is absent); the server's "
+    "CHATTTS_DEFAULT_SEED when absent.",
+)
 
 
 def speed_level(speed: float) -> int:
     """OpenAI's speed (0.25-4.0, 1 = normal) -> ChatTTS's [speed_N] prompt level (0-9, 5 =
     normal): two levels per doubling, so 0.25 -> 1, 0.5 -> 3, 1 -> 5, 2 -> 7, 4 -> 9."""
     return max(0, min(9, round(5 + 2 * math.log2(speed))))
-
-
-def _number(body, name, default, low, high, integer=False):
-    value = body.get(name, None)
-    if value is None:
-        return default
-    if (
-        isinstance(value, bool)
-        or not isinstance(value, (int, float))
-        or (integer and not isinstance(value, int))
-    ):
-        raise BadRequest(f"'{name}' must be {'an integer' if integer else 'a number'}")
-    if not math.isfinite(value) or not low <= value <= high:
-        raise BadRequest(f"'{name}' must be between {low:g} and {high:g}")
-    return value
 
 
 def _flag(body, name, default):
@@ -104,13 +171,13 @@ def _text(body, name, settings):
         raise BadRequest(f"'{name}' must be a string")
     if any(0xD800 <= ord(ch) <= 0xDFFF for ch in text):
         raise BadRequest(f"'{name}' contains an unpaired UTF-16 surrogate")
-    text = normalise_text(text)
-    if not text:
-        raise BadRequest(f"'{name}' must not be empty")
-    if len(text) > settings.max_chars:
+    if len(text) > settings.max_chars:  # code points, as JSON Schema's maxLength counts
         raise PayloadTooLarge(
             f"'{name}' has {len(text)} characters; the limit is {settings.max_chars}"
         )
+    text = normalise_text(text)
+    if not text:
+        raise BadRequest(f"'{name}' must not be empty")
     try:
         check_tokens(text, settings.max_control_tokens)
     except TextError as error:
@@ -118,6 +185,7 @@ def _text(body, name, settings):
     return text
 
 
+# Long: one check per field, in the order of the README's field table.
 def synthesis_options(
     body: dict[str, Any],
     settings: Settings,
@@ -136,7 +204,7 @@ def synthesis_options(
         )
     text = _text(body, text_field, settings)
 
-    seed = _number(body, "seed", settings.default_seed, 0, MAX_SEED, integer=True)
+    seed = SEED.parse(body, settings.default_seed)
 
     voice = None
     if body.get("voice") is not None:
@@ -159,7 +227,9 @@ def synthesis_options(
             f"'{format_field}' {audio_format!r} cannot be streamed"
         )
 
-    refine_prompt = body.get("refine_prompt") or ""
+    refine_prompt = body.get("refine_prompt")
+    if refine_prompt is None:
+        refine_prompt = ""
     if not isinstance(refine_prompt, str):
         raise BadRequest("'refine_prompt' must be a string")
     try:
@@ -175,10 +245,10 @@ def synthesis_options(
         seed=seed,
         refine_text=refine_text,
         voice=voice,
-        speed=speed_level(_number(body, "speed", *SPEED)),
-        temperature=float(_number(body, "temperature", *TEMPERATURE)),
-        top_p=float(_number(body, "top_p", *TOP_P)),
-        top_k=_number(body, "top_k", *TOP_K, integer=True),
+        speed=speed_level(SPEED.parse(body)),
+        temperature=float(TEMPERATURE.parse(body)),
+        top_p=float(TOP_P.parse(body)),
+        top_k=TOP_K.parse(body),
         normalize=_flag(body, "normalize", settings.normalize),
         refine_prompt=refine_prompt,
     )
@@ -209,7 +279,7 @@ def speech_request(
         raise BadRequest("'model' is required")
     if model not in MODEL_IDS:
         raise BadRequest(f"unknown model {model!r}; models: {', '.join(MODEL_IDS)}")
-    if "voice" not in body:
+    if body.get("voice") is None:
         raise BadRequest("'voice' is required")
     instructions = body.get("instructions")
     if instructions not in (None, ""):

@@ -87,55 +87,13 @@ def load_model(settings: Settings) -> LoadedModel:
 
 def _load_modules(settings: Settings, paths: model_files.ModelPaths, architecture) -> LoadedModel:
     from ChatTTS import Chat
-    from ChatTTS.model import DVAE, Embed, Speaker, Tokenizer
-    from safetensors.torch import load_file as load_safetensors
-    from transformers import LlamaModel
-    from vocos import Vocos
-    from vocos.pretrained import instantiate_class
+    from ChatTTS.model import Speaker, Tokenizer
 
     chat = Chat(logging.getLogger("ChatTTS"))
     config = chat.config = config_from_architecture(architecture)
-
-    llama = LlamaModel.from_pretrained(str(paths.gpt))
-    transformer = Transformer(
-        llama,
-        settings.quantize,
-        settings.kernels,
-        settings.int8_product,
-        settings.kv_cache_dtype,
-        kernel_dir=settings.kernel_dir,
-    )
-    del llama
-    gc.collect()
-
-    embed = Embed(
-        config.embed.hidden_size,
-        config.embed.num_audio_tokens,
-        config.embed.num_text_tokens,
-        config.embed.num_vq,
-    )
-    embed.load_state_dict(load_safetensors(str(paths.embed)), assign=True)
-    heads = Heads(
-        embed.eval().requires_grad_(False),
-        rows=settings.max_batch,
-        quantization=settings.quantize,
-        kernels=transformer.kernels,
-    )
-    del embed.head_text, embed.head_code  # folded into Heads
-    chat.embed = embed
-
-    decoder = DVAE(decoder_config=asdict(config.decoder), dim=config.decoder.idim)
-    decoder.load_state_dict(load_safetensors(str(paths.decoder)), assign=True)
-    chat.decoder = decoder.eval().requires_grad_(False)
-
-    vocos = Vocos(
-        feature_extractor=instantiate_class(args=(), init=asdict(config.vocos.feature_extractor)),
-        backbone=instantiate_class(args=(), init=asdict(config.vocos.backbone)),
-        head=instantiate_class(args=(), init=asdict(config.vocos.head)),
-    )
-    vocos.load_state_dict(load_safetensors(str(paths.vocos)), assign=True)
-    chat.vocos = vocos.eval().requires_grad_(False)
-
+    transformer = _load_transformer(settings, paths)  # first: its fp32 weights are unmapped after
+    chat.embed, heads = _load_embeddings(settings, paths, config, transformer)
+    chat.decoder, chat.vocos = _load_audio_modules(paths, config)
     chat.speaker = Speaker(config.gpt.hidden_size, config.spk_stat)
     chat.tokenizer = Tokenizer(str(paths.tokenizer))
     if chat.tokenizer.len != config.gpt.num_text_tokens:
@@ -158,6 +116,64 @@ def _load_modules(settings: Settings, paths: model_files.ModelPaths, architectur
         name="chattts",
         seconds=0.0,
     )
+
+
+def _load_transformer(settings: Settings, paths: model_files.ModelPaths) -> Transformer:
+    """The GPT, memory-mapped by transformers, read once into the lean (int8) transformer."""
+    from transformers import LlamaModel
+
+    llama = LlamaModel.from_pretrained(str(paths.gpt))
+    transformer = Transformer(
+        llama,
+        settings.quantize,
+        settings.kernels,
+        settings.int8_product,
+        settings.kv_cache_dtype,
+        kernel_dir=settings.kernel_dir,
+    )
+    del llama
+    gc.collect()
+    return transformer
+
+
+def _load_embeddings(settings: Settings, paths, config, transformer: Transformer):
+    """ChatTTS's ``Embed`` and the heads folded out of it (weight norm applied once)."""
+    from ChatTTS.model import Embed
+    from safetensors.torch import load_file as load_safetensors
+
+    embed = Embed(
+        config.embed.hidden_size,
+        config.embed.num_audio_tokens,
+        config.embed.num_text_tokens,
+        config.embed.num_vq,
+    )
+    embed.load_state_dict(load_safetensors(str(paths.embed)), assign=True)
+    heads = Heads(
+        embed.eval().requires_grad_(False),
+        rows=settings.max_batch,
+        quantization=settings.quantize,
+        kernels=transformer.kernels,
+    )
+    del embed.head_text, embed.head_code  # folded into Heads
+    return embed, heads
+
+
+def _load_audio_modules(paths, config):
+    """ChatTTS's mel decoder (the DVAE's decoder path only) and the Vocos vocoder."""
+    from ChatTTS.model import DVAE
+    from safetensors.torch import load_file as load_safetensors
+    from vocos import Vocos
+    from vocos.pretrained import instantiate_class
+
+    decoder = DVAE(decoder_config=asdict(config.decoder), dim=config.decoder.idim)
+    decoder.load_state_dict(load_safetensors(str(paths.decoder)), assign=True)
+    vocos = Vocos(
+        feature_extractor=instantiate_class(args=(), init=asdict(config.vocos.feature_extractor)),
+        backbone=instantiate_class(args=(), init=asdict(config.vocos.backbone)),
+        head=instantiate_class(args=(), init=asdict(config.vocos.head)),
+    )
+    vocos.load_state_dict(load_safetensors(str(paths.vocos)), assign=True)
+    return decoder.eval().requires_grad_(False), vocos.eval().requires_grad_(False)
 
 
 def cache_normaliser_jit() -> None:

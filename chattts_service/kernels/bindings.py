@@ -75,6 +75,8 @@ class Kernels:
             message = abi.status_message(self.library, status)
             raise KernelError(f"{message} ({product.upper()})" if product else message)
 
+    # Long: every argument is checked before the C call, where a wrong shape would corrupt
+    # memory instead of raising.
     def attention(
         self,
         layer: int,
@@ -168,6 +170,7 @@ class Kernels:
         )
         return out, row_max
 
+    # Long, for the same reason as attention: the checks before the C call.
     def int8_linear(
         self,
         x: torch.Tensor,

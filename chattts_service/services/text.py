@@ -12,8 +12,11 @@ boundary, then at a space, and only as a last resort in the middle of a run of c
 
 from __future__ import annotations
 
+import logging
 import re
 import threading
+
+log = logging.getLogger(__name__)
 
 # Tokens ChatTTS understands inside the text itself.
 INLINE_TOKENS = ("[uv_break]", "[v_break]", "[lbreak]", "[laugh]")
@@ -158,7 +161,11 @@ class Normaliser:
                 from wetext import Normalizer
 
                 self._normalizer = Normalizer(lang="auto", operator="tn")
-            normalised = self._normalizer.normalize(stripped)
+            try:
+                normalised = self._normalizer.normalize(stripped)
+            except Exception as error:  # wetext asserts on some inputs (e.g. "\xad\xa0:")
+                log.warning("text normalisation skipped a part it could not parse: %r", error)
+                normalised = stripped
         # keep the whitespace around the part: it separates it from neighbouring tokens
         lead = text[: len(text) - len(text.lstrip())]
         trail = text[len(text.rstrip()) :]

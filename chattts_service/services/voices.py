@@ -26,8 +26,9 @@ from pathlib import Path
 import numpy as np
 
 NAME = re.compile(r"^[a-z0-9][a-z0-9_-]{0,63}$")
-SEED_VOICE = re.compile(r"^seed:(\d{1,10})$")
-MAX_EMBEDDING_CHARS = 16_384
+SEED_VOICE = re.compile(r"^seed:(\d+)$")
+# a real embedding is ~1,000 characters; the bound keeps the longest valid body under 64 KiB
+MAX_EMBEDDING_CHARS = 4096
 # OpenAI's voice names -> the seeds their embeddings are drawn from
 DEFAULT_VOICES = {
     "alloy": 2222,
@@ -42,6 +43,14 @@ MAX_SEED = 2**31 - 1
 
 class VoiceError(ValueError):
     """A voice name or embedding that cannot be used; the message says why."""
+
+
+class NotAnEmbedding(VoiceError):
+    """A well-formed string that does not decode to this model's speaker embedding."""
+
+
+class VoiceExists(VoiceError):
+    """A voice of that name is stored and the request did not ask to replace it."""
 
 
 class UnknownVoice(VoiceError):
@@ -74,12 +83,14 @@ def decode_embedding(text: str, dim: int):
             filters=[{"id": lzma.FILTER_LZMA2, "preset": 9 | lzma.PRESET_EXTREME}],
         )
     except Exception:
-        raise VoiceError("'embedding' is not a ChatTTS speaker embedding string") from None
+        raise NotAnEmbedding("'embedding' is not a ChatTTS speaker embedding string") from None
     if len(raw) != dim * 2:
-        raise VoiceError(f"'embedding' has {len(raw) // 2} values; this model's voices have {dim}")
+        raise NotAnEmbedding(
+            f"'embedding' has {len(raw) // 2} values; this model's voices have {dim}"
+        )
     values = np.frombuffer(raw, dtype=np.float16).astype(np.float32)
     if not np.isfinite(values).all():
-        raise VoiceError("'embedding' holds non-finite values")
+        raise NotAnEmbedding("'embedding' holds non-finite values")
     return torch.from_numpy(values.copy())
 
 
@@ -128,7 +139,8 @@ class VoiceStore:
         name = name.strip().lower()
         seed = SEED_VOICE.match(name)
         if seed:
-            value = int(seed.group(1))
+            digits = seed.group(1).lstrip("0") or "0"
+            value = int(digits) if len(digits) <= len(str(MAX_SEED)) else MAX_SEED + 1
             if value > MAX_SEED:
                 raise VoiceError(f"voice seed must be between 0 and {MAX_SEED}")
             return self.from_seed(value)
@@ -176,7 +188,7 @@ class VoiceStore:
         path = self._path(name)
         with self._lock:
             if path.exists() and not replace:
-                raise VoiceError(f'voice {name!r} exists; send "replace": true to overwrite it')
+                raise VoiceExists(f'voice {name!r} exists; send "replace": true to overwrite it')
             record = {"name": name, "embedding": encode_embedding(embedding)}
             handle, temporary = tempfile.mkstemp(dir=self.directory, suffix=".tmp")
             try:

@@ -100,7 +100,13 @@ def run(
         for _ in range(concurrency):
             pool.submit(worker)
     wall = time.perf_counter() - started
+    return summarise(outcomes, endpoint, concurrency, total, wall)
 
+
+def summarise(
+    outcomes: list[Outcome], endpoint: str, concurrency: int, total: int, wall: float
+) -> dict:
+    """The report of a run: latency percentiles, throughput, errors by status."""
     ok = [o for o in outcomes if o.status == 200]
     latencies = [o.seconds for o in ok]
     audio = sum(o.audio_seconds for o in ok)

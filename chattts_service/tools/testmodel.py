@@ -179,6 +179,7 @@ def _save(module, path: Path) -> None:
     save_file(state, str(path), metadata={"format": "pt"})
 
 
+# Long: it writes ChatTTS's model layout file by file, in one readable sequence.
 def build(out_dir: Path, size: str = "tiny", seed: int = 0) -> Path:
     """Write a random-weight model to ``out_dir`` and return it."""
     import torch

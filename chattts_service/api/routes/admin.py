@@ -49,7 +49,8 @@ def change():
     if not body:
         raise BadRequest(f"send one or more of {', '.join(policy.limits())}")
     try:
-        current = current_app.extensions["chattts"].engine.tune(**body)
+        changes = {name: validation.integral(value) for name, value in body.items()}
+        current = current_app.extensions["chattts"].engine.tune(**changes)
     except PolicyError as error:
         raise BadRequest(str(error)) from None
     log.warning("batching tuned at run time: %s", body)

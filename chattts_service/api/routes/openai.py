@@ -9,9 +9,15 @@ from __future__ import annotations
 from flask import Blueprint, current_app, jsonify, request
 
 from chattts_service.api import validation
-from chattts_service.api.errors import RETRY_AFTER_SECONDS, BadRequest, NotFound, NotReady
+from chattts_service.api.errors import (
+    RETRY_AFTER_SECONDS,
+    BadRequest,
+    NotFound,
+    NotReady,
+    from_voice_error,
+)
 from chattts_service.api.speech import speak
-from chattts_service.services.voices import UnknownVoice, VoiceError
+from chattts_service.services.voices import VoiceError
 
 blueprint = Blueprint("openai", __name__)
 CREATED = 1_700_000_000  # a fixed "created" time for the model listing
@@ -73,7 +79,7 @@ def register_voice():
     try:
         voice = store.register(body.get("name"), body.get("embedding"), replace=replace)
     except VoiceError as error:
-        raise BadRequest(str(error)) from None
+        raise from_voice_error(error) from None
     response = jsonify(voice.describe())
     response.status_code = 201
     return response
@@ -83,8 +89,6 @@ def register_voice():
 def delete_voice(name: str):
     try:
         _voices().delete(name)
-    except UnknownVoice as error:
-        raise NotFound(str(error)) from None
     except VoiceError as error:
-        raise BadRequest(str(error)) from None
+        raise from_voice_error(error) from None
     return jsonify(deleted=name)

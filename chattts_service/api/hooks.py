@@ -1,0 +1,56 @@
+"""What runs around every request: the API-key check, and the one-line access log."""
+
+from __future__ import annotations
+
+import logging
+import time
+
+from flask import Flask, g, request
+
+from chattts_service.api.auth import ApiKeys
+from chattts_service.api.errors import Unauthorized
+
+log = logging.getLogger("chattts_service.access")
+
+QUIET_PATHS = ("/healthz", "/readyz", "/metrics")  # probes and scrapes would drown the log
+
+
+def require_api_key(app: Flask, api_keys: ApiKeys, metrics_auth: bool, on_refused) -> None:
+    """With keys configured, every path but the open ones needs ``Authorization: Bearer``;
+    ``on_refused()`` counts a refusal."""
+
+    @app.before_request
+    def check_api_key():
+        needs_key = api_keys.enabled and not ApiKeys.is_open(request.path, metrics_auth)
+        if needs_key and not api_keys.allows(request.headers.get("Authorization")):
+            on_refused()
+            raise Unauthorized(
+                "a valid API key is required: Authorization: Bearer <key>",
+                headers={"WWW-Authenticate": "Bearer"},
+            )
+
+
+def log_requests(app: Flask) -> None:
+    """One line a request: method, path, status, duration, audio seconds, cache status."""
+
+    @app.before_request
+    def remember_start():
+        g.started = time.perf_counter()
+
+    @app.after_request
+    def log_request(response):
+        if g.get("degraded"):
+            response.headers["X-Degraded"] = "1"
+        duration = time.perf_counter() - g.get("started", time.perf_counter())
+        if request.path in QUIET_PATHS:
+            return response
+        log.info(
+            "%s %s %d %.3fs audio=%.2fs cache=%s",
+            request.method,
+            request.path,
+            response.status_code,
+            duration,
+            g.get("audio_seconds", 0.0),
+            g.get("cache", "-"),
+        )
+        return response

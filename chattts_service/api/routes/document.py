@@ -1,0 +1,19 @@
+"""GET /openapi.json: the API described, built from the same sources as the validation."""
+
+from __future__ import annotations
+
+from flask import Blueprint, current_app, jsonify
+
+from chattts_service.api.openapi import document
+from chattts_service.services.voices import DEFAULT_VOICES
+
+blueprint = Blueprint("document", __name__)
+
+
+@blueprint.get("/openapi.json")
+def openapi_document():
+    state = current_app.extensions["chattts"]
+    engine = state.engine
+    # the voices a request may name now: the defaults until the model (and its store) loads
+    voices = engine.voices.names() if engine.voices is not None else list(DEFAULT_VOICES)
+    return jsonify(document(state.settings, voices, engine.policy.limits()))

@@ -1,0 +1,139 @@
+"""The OpenAPI document is the contract: schemathesis, every check, finds nothing.
+
+A real server on loopback (tiny model), its own /openapi.json, every phase (examples, coverage,
+fuzzing, stateful), every check, with API keys (so the admin and authenticated paths are
+reached) and without, and with a registered voice so the voice routes have data to act on.
+Bounded: a few dozen examples per operation, one request at a time.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import requests
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from chattts_service.api.openapi import seed_voice_pattern, text_patterns
+from chattts_service.api.validation import json_body
+from chattts_service.services.text import TextError, check_tokens
+from chattts_service.services.voices import SEED_VOICE
+
+KEY = "contract-key-0123456789abcdef"
+CONFIG = Path(__file__).with_name("schemathesis.toml")
+
+
+def _schemathesis(server, *extra: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [
+            os.path.join(os.path.dirname(sys.executable), "schemathesis"),
+            "--config-file",
+            str(CONFIG),
+            "run",
+            server.url + "/openapi.json",
+            "--checks",
+            "all",
+            "--phases",
+            "examples,coverage,fuzzing,stateful",
+            "--max-examples",
+            "25",
+            "--max-response-time",
+            "120",
+            "--request-timeout",
+            "120",
+            "--generation-deterministic",
+            "--no-color",
+            *extra,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=1200,
+    )
+
+
+def _register_voice(server, headers: dict) -> None:
+    import torch
+
+    from chattts_service.services.voices import encode_embedding
+    from chattts_service.tools.testmodel import TINY
+
+    dim = TINY["gpt"]["hidden_size"]
+    embedding = encode_embedding(torch.randn(dim, generator=torch.Generator().manual_seed(3)))
+    answer = requests.post(
+        server.url + "/v1/audio/voices",
+        json={"name": "narrator", "embedding": embedding},
+        headers=headers,
+        timeout=30,
+    )
+    assert answer.status_code == 201, answer.text
+
+
+@pytest.mark.parametrize("keys", [True, False], ids=["with-keys", "without-keys"])
+def test_schemathesis_with_every_check_finds_nothing(start_server, tmp_path, keys):
+    settings_env = {
+        "CHATTTS_MAX_NEW_TOKENS": "40",
+        "CHATTTS_MAX_CHARS": "200",
+        "CHATTTS_VOICES_DIR": str(tmp_path / "voices"),
+    }
+    headers = {}
+    if keys:
+        settings_env["CHATTTS_API_KEYS"] = KEY
+        headers = {"Authorization": f"Bearer {KEY}"}
+    server = start_server(**settings_env)
+    server.wait_ready()
+    _register_voice(server, headers)
+    extra = ("-H", f"Authorization: Bearer {KEY}") if keys else ()
+    result = _schemathesis(server, *extra)
+    assert result.returncode == 0, result.stdout[-8000:] + result.stderr[-2000:]
+    assert re.search(r"\b[1-9]\d* generated, [1-9]\d* passed", result.stdout), result.stdout[-2000:]
+
+
+def test_a_method_a_route_does_not_take_gets_405_with_allow(start_server):
+    server = start_server(CHATTTS_WARMUP="0")
+    server.wait_ready()
+    answer = requests.request("TRACE", server.url + "/healthz", timeout=10)
+    assert answer.status_code == 405 and "GET" in answer.headers["Allow"]
+    assert answer.json()["error"]
+    answer = requests.put(server.url + "/v1/audio/speech", json={}, timeout=10)
+    assert answer.status_code == 405 and answer.headers["Allow"] == "POST, OPTIONS"
+    assert answer.json()["error"]["code"] == 405
+
+
+# -- the document's patterns say what the service enforces -----------------------------------
+
+
+PIECES = st.sampled_from(["[", "]", "a", " ", "laugh", "uv_break", "x_y", "你"])
+
+
+@settings(max_examples=400, deadline=None)
+@given(st.lists(PIECES, max_size=12).map("".join))
+def test_the_text_pattern_accepts_exactly_the_control_tokens_the_service_takes(text):
+    whole, _ = text_patterns()
+    try:
+        check_tokens(text, 10_000)
+        taken = True
+    except TextError:
+        taken = False
+    assert bool(re.search(whole, text)) == taken
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.integers(min_value=0, max_value=10**11), st.integers(min_value=0, max_value=3))
+def test_the_seed_voice_pattern_is_the_service_range(seed, zeros):
+    name = "seed:" + "0" * zeros + str(seed)
+    assert SEED_VOICE.match(name)
+    assert bool(re.match(seed_voice_pattern(), name)) == (seed <= 2**31 - 1)
+
+
+def test_deeply_nested_json_is_a_400_not_a_500():
+    from chattts_service.api.errors import BadRequest
+
+    with pytest.raises(BadRequest, match="nested too deeply"):
+        json_body("application/json", b"[" * 5000 + b"]" * 5000)
+    with pytest.raises(BadRequest, match="nested too deeply"):
+        json_body("application/json", b'{"a":' * 5000 + b"1" + b"}" * 5000)
