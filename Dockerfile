@@ -66,7 +66,8 @@ ENV PATH=/opt/venv/bin:$PATH \
 RUN NUMBA_CACHE_DIR=/opt/numba-cache python -m chattts_service.tools.warmup --jit-cache
 USER 10001:10001
 EXPOSE 8090
-HEALTHCHECK --interval=15s --timeout=5s --start-period=180s --retries=3 \
+# a first start downloads the model into the volume: the start period allows for it
+HEALTHCHECK --interval=15s --timeout=5s --start-period=1200s --retries=3 \
     CMD ["python", "-c", "import os, sys, urllib.request; sys.exit(0 if urllib.request.urlopen('http://127.0.0.1:%s/readyz' % os.environ.get('CHATTTS_PORT', '8090'), timeout=4).status == 200 else 1)"]
 ENTRYPOINT ["chattts-entrypoint"]
 CMD ["python", "server.py"]

@@ -37,6 +37,7 @@ KERNEL_MODES = ("auto", "on", "off")
 INT8_PRODUCTS = ("auto", "vnni", "avx2")
 KV_CACHE_DTYPES = ("bf16", "int8")
 DECODER_DTYPES = ("auto", "bf16", "fp32")
+DOWNLOAD_MODES = ("auto", "never")
 LOG_LEVELS = tuple(logging.getLevelNamesMapping())
 
 
@@ -101,6 +102,19 @@ class Settings:
         "MODEL_DIR",
         Path("models/chattts"),
         "directory holding the model in ChatTTS's layout (asset/...)",
+    )
+    download: str = _env_field(
+        "DOWNLOAD",
+        "auto",
+        "an empty, incomplete or corrupt model directory is fetched from the hub (HF_ENDPOINT, "
+        "HF_TOKEN) at start: auto, or never (air-gapped sites: an error names what is missing)",
+        choices=DOWNLOAD_MODES,
+    )
+    model_checksums: str = _env_field(
+        "MODEL_CHECKSUMS",
+        "",
+        "a JSON file of {relative path: sha256} the model files must match, instead of the "
+        "list the installed ChatTTS ships (for weights of another revision)",
     )
     verify_model: bool = _env_field(
         "VERIFY_MODEL", True, "check every model file against ChatTTS's sha256 list at start"

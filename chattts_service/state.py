@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 
 from chattts_service.api.auth import ApiKeys
 from chattts_service.config import Settings
+from chattts_service.inference.download import DownloadFailed, DownloadProgress, ensure_model
 from chattts_service.inference.engine import Engine
 from chattts_service.inference.model_files import ModelFilesError
 from chattts_service.runtime.metrics import Metrics
@@ -24,6 +25,9 @@ log = logging.getLogger(__name__)
 # gunicorn's exit status for "the worker failed to boot": the arbiter then stops for good
 # instead of restarting a worker that can never load its model.
 WORKER_BOOT_ERROR = 3
+# pauses between attempts to reach the hub
+FIRST_RETRY_SECONDS = 5.0
+MAX_RETRY_SECONDS = 300.0
 
 
 class RecentRequests:
@@ -79,6 +83,7 @@ class ServiceState:
     phase: str = "starting"  # starting -> loading -> warming -> ready | failed
     failure: str | None = None
     speech: SpeechPipeline | None = None  # the pipeline both speech endpoints call
+    download: DownloadProgress = field(default_factory=DownloadProgress)
 
     @property
     def ready(self) -> bool:
@@ -103,8 +108,31 @@ class ServiceState:
         thread.start()
         return thread
 
+    def _fetch_model(self) -> None:
+        """Make the model directory complete, downloading it where allowed. A hub that cannot
+        be reached is tried again after a growing pause (the process stays up and says why in
+        /readyz), never in a tight loop of restarts."""
+        pause = FIRST_RETRY_SECONDS
+        while True:
+            try:
+                ensure_model(self.settings, self.download, on_download=self._downloading)
+                self.download.update(error=None, retry_at=None)
+                self.failure = None
+                return
+            except DownloadFailed as error:
+                log.error("%s; trying again in %.0f s", error, pause)
+                self.failure = str(error)
+                self.download.update(error=str(error), retry_at=time.monotonic() + pause)
+                time.sleep(pause)
+                pause = min(pause * 2, MAX_RETRY_SECONDS)
+
+    def _downloading(self) -> None:
+        self.phase = "downloading"
+
     def _load_and_warm(self, exit_on_failure: bool) -> None:
         try:
+            self.phase = "loading"
+            self._fetch_model()
             self.phase = "loading"
             self.engine.load()
             if self.settings.warmup:

@@ -71,9 +71,11 @@ def test_deployment_matches_the_service_and_the_compose_file():
     assert container["startupProbe"]["httpGet"]["path"] == "/readyz"
     assert container["readinessProbe"]["httpGet"]["path"] == "/readyz"
     assert container["livenessProbe"]["httpGet"]["path"] == "/healthz"
-    # warm-up is allowed for: at least 3 minutes before the startup probe gives up
+    # a first start downloads the model: at least 20 minutes before the startup probe gives up
     startup = container["startupProbe"]
-    assert startup["periodSeconds"] * startup["failureThreshold"] >= 180
+    assert startup["periodSeconds"] * startup["failureThreshold"] >= 1200
+    env = {item["name"]: item.get("value") for item in container["env"]}
+    assert env["CHATTTS_DOWNLOAD"] == "auto" and "initContainers" not in pod
     # preStop + drain + in-flight grace fit inside the termination grace period
     settings = Settings.from_env({})
     pre_stop = int(container["lifecycle"]["preStop"]["exec"]["command"][-1])

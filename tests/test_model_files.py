@@ -83,7 +83,7 @@ def test_download_command_line(tmp_path):
         timeout=120,
     )
     assert result.returncode == 1
-    assert result.stderr.startswith("error: could not download 2Noise/ChatTTS")
+    assert result.stderr.splitlines()[-1].startswith("error: could not download 2Noise/ChatTTS")
     bad = subprocess.run(
         [sys.executable, "-m", "chattts_service.inference.model_files", "fetch"],
         capture_output=True,

@@ -22,6 +22,7 @@ from chattts_service.config import Settings
 from chattts_service.inference import model_files
 from chattts_service.inference.architecture import config_from_architecture, read_architecture
 from chattts_service.inference.decoding import AudioDecoder
+from chattts_service.inference.download import ensure_model
 from chattts_service.inference.generation import Batch, Heads
 from chattts_service.inference.transformer import Transformer
 from chattts_service.runtime import heap
@@ -55,9 +56,8 @@ def load_model(settings: Settings) -> LoadedModel:
     cache_normaliser_jit()
     started = time.perf_counter()
     model_dir = Path(settings.model_dir)
-    paths = model_files.check_present(model_dir)
-    if settings.verify_model:
-        model_files.verify(model_dir)
+    ensure_model(settings)  # present and verified (fetched first where allowed)
+    paths = model_files.ModelPaths(model_dir)
     architecture = read_architecture(paths.architecture)
 
     torch.set_num_threads(settings.torch_threads)

@@ -13,7 +13,6 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
-import os
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,7 +20,10 @@ from pathlib import Path
 from chattts_service.inference.architecture import ARCHITECTURE_FILE_NAME
 
 HUB_REPO_ID = "2Noise/ChatTTS"
-HUB_ALLOW_PATTERNS = ["asset/*", "asset/gpt/*", "asset/tokenizer/*"]
+# architecture.json: this project's own description of a model of other shapes (the test
+# models); the real repository has none, and the pattern then matches nothing
+EXTRA_FILES = ("architecture.json",)
+HUB_ALLOW_PATTERNS = ["asset/*", "asset/gpt/*", "asset/tokenizer/*", *EXTRA_FILES]
 
 # Relative paths of every file the service loads, in ChatTTS's layout.
 MODEL_FILES = (
@@ -141,37 +143,16 @@ def verify(model_dir: Path, checksums: dict[str, str] | None = None) -> None:
         )
 
 
-def download(model_dir: Path, revision: str | None = None, endpoint: str | None = None) -> Path:
-    """Fetch the real weights from the Hugging Face hub into ``model_dir`` and verify them.
+def download(model_dir: Path, endpoint: str | None = None) -> Path:
+    """Fetch the real weights from the Hugging Face hub into ``model_dir`` and verify them, as
+    the server does at start (``download.ensure_model``). ``HF_ENDPOINT`` (or ``endpoint``)
+    selects a mirror; ``HF_TOKEN`` is honoured."""
+    # download.py builds on this module, so it is imported when it is used
+    from chattts_service.config import Settings
+    from chattts_service.inference.download import ensure_model
 
-    ``HF_ENDPOINT`` (or ``endpoint``) selects a mirror; ``HF_TOKEN`` is honoured by the client.
-    """
-    try:
-        from huggingface_hub import snapshot_download
-        from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError
-    except ImportError as error:  # pragma: no cover - the dependency is pinned
-        raise ModelFilesError(f"huggingface_hub is not installed: {error}") from error
-
-    model_dir.mkdir(parents=True, exist_ok=True)
-    hub = endpoint or os.environ.get("HF_ENDPOINT") or "https://huggingface.co"
-    try:
-        snapshot_download(
-            repo_id=HUB_REPO_ID,
-            revision=revision,
-            local_dir=model_dir,
-            allow_patterns=HUB_ALLOW_PATTERNS,
-            endpoint=endpoint,
-        )
-    except (HfHubHTTPError, LocalEntryNotFoundError, OSError) as error:
-        raise ModelFilesError(
-            f"could not download {HUB_REPO_ID} from {hub}: {error.__class__.__name__}: {error}. "
-            "Check the network, or set HF_ENDPOINT to a reachable mirror."
-        ) from error
-    except Exception as error:  # the hub client raises several transport-level types
-        raise ModelFilesError(
-            f"could not download {HUB_REPO_ID} from {hub}: {error.__class__.__name__}: {error}"
-        ) from error
-    verify(model_dir)
+    settings = Settings.from_env({}, model_dir=model_dir, verify_model=True, download="auto")
+    ensure_model(settings, endpoint=endpoint)
     return model_dir
 
 
@@ -183,14 +164,13 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     fetch = sub.add_parser("download", help="fetch the weights from the Hugging Face hub")
     fetch.add_argument("model_dir", type=Path)
-    fetch.add_argument("--revision", default=None, help="hub revision (branch, tag or commit)")
     fetch.add_argument("--endpoint", default=None, help="hub URL (default: $HF_ENDPOINT)")
     check = sub.add_parser("verify", help="check a directory against ChatTTS's checksums")
     check.add_argument("model_dir", type=Path)
     args = parser.parse_args(argv)
     try:
         if args.command == "download":
-            download(args.model_dir, revision=args.revision, endpoint=args.endpoint)
+            download(args.model_dir, endpoint=args.endpoint)
             print(f"downloaded and verified {HUB_REPO_ID} into {args.model_dir}")
         else:
             verify(args.model_dir)
@@ -202,4 +182,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    # run the package's copy of this module: download.py raises its ModelFilesError, which a
+    # copy imported as __main__ would not recognise
+    from chattts_service.inference import model_files
+
+    sys.exit(model_files.main())

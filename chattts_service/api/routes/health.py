@@ -19,7 +19,9 @@ def readyz():
     state = current_app.extensions["chattts"]
     if state.ready:
         return jsonify(status="ready", model=state.engine.model_name)
-    body = {"status": state.phase}
+    body = {"status": state.phase, "phase": state.phase}
+    if state.phase == "downloading":
+        body.update(state.download.snapshot())
     if state.failure:
         body["error"] = state.failure
     response = jsonify(body)

@@ -39,5 +39,6 @@ def status():
         "cache_megabytes": round(state.cache.bytes / 2**20, 1),
         "auth_required": state.api_keys.enabled,
         **state.recent.summary(),
+        **({"download": state.download.snapshot()} if state.phase == "downloading" else {}),
     }
     return jsonify(body)

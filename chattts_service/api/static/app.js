@@ -173,7 +173,12 @@ async function refreshStatus() {
     return;
   }
   const pct = (x) => x == null ? "–" : Math.round(x * 100) + "%";
-  $("s-state").textContent = status.status;
+  const download = status.download;
+  $("s-state").textContent = download && download.bytes_total
+    ? `downloading the model: ${(download.bytes_done / 1e6).toFixed(0)} of ` +
+      `${(download.bytes_total / 1e6).toFixed(0)} MB` +
+      (download.error ? ` (retrying: ${download.error})` : "")
+    : status.status;
   $("s-queue").textContent = `${status.queue_depth} (batch ${status.max_batch})`;
   $("s-flight").textContent = status.in_flight;
   $("s-cache").textContent = `${status.cache_entries} (${status.cache_megabytes} MB)`;
