@@ -100,7 +100,8 @@ def test_a_method_a_route_does_not_take_gets_405_with_allow(start_server):
     assert answer.status_code == 405 and "GET" in answer.headers["Allow"]
     assert answer.json()["error"]
     answer = requests.put(server.url + "/v1/audio/speech", json={}, timeout=10)
-    assert answer.status_code == 405 and answer.headers["Allow"] == "POST, OPTIONS"
+    assert answer.status_code == 405
+    assert {method.strip() for method in answer.headers["Allow"].split(",")} == {"POST", "OPTIONS"}
     assert answer.json()["error"]["code"] == 405
 
 
