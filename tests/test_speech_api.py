@@ -306,3 +306,66 @@ def test_a_stream_whose_client_leaves_stops_generating(api):
     steps = counter("chatts_step_duration_seconds_count", "")
     time.sleep(1.0)
     assert counter("chatts_step_duration_seconds_count", "") == steps
+
+
+def _events(lines) -> list[dict]:
+    """A plain Server-Sent Events reader: the JSON of every ``data:`` line."""
+    import json
+
+    events = []
+    for line in lines:
+        line = line.decode() if isinstance(line, bytes) else line
+        if line.startswith("data: "):
+            events.append(json.loads(line[len("data: ") :]))
+    return events
+
+
+def _joined(events) -> bytes:
+    import base64
+
+    assert events and events[-1]["type"] == "speech.audio.done", events[-1:]
+    assert all(event["type"] == "speech.audio.delta" for event in events[:-1])
+    return b"".join(base64.b64decode(event["audio"]) for event in events[:-1])
+
+
+def test_openai_client_streams_server_sent_events(api, client):
+    body = {"model": "tts-1", "voice": "alloy", "input": "事件流测试。", "response_format": "pcm"}
+    with client.audio.speech.with_streaming_response.create(
+        **body, stream_format="sse", extra_body={"seed": 31}
+    ) as response:
+        assert response.headers["content-type"] == "text/event-stream"
+        events = _events(response.iter_lines())
+    pcm = _joined(events)
+    assert len(events) >= 2  # deltas as the audio is decoded, then done
+    assert events[-1]["usage"]["output_tokens"] == -(-len(pcm) // 2 // 512)
+    # the finished stream filled the cache with what it sent: the plain answer is those bytes
+    plain = post(api, "/v1/audio/speech", {**body, "seed": 31})
+    assert plain.headers["X-Cache"] == "HIT" and plain.content == pcm
+
+
+def test_server_sent_events_on_synthesize_carry_the_wav_and_whole_files(api):
+    wav = post(
+        api, "/synthesize", {"text": "事件流。", "seed": 32, "stream_format": "sse"}, stream=True
+    )
+    assert wav.headers["Content-Type"] == "text/event-stream"
+    streamed = _joined(_events(wav.iter_lines()))
+    audio, rate = decode(
+        streamed[:4]
+        + struct.pack("<I", len(streamed) - 8)
+        + streamed[8:40]
+        + struct.pack("<I", len(streamed) - 44)
+        + streamed[44:]
+    )
+    assert rate == 24_000 and len(audio) > 0
+    # mp3 cannot stream: one delta holding the whole file, the same file as without events
+    mp3 = post(
+        api, "/synthesize", {"text": "整段。", "seed": 33, "format": "mp3", "stream_format": "sse"}
+    )
+    events = _events(mp3.iter_lines())
+    assert (
+        len(events) == 2
+        and _joined(events)
+        == post(api, "/synthesize", {"text": "整段。", "seed": 33, "format": "mp3"}).content
+    )
+    bad = post(api, "/synthesize", {"text": "hi", "stream_format": "chunks"})
+    assert bad.status_code == 400 and "'stream_format' must be one of audio, sse" in bad.text

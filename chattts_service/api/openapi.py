@@ -11,6 +11,7 @@ from chattts_service.api.validation import (
     MODEL_IDS,
     SEED,
     SPEED,
+    STREAM_FORMAT_CHOICES,
     TEMPERATURE,
     TOP_K,
     TOP_P,
@@ -82,12 +83,47 @@ def _audio_responses(openai: bool) -> dict:
     audio = {"schema": {"type": "string", "format": "binary"}}
     content = {FORMATS[name][0]: audio for name in FORMATS if name != "pcm"}
     content["audio/L16"] = audio
+    # stream_format "sse": each event (this schema, as OpenAPI 3.1 reads it) holds one JSON object
+    content["text/event-stream"] = {"schema": SPEECH_EVENT}
     ok = {
         "description": "Audio. Headers: X-Cache (HIT/MISS), X-Audio-Seconds, X-Segments (how "
         "many segments a long text was split into).",
         "content": content,
     }
     return {"200": ok, **_errors(openai, *BODY_ERRORS, 422, 503, 504)}
+
+
+SPEECH_EVENT = {
+    "type": "object",
+    "required": ["data"],
+    "properties": {
+        "event": {"type": "string"},
+        "data": {
+            "type": "string",
+            "contentMediaType": "application/json",
+            "contentSchema": {
+                "oneOf": [
+                    {
+                        "type": "object",
+                        "required": ["type", "audio"],
+                        "properties": {
+                            "type": {"const": "speech.audio.delta"},
+                            "audio": {"type": "string", "contentEncoding": "base64"},
+                        },
+                    },
+                    {
+                        "type": "object",
+                        "required": ["type", "usage"],
+                        "properties": {
+                            "type": {"const": "speech.audio.done"},
+                            "usage": {"type": "object"},
+                        },
+                    },
+                ]
+            },
+        },
+    },
+}
 
 
 def _nullable(kind: str, **schema) -> dict:
@@ -134,6 +170,14 @@ def _options(settings: Settings, voices: list[str], required_voice: bool) -> dic
             default=False,
             description="Send audio while it is generated (chunked; "
             f"{' or '.join(STREAM_FORMATS)} only).",
+        ),
+        "stream_format": _nullable(
+            "string",
+            enum=[*STREAM_FORMAT_CHOICES, None],
+            default="audio",
+            description="OpenAI's: 'audio' (the audio itself) or 'sse' (Server-Sent Events: "
+            "speech.audio.delta with base64 audio, then speech.audio.done; streamed as "
+            "generated for wav and pcm, one delta holding the whole file otherwise).",
         ),
     }
 

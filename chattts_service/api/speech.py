@@ -7,6 +7,8 @@ each chunk as soon as the engine has decoded it; a client that leaves stops the 
 
 from __future__ import annotations
 
+import base64
+import json
 import select
 import socket
 from collections.abc import Callable
@@ -15,7 +17,7 @@ from flask import Response, current_app, g, request
 
 from chattts_service.api import validation
 from chattts_service.api.errors import RETRY_AFTER_SECONDS, ApiError, NotReady, from_engine_error
-from chattts_service.inference.types import EngineError
+from chattts_service.inference.types import SAMPLE_RATE, SAMPLES_PER_STEP, EngineError
 from chattts_service.services.speech import Speech, SpeechStream
 
 
@@ -39,12 +41,13 @@ def speak(parse) -> Response:
         should_stop = client_gone(request.environ)
         try:
             if output.stream:
-                return _streamed(pipeline.stream(plan, output, record, should_stop))
+                stream = pipeline.stream(plan, output, record, should_stop)
+                return _streamed(stream, events=output.events)
             speech = pipeline.synthesize(plan, output, should_stop)
         except EngineError as error:
             raise from_engine_error(error) from None
         record.finish(200, speech.seconds, speech.cache)
-        return _whole(speech)
+        return _whole(speech, events=output.events)
     except ApiError as error:
         record.finish(error.status)
         raise
@@ -62,32 +65,60 @@ def _headers(response: Response, cache_status: str, seconds: float | None, segme
     response.headers["Cache-Control"] = "no-store"
 
 
-def _whole(speech: Speech) -> Response:
+def _whole(speech: Speech, events: bool = False) -> Response:
     g.audio_seconds, g.cache = speech.seconds, speech.cache
-    response = Response(speech.body, content_type=speech.content_type)
+    if events:  # a format that cannot stream: the whole file in one delta
+        response = Response(_events([speech.body], speech.seconds), content_type=EVENT_STREAM)
+    else:
+        response = Response(speech.body, content_type=speech.content_type)
     _headers(response, speech.cache, speech.seconds, speech.segments)
     return response
 
 
-def _streamed(stream: SpeechStream) -> Response:
+def _streamed(stream: SpeechStream, events: bool = False) -> Response:
     g.cache = stream.cache
     began = []  # set once the server starts sending the body
 
     def body():
         began.append(True)
-        yield from stream.chunks  # a broken stream raises: the connection ends without its
-        # final chunk, so the client sees a broken stream, not a complete but short one
+        # a broken stream raises: the connection ends without its final chunk (or, with
+        # events, without speech.audio.done), so the client sees a broken stream, not a
+        # complete but short one
+        if events:
+            yield from _events(stream.chunks, None)
+        else:
+            yield from stream.chunks
 
     def never_sent():
         # the connection closed before the body was started: the stream's clean-up never ran
         if not began:
             stream.close_unsent()
 
-    response = Response(body(), content_type=stream.content_type, direct_passthrough=True)
+    content_type = EVENT_STREAM if events else stream.content_type
+    response = Response(body(), content_type=content_type, direct_passthrough=True)
     response.call_on_close(never_sent)
     _headers(response, stream.cache, stream.seconds)
     response.headers["X-Accel-Buffering"] = "no"  # a proxy in front must not hold chunks back
     return response
+
+
+EVENT_STREAM = "text/event-stream"
+
+
+def _events(chunks, seconds: float | None):
+    """Audio as OpenAI's speech events: ``speech.audio.delta`` with base64 audio, then
+    ``speech.audio.done`` with usage (ChatTTS has no tokens to bill: ``output_tokens`` counts
+    the GPT steps' worth of audio, 512 samples each; ``input_tokens`` is 0)."""
+    samples = 0
+    for chunk in chunks:
+        samples += len(chunk) // 2
+        delta = {"type": "speech.audio.delta", "audio": base64.b64encode(chunk).decode("ascii")}
+        yield f"data: {json.dumps(delta)}\n\n".encode()
+    if seconds is not None:
+        samples = round(seconds * SAMPLE_RATE)
+    steps = -(-samples // SAMPLES_PER_STEP)
+    usage = {"input_tokens": 0, "output_tokens": steps, "total_tokens": steps}
+    yield f"data: {json.dumps({'type': 'speech.audio.done', 'usage': usage})}\n\n".encode()
 
 
 def client_gone(environ) -> Callable[[], bool] | None:

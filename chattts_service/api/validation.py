@@ -28,7 +28,9 @@ OPTION_FIELDS = {
     "refine_prompt",
     "normalize",
     "stream",
+    "stream_format",
 }
+STREAM_FORMAT_CHOICES = ("audio", "sse")  # OpenAI's: raw audio, or Server-Sent Events
 SYNTHESIZE_FIELDS = {"text", "format"} | OPTION_FIELDS
 SPEECH_FIELDS = {"model", "input", "response_format", "instructions"} | OPTION_FIELDS
 # Model names an OpenAI client may send; they all mean the one model this service runs.
@@ -252,7 +254,13 @@ def synthesis_options(
         normalize=_flag(body, "normalize", settings.normalize),
         refine_prompt=refine_prompt,
     )
-    return request, Output(format=audio_format, stream=stream)
+    stream_format = body.get("stream_format")
+    if stream_format is not None and stream_format not in STREAM_FORMAT_CHOICES:
+        raise BadRequest(f"'stream_format' must be one of {', '.join(STREAM_FORMAT_CHOICES)}")
+    events = stream_format == "sse"
+    # events carry the audio as it is decoded where the format streams, else the whole file
+    stream = stream or (events and audio_format in STREAM_FORMATS)
+    return request, Output(format=audio_format, stream=stream, events=events)
 
 
 def synthesize_request(

@@ -31,6 +31,7 @@ log = logging.getLogger(__name__)
 class Output:
     format: str
     stream: bool
+    events: bool = False  # Server-Sent Events (OpenAI's stream_format "sse"), else raw audio
 
 
 @dataclass(frozen=True)
