@@ -19,7 +19,7 @@ import requests
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from chattts_service.api.openapi import seed_voice_pattern, text_patterns
+from chattts_service.api.schemas import seed_voice_pattern, text_patterns
 from chattts_service.api.validation import json_body
 from chattts_service.services.text import TextError, check_tokens
 from chattts_service.services.voices import SEED_VOICE

@@ -7,6 +7,12 @@ than it is documented; every status a route can answer is listed with its error 
 
 from __future__ import annotations
 
+from chattts_service.api.schemas import (
+    SPEECH_EVENT,
+    VOICE_NAME,
+    seed_voice_pattern,
+    text_patterns,
+)
 from chattts_service.api.validation import (
     MODEL_IDS,
     SEED,
@@ -20,35 +26,7 @@ from chattts_service.config import Settings
 from chattts_service.inference.policy import KNOBS
 from chattts_service.services.audio import FORMATS, STREAM_FORMATS
 from chattts_service.services.text import INLINE_TOKENS
-from chattts_service.services.voices import MAX_EMBEDDING_CHARS, MAX_SEED
-
-VOICE_NAME = r"^[a-z0-9][a-z0-9_-]{0,63}$"  # services/voices.py's NAME
-
-
-def seed_voice_pattern(maximum: int = MAX_SEED) -> str:
-    """``seed:N`` for N from 0 to ``maximum`` (leading zeros allowed, as int() takes them)."""
-    digits = str(maximum)
-    alternatives = [rf"\d{{1,{len(digits) - 1}}}"]
-    for index, digit in enumerate(digits):
-        rest = len(digits) - index - 1
-        if index == len(digits) - 1:
-            alternatives.append(digits[:index] + f"[0-{digit}]")
-        elif digit != "0":
-            low = "0" if index else "1"
-            if int(digit) - 1 >= int(low):
-                alternatives.append(digits[:index] + f"[{low}-{int(digit) - 1}]" + rf"\d{{{rest}}}")
-    return r"^seed:0*(" + "|".join(alternatives) + r")$"
-
-
-def text_patterns() -> tuple[str, str]:
-    """What the service takes as text, as two plain patterns: the whole text holds no
-    ``[...]`` but the inline control tokens (a "[" counts as a token's start when a "]" comes
-    before the next "["); and somewhere it has something besides white space and control
-    characters. (Unpaired UTF-16 surrogates are refused too; JSON Schema cannot say so.)"""
-    tokens = "|".join(token.strip("[]") for token in INLINE_TOKENS)
-    segment = rf"\[(?:(?:{tokens})\][^\[]*|[^\[\]]*)"
-    visible = rf"[^\s\x00-\x1f\x7f-\x9f\[]|\[(?:{tokens})\]"
-    return rf"^[^\[]*(?:{segment})*$", visible
+from chattts_service.services.voices import MAX_EMBEDDING_CHARS
 
 
 def _error(description: str, openai: bool) -> dict:
@@ -91,39 +69,6 @@ def _audio_responses(openai: bool) -> dict:
         "content": content,
     }
     return {"200": ok, **_errors(openai, *BODY_ERRORS, 422, 503, 504)}
-
-
-SPEECH_EVENT = {
-    "type": "object",
-    "required": ["data"],
-    "properties": {
-        "event": {"type": "string"},
-        "data": {
-            "type": "string",
-            "contentMediaType": "application/json",
-            "contentSchema": {
-                "oneOf": [
-                    {
-                        "type": "object",
-                        "required": ["type", "audio"],
-                        "properties": {
-                            "type": {"const": "speech.audio.delta"},
-                            "audio": {"type": "string", "contentEncoding": "base64"},
-                        },
-                    },
-                    {
-                        "type": "object",
-                        "required": ["type", "usage"],
-                        "properties": {
-                            "type": {"const": "speech.audio.done"},
-                            "usage": {"type": "object"},
-                        },
-                    },
-                ]
-            },
-        },
-    },
-}
 
 
 def _nullable(kind: str, **schema) -> dict:
