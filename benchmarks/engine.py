@@ -32,7 +32,12 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from chattts_service.config import INT8_PRODUCTS, KV_CACHE_DTYPES  # noqa: E402  (nor config)
+from chattts_service.config import (  # noqa: E402  (nor config)
+    INT8_PRODUCTS,
+    KV_CACHE_DTYPES,
+    cpu_flags,
+    cpu_model,
+)
 from chattts_service.runtime import heap  # noqa: E402  (imports nothing heavy)
 
 TEXT = "今天天气很好，我们一起去公园散步吧。"
@@ -114,25 +119,30 @@ def load_upstream(model_dir: Path):
     return chat
 
 
-def phase_baseline(model_dir: Path, steps: int, requests: int) -> dict:
+def upstream_params(chat, seed: int, steps: int):
+    """Upstream's parameters for exactly ``steps`` GPT steps in the voice the service draws for
+    ``seed`` (a fresh object: ``infer`` mutates the one it is given)."""
     from ChatTTS import Chat
 
     from chattts_service.inference.prompts import voice_for_seed
+
+    return Chat.InferCodeParams(
+        spk_emb=chat.speaker._encode(voice_for_seed(chat.speaker, seed)),
+        manual_seed=seed,
+        min_new_token=steps,
+        max_new_token=steps,
+        show_tqdm=False,
+    )
+
+
+def phase_baseline(model_dir: Path, steps: int, requests: int) -> dict:
 
     started = time.perf_counter()
     chat = load_upstream(model_dir)
     load_seconds = time.perf_counter() - started
 
     def one(seed: int) -> float:
-        # the same voice for a seed as the service uses
-        voice = voice_for_seed(chat.speaker, seed)
-        params = Chat.InferCodeParams(
-            spk_emb=chat.speaker._encode(voice),
-            manual_seed=seed,
-            min_new_token=steps,
-            max_new_token=steps,
-            show_tqdm=False,
-        )
+        params = upstream_params(chat, seed, steps)  # the service's voice for the seed
         began = time.perf_counter()
         chat.infer(TEXT, skip_refine_text=True, params_infer_code=params)
         return time.perf_counter() - began
@@ -345,9 +355,26 @@ def run_child(phase: str, args: argparse.Namespace, extra: list[str]) -> dict:
     )
 
 
+# the CPU features the kernels choose by (the int8 product, native bf16)
+RELEVANT_CPU_FLAGS = frozenset(
+    {
+        "avx2",
+        "fma",
+        "avx512f",
+        "avx512bw",
+        "avx512_vnni",
+        "avx_vnni",
+        "avx512_bf16",
+        "amx_bf16",
+        "amx_int8",
+    }
+)
+
+
 def report(data: dict) -> str:
     base, ours, fidelity = data["baseline"], data["ours"], data.get("fidelity")
     lines = [
+        f"cpu {data['cpu']}; flags: {' '.join(data['cpu_flags']) or 'none of interest'}",
         f"model {data['model_dir']}   {data['steps']} GPT steps per request "
         f"({audio_seconds(data['steps']):.2f} s of audio)   {data['threads']} threads",
         "",
@@ -459,6 +486,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.model_dir is None:
         args.model_dir = default_model()
     data = {
+        "cpu": cpu_model(),
+        "cpu_flags": sorted(RELEVANT_CPU_FLAGS & cpu_flags()),
         "model_dir": str(args.model_dir),
         "steps": args.steps,
         "threads": args.threads or len(os.sched_getaffinity(0)),

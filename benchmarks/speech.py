@@ -29,7 +29,14 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from benchmarks.engine import TEXT, audio_seconds, default_model, load_upstream, run_phase  # noqa: E402
+from benchmarks.engine import (  # noqa: E402
+    TEXT,
+    audio_seconds,
+    default_model,
+    load_upstream,
+    run_phase,
+    upstream_params,
+)
 
 LONG_SENTENCES = (
     "第{n}段：今天是2024年3月{day}日，气温{deg}摄氏度，我们在公园里走了{km}公里。",
@@ -60,21 +67,11 @@ def long_text(chars: int = 2000) -> str:
 
 def phase_upstream(model_dir: Path, steps: int, requests: int) -> dict:
     import numpy as np
-    from ChatTTS import Chat
-
-    from chattts_service.inference.prompts import voice_for_seed
 
     chat = load_upstream(model_dir)
 
     def one(seed: int) -> tuple[float, float]:
-        voice = voice_for_seed(chat.speaker, seed)
-        params = Chat.InferCodeParams(
-            spk_emb=chat.speaker._encode(voice),
-            manual_seed=seed,
-            min_new_token=steps,
-            max_new_token=steps,
-            show_tqdm=False,
-        )
+        params = upstream_params(chat, seed, steps)
         began, first = time.perf_counter(), None
         for chunk in chat.infer(TEXT, stream=True, skip_refine_text=True, params_infer_code=params):
             if first is None and chunk is not None and np.asarray(chunk).size:

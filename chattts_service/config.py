@@ -53,6 +53,24 @@ def cpu_flags() -> frozenset[str]:
     return frozenset(line.partition(":")[2].split())
 
 
+@functools.cache
+def cpu_model() -> str:
+    """The CPU as /proc/cpuinfo names it, with its family and model numbers (figures are
+    quoted with it: the same code meets a different memory system on each)."""
+    fields = {}
+    try:
+        with open("/proc/cpuinfo", encoding="ascii", errors="replace") as handle:
+            for line in handle:
+                key, _, value = line.partition(":")
+                fields.setdefault(key.strip(), value.strip())
+                if not line.strip():
+                    break  # the first processor is enough
+    except OSError:
+        return "unknown CPU"
+    name = fields.get("model name", "unknown CPU")
+    return f"{name} (family {fields.get('cpu family', '?')} model {fields.get('model', '?')})"
+
+
 def cpu_has_native_bf16() -> bool:
     """AVX512-BF16 or AMX: without them bf16 is emulated and slower than fp32."""
     return bool({"avx512_bf16", "amx_bf16"} & cpu_flags())
