@@ -121,8 +121,8 @@ def _options(settings: Settings, voices: list[str], required_voice: bool) -> dic
             enum=[*STREAM_FORMAT_CHOICES, None],
             default="audio",
             description="OpenAI's: 'audio' (the audio itself) or 'sse' (Server-Sent Events: "
-            "speech.audio.delta with base64 audio, then speech.audio.done; streamed as "
-            "generated for wav and pcm, one delta holding the whole file otherwise).",
+            "speech.audio.delta with base64 audio as it is generated, then "
+            "speech.audio.done; for flac one delta holds the whole file).",
         ),
     }
 

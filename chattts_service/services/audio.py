@@ -1,8 +1,10 @@
-"""Encoding float audio for the wire: WAV, FLAC, MP3, Ogg Opus and raw PCM.
+"""Encoding float audio for the wire: WAV, FLAC, MP3, Ogg Opus, AAC (ADTS) and raw PCM.
 
-Compressed formats go through ``soundfile`` (libsndfile, with LAME/mpg123 and libopus in the
-wheels it ships). Every format carries the model's own rate (24 kHz, mono): Opus supports
-24 kHz natively, so nothing is resampled. Streams are WAV with an open-ended header, or raw PCM.
+Whole MP3, Opus and FLAC files go through ``soundfile`` (libsndfile, with LAME and libopus in
+its wheels). Streams, and AAC, go through ``StreamEncoder`` (PyAV: FFmpeg's LAME, libopus and
+AAC encoders), which encodes each chunk as it comes and hands back the bytes the muxer has
+written so far, never seeking back. Every format carries the model's own rate (24 kHz, mono):
+nothing is resampled. A WAV stream has an open-ended header.
 """
 
 from __future__ import annotations
@@ -19,8 +21,15 @@ FORMATS = {
     "flac": ("audio/flac", "FLAC", "PCM_16"),
     "wav": ("audio/wav", "WAV", "PCM_16"),
     "pcm": (None, None, None),  # raw signed 16-bit little-endian, mono
+    "aac": ("audio/aac", None, None),  # ADTS, as OpenAI sends it
 }
-STREAM_FORMATS = ("wav", "pcm")
+STREAM_FORMATS = ("wav", "pcm", "mp3", "opus", "aac")
+# format -> (FFmpeg muxer, FFmpeg encoder, bit rate) for StreamEncoder
+ENCODERS = {
+    "mp3": ("mp3", "libmp3lame", 64_000),
+    "opus": ("ogg", "libopus", 32_000),
+    "aac": ("adts", "aac", 64_000),
+}
 OPEN_ENDED = 0xFFFFFFFF  # RIFF/data size of a WAV whose length is not known yet
 
 
@@ -68,6 +77,9 @@ def encode(audio: np.ndarray, sample_rate: int, audio_format: str) -> bytes:
         return to_wav(audio, sample_rate)
     if audio_format == "pcm":
         return to_pcm16(audio)
+    if audio_format == "aac":  # libsndfile has no AAC
+        encoder = StreamEncoder(audio_format, sample_rate)
+        return encoder.encode(audio) + encoder.finish()
     import soundfile
 
     _, container, subtype = FORMATS[audio_format]
@@ -83,3 +95,94 @@ def encode(audio: np.ndarray, sample_rate: int, audio_format: str) -> bytes:
 
 def silence(seconds: float, sample_rate: int) -> np.ndarray:
     return np.zeros(int(round(seconds * sample_rate)), dtype=np.float32)
+
+
+class _Sink:
+    """Where the muxer writes: not seekable, so it never goes back over bytes already sent."""
+
+    def __init__(self):
+        self.pending = bytearray()
+
+    def write(self, data) -> int:
+        self.pending += data
+        return len(data)
+
+    def seekable(self) -> bool:
+        return False
+
+    def take(self) -> bytes:
+        data, self.pending = bytes(self.pending), bytearray()
+        return data
+
+
+class StreamEncoder:
+    """MP3, Ogg Opus or AAC (ADTS) encoded chunk by chunk: ``encode(samples)`` returns the bytes
+    ready so far (possibly none), ``finish()`` the rest. The concatenation is one valid file."""
+
+    def __init__(self, audio_format: str, sample_rate: int):
+        import av
+
+        muxer, codec, bit_rate = ENCODERS[audio_format]
+        self._av = av
+        self._sink = _Sink()
+        # Ogg holds pages back for a second by default: flush one every 100 ms instead
+        options = {"page_duration": "100000"} if muxer == "ogg" else {}
+        self._container = av.open(self._sink, mode="w", format=muxer, options=options)
+        self._stream = self._container.add_stream(codec, rate=sample_rate, layout="mono")
+        self._stream.bit_rate = bit_rate
+        self._rate = sample_rate
+        self._fifo = av.AudioFifo()
+        self._pts = 0
+
+    def encode(self, samples: np.ndarray) -> bytes:
+        if len(samples):
+            pcm = np.frombuffer(to_pcm16(samples), dtype="<i2").reshape(1, -1)
+            frame = self._av.AudioFrame.from_ndarray(pcm, format="s16", layout="mono")
+            frame.sample_rate = self._rate
+            self._fifo.write(frame)
+        self._drain(final=False)
+        return self._sink.take()
+
+    def finish(self) -> bytes:
+        self._drain(final=True)
+        for packet in self._stream.encode(None):
+            self._container.mux(packet)
+        self._container.close()
+        return self._sink.take()
+
+    def _drain(self, final: bool) -> None:
+        # encoders take frames of a fixed size (1152 samples for MP3, 1024 AAC, 480 Opus)
+        size = self._stream.codec_context.frame_size or 1024
+        while self._fifo.samples >= size or (final and self._fifo.samples):
+            frame = self._fifo.read(min(size, self._fifo.samples))
+            frame.pts = self._pts
+            self._pts += frame.samples
+            for packet in self._stream.encode(frame):
+                self._container.mux(packet)
+
+
+class _RawWriter:
+    """PCM as it comes; a WAV stream is the same after a header of unknown length."""
+
+    def __init__(self, header: bytes = b""):
+        self._header = header
+
+    def encode(self, samples: np.ndarray) -> bytes:
+        header, self._header = self._header, b""
+        return header + to_pcm16(samples)
+
+    def finish(self) -> bytes:
+        header, self._header = self._header, b""
+        return header
+
+
+def stream_writer(audio_format: str, sample_rate: int):
+    """What turns a stream's float chunks into the bytes of ``audio_format``: ``encode(samples)``
+    per chunk, ``finish()`` once at the end."""
+    if audio_format not in STREAM_FORMATS:
+        raise ValueError(f"{audio_format} cannot be streamed")
+    if audio_format == "wav":
+        return _RawWriter(wav_header(sample_rate, None))
+    if audio_format == "pcm":
+        return _RawWriter()
+    return StreamEncoder(audio_format, sample_rate)

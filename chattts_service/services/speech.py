@@ -21,7 +21,7 @@ from chattts_service.inference.engine import Engine
 from chattts_service.inference.run import Run
 from chattts_service.inference.types import EngineError, Overloaded, SynthesisRequest
 from chattts_service.runtime.metrics import Metrics
-from chattts_service.services.audio import content_type, encode, to_pcm16, wav_header
+from chattts_service.services.audio import content_type, encode, stream_writer, to_pcm16
 from chattts_service.services.cache import AudioCache, cache_key
 
 log = logging.getLogger(__name__)
@@ -185,11 +185,12 @@ class SpeechPipeline:
         record: RequestRecord,
         should_stop: Callable[[], bool] | None,
     ) -> SpeechStream:
-        """Audio as it is decoded (WAV with an open-ended header, or PCM). Queueing errors
-        raise here, before any byte; later failures break the stream (``StreamBroken``)."""
+        """Audio as it is decoded, in ``output.format`` (WAV with an open-ended header, PCM, or
+        MP3, Opus and AAC encoded chunk by chunk). Queueing errors raise here, before any
+        byte; later failures break the stream (``StreamBroken``)."""
         metrics, rate = self.metrics, self.engine.sample_rate
         pcm_key = cache_key(plan.request, self.engine.identity, "pcm")
-        header = wav_header(rate, None) if output.format == "wav" else b""
+        writer = stream_writer(output.format, rate)
         cached = self.cache.get(pcm_key)
         run = None if cached is not None else self._start(plan, stream=True)
         cache_status = "HIT" if cached is not None else "MISS"
@@ -200,10 +201,10 @@ class SpeechPipeline:
                 if cached is not None:
                     seconds = cached[1]
                     self._count_served("HIT", 0.0)
-                    yield header + cached[0]
+                    yield writer.encode(from_pcm16(cached[0])) + writer.finish()
                     return
                 self._count_served("MISS", 0.0)
-                yield from self._stream_run(run, header, parts, record, should_stop)
+                yield from self._stream_run(run, writer, parts, record, should_stop)
                 seconds = sum(len(part) for part in parts) / 2 / rate
                 if _cacheable(plan, run.truncated):
                     self.cache.put(pcm_key, (b"".join(parts), seconds))
@@ -240,7 +241,7 @@ class SpeechPipeline:
     def _stream_run(
         self,
         run: Run,
-        header: bytes,
+        writer,
         parts: list[bytes],
         record: RequestRecord,
         should_stop: Callable[[], bool] | None,
@@ -248,16 +249,20 @@ class SpeechPipeline:
         first = True
         try:
             for chunk in run.chunks(self.settings.request_timeout_s, should_stop):
-                pcm = to_pcm16(chunk)
-                parts.append(pcm)
+                parts.append(to_pcm16(chunk))
                 if first:
                     self.metrics.first_audio.observe(time.perf_counter() - record.started)
-                yield (header + pcm) if first else pcm
-                first = False
+                    first = False
+                data = writer.encode(chunk)
+                if data:  # an encoder may hold a chunk until it has a whole frame
+                    yield data
         except EngineError as error:
             self._count_failure(error)
             log.warning("stream ended early: %s", error)
             raise StreamBroken(error) from None
+        tail = writer.finish()
+        if tail:
+            yield tail
         self.metrics.infer_total.labels(outcome="ok").inc()
         self.metrics.infer_duration.observe(time.perf_counter() - record.started)
 
