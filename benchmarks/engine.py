@@ -32,13 +32,9 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from chattts_service.config import (  # noqa: E402  (nor config)
-    INT8_PRODUCTS,
-    KV_CACHE_DTYPES,
-    cpu_flags,
-    cpu_model,
-)
+from chattts_service.config import INT8_PRODUCTS, KV_CACHE_DTYPES  # noqa: E402  (nor config)
 from chattts_service.runtime import heap  # noqa: E402  (imports nothing heavy)
+from chattts_service.runtime.cpu import cpu_flags, cpu_model  # noqa: E402
 
 TEXT = "今天天气很好，我们一起去公园散步吧。"
 DEFAULT_MODEL = REPO / "models" / "full-random"

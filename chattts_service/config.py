@@ -6,12 +6,13 @@ variable is reported at start-up so a typo does not silently fall back to a defa
 
 from __future__ import annotations
 
-import functools
 import logging
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from pathlib import Path
+
+from chattts_service.runtime.cpu import available_cpus, cpu_has_native_bf16
 
 log = logging.getLogger(__name__)
 
@@ -20,14 +21,6 @@ PREFIX = "CHATTTS_"
 
 class SettingsError(ValueError):
     """An environment variable holds a value the service cannot use."""
-
-
-def available_cpus() -> int:
-    """CPUs this process may run on: honours a container's cpuset and ``numactl``."""
-    try:
-        return max(1, len(os.sched_getaffinity(0)))
-    except (AttributeError, OSError):  # pragma: no cover - not Linux
-        return max(1, os.cpu_count() or 1)
 
 
 # the values of CHATTTS_QUANTIZE, CHATTTS_KERNELS and CHATTTS_INT8_PRODUCT; quantize.py and
@@ -39,41 +32,6 @@ KV_CACHE_DTYPES = ("bf16", "int8")
 DECODER_DTYPES = ("auto", "bf16", "fp32")
 DOWNLOAD_MODES = ("auto", "never")
 LOG_LEVELS = tuple(logging.getLevelNamesMapping())
-
-
-@functools.cache
-def cpu_flags() -> frozenset[str]:
-    """The CPU's feature flags from /proc/cpuinfo (empty where it cannot be read). Read once:
-    the questions asked of it come on every request (cache key) and every decode."""
-    try:
-        with open("/proc/cpuinfo", encoding="ascii", errors="replace") as handle:
-            line = next((line for line in handle if line.startswith("flags")), "")
-    except OSError:
-        return frozenset()
-    return frozenset(line.partition(":")[2].split())
-
-
-@functools.cache
-def cpu_model() -> str:
-    """The CPU as /proc/cpuinfo names it, with its family and model numbers (figures are
-    quoted with it: the same code meets a different memory system on each)."""
-    fields = {}
-    try:
-        with open("/proc/cpuinfo", encoding="ascii", errors="replace") as handle:
-            for line in handle:
-                key, _, value = line.partition(":")
-                fields.setdefault(key.strip(), value.strip())
-                if not line.strip():
-                    break  # the first processor is enough
-    except OSError:
-        return "unknown CPU"
-    name = fields.get("model name", "unknown CPU")
-    return f"{name} (family {fields.get('cpu family', '?')} model {fields.get('model', '?')})"
-
-
-def cpu_has_native_bf16() -> bool:
-    """AVX512-BF16 or AMX: without them bf16 is emulated and slower than fp32."""
-    return bool({"avx512_bf16", "amx_bf16"} & cpu_flags())
 
 
 def _env_field(

@@ -3,7 +3,8 @@ from pathlib import Path
 
 import pytest
 
-from chattts_service.config import Settings, SettingsError, available_cpus
+from chattts_service.config import Settings, SettingsError
+from chattts_service.runtime.cpu import available_cpus
 
 
 def test_defaults_without_environment():

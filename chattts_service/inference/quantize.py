@@ -30,8 +30,9 @@ import warnings
 
 import torch
 
-from chattts_service.config import QUANTIZATIONS, cpu_flags
+from chattts_service.config import QUANTIZATIONS
 from chattts_service.kernels.bindings import Int8Packing
+from chattts_service.runtime.cpu import cpu_flags
 
 
 def _absmax_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -32,9 +32,10 @@ from pathlib import Path
 
 import torch
 
-from chattts_service.config import INT8_PRODUCTS, KERNEL_MODES, cpu_flags
+from chattts_service.config import INT8_PRODUCTS, KERNEL_MODES
 from chattts_service.kernels import abi
 from chattts_service.kernels.build import library_path
+from chattts_service.runtime.cpu import cpu_flags
 
 log = logging.getLogger(__name__)
 

@@ -1,13 +1,58 @@
-"""The process's CPU use, as a percentage of the CPUs it may run on: one sampler for the
-metrics scrape and for degraded mode."""
+"""The CPU: what it is and can do (model, feature flags, the CPUs this process may use), and
+the process's use of it, one sampler for the metrics scrape and for degraded mode.
+
+Nothing here imports torch; the settings and the kernels ask it.
+"""
 
 from __future__ import annotations
 
+import functools
 import os
 import threading
 import time
 
-from chattts_service.config import available_cpus
+
+def available_cpus() -> int:
+    """CPUs this process may run on: honours a container's cpuset and ``numactl``."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except (AttributeError, OSError):  # pragma: no cover - not Linux
+        return max(1, os.cpu_count() or 1)
+
+
+@functools.cache
+def cpu_flags() -> frozenset[str]:
+    """The CPU's feature flags from /proc/cpuinfo (empty where it cannot be read). Read once:
+    the questions asked of it come on every request (cache key) and every decode."""
+    try:
+        with open("/proc/cpuinfo", encoding="ascii", errors="replace") as handle:
+            line = next((line for line in handle if line.startswith("flags")), "")
+    except OSError:
+        return frozenset()
+    return frozenset(line.partition(":")[2].split())
+
+
+@functools.cache
+def cpu_model() -> str:
+    """The CPU as /proc/cpuinfo names it, with its family and model numbers (figures are
+    quoted with it: the same code meets a different memory system on each)."""
+    fields = {}
+    try:
+        with open("/proc/cpuinfo", encoding="ascii", errors="replace") as handle:
+            for line in handle:
+                key, _, value = line.partition(":")
+                fields.setdefault(key.strip(), value.strip())
+                if not line.strip():
+                    break  # the first processor is enough
+    except OSError:
+        return "unknown CPU"
+    name = fields.get("model name", "unknown CPU")
+    return f"{name} (family {fields.get('cpu family', '?')} model {fields.get('model', '?')})"
+
+
+def cpu_has_native_bf16() -> bool:
+    """AVX512-BF16 or AMX: without them bf16 is emulated and slower than fp32."""
+    return bool({"avx512_bf16", "amx_bf16"} & cpu_flags())
 
 
 def process_cpu_seconds() -> float:
