@@ -405,5 +405,11 @@ def test_server_sent_events_on_synthesize_carry_the_wav_and_whole_files(api):
     events = _events(post(api, "/synthesize", {**body, "stream_format": "sse"}).iter_lines())
     assert len(events) == 2
     assert _joined(events) == post(api, "/synthesize", body).content
+    # an encoded stream's usage counts its audio, not its bytes
+    body = {"text": "编码的事件流。", "seed": 34, "format": "mp3"}
+    events = _events(post(api, "/synthesize", {**body, "stream_format": "sse"}).iter_lines())
+    assert _joined(events)[:3] in (b"ID3", b"\xff\xf3", b"\xff\xfb")
+    seconds = float(post(api, "/synthesize", {**body, "format": "pcm"}).headers["X-Audio-Seconds"])
+    assert events[-1]["usage"]["output_tokens"] == -(-round(seconds * 24_000) // 512)
     bad = post(api, "/synthesize", {"text": "hi", "stream_format": "chunks"})
     assert bad.status_code == 400 and "'stream_format' must be one of audio, sse" in bad.text

@@ -68,7 +68,9 @@ def _headers(response: Response, cache_status: str, seconds: float | None, segme
 def _whole(speech: Speech, events: bool = False) -> Response:
     g.audio_seconds, g.cache = speech.seconds, speech.cache
     if events:  # a format that cannot stream: the whole file in one delta
-        response = Response(_events([speech.body], speech.seconds), content_type=EVENT_STREAM)
+        response = Response(
+            _events([speech.body], lambda: speech.seconds), content_type=EVENT_STREAM
+        )
     else:
         response = Response(speech.body, content_type=speech.content_type)
     _headers(response, speech.cache, speech.seconds, speech.segments)
@@ -85,7 +87,7 @@ def _streamed(stream: SpeechStream, events: bool = False) -> Response:
         # events, without speech.audio.done), so the client sees a broken stream, not a
         # complete but short one
         if events:
-            yield from _events(stream.chunks, None)
+            yield from _events(stream.chunks, lambda: stream.seconds)
         else:
             yield from stream.chunks
 
@@ -105,18 +107,16 @@ def _streamed(stream: SpeechStream, events: bool = False) -> Response:
 EVENT_STREAM = "text/event-stream"
 
 
-def _events(chunks, seconds: float | None):
+def _events(chunks, seconds: Callable[[], float]):
     """Audio as OpenAI's speech events: ``speech.audio.delta`` with base64 audio, then
     ``speech.audio.done`` with usage (ChatTTS has no tokens to bill: ``output_tokens`` counts
-    the GPT steps' worth of audio, 512 samples each; ``input_tokens`` is 0)."""
-    samples = 0
+    the GPT steps' worth of audio, 512 samples each; ``input_tokens`` is 0). ``seconds()`` is
+    the audio's length, asked once every chunk is out (an encoded chunk's size says nothing
+    of its samples)."""
     for chunk in chunks:
-        samples += len(chunk) // 2
         delta = {"type": "speech.audio.delta", "audio": base64.b64encode(chunk).decode("ascii")}
         yield f"data: {json.dumps(delta)}\n\n".encode()
-    if seconds is not None:
-        samples = round(seconds * SAMPLE_RATE)
-    steps = -(-samples // SAMPLES_PER_STEP)
+    steps = -(-round(seconds() * SAMPLE_RATE) // SAMPLES_PER_STEP)
     usage = {"input_tokens": 0, "output_tokens": steps, "total_tokens": steps}
     yield f"data: {json.dumps({'type': 'speech.audio.done', 'usage': usage})}\n\n".encode()
 

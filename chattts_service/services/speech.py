@@ -79,7 +79,8 @@ class RequestRecord:
 
 class SpeechStream:
     """A streamed answer: ``chunks`` yields the body; ``close_unsent`` releases a stream whose
-    body was never started (the client left before the first byte)."""
+    body was never started (the client left before the first byte). ``seconds`` is the audio's
+    length: known at once from the cache, else once ``chunks`` is exhausted."""
 
     def __init__(
         self,
@@ -223,6 +224,7 @@ class SpeechPipeline:
                     seconds = seconds or sum(len(part) for part in parts) / 2 / rate
                 metrics.audio_seconds.inc(seconds)
                 record.finish(status, seconds, cache_status)
+                speech.seconds = seconds
 
         def close_unsent() -> None:
             if run is not None:
@@ -230,13 +232,14 @@ class SpeechPipeline:
                 metrics.queue_depth.dec()
             record.finish(499)
 
-        return SpeechStream(
+        speech = SpeechStream(
             chunks(),
             content_type(output.format, rate),
             cache_status,
             cached[1] if cached is not None else None,
             close_unsent,
         )
+        return speech
 
     def _stream_run(
         self,
