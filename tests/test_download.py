@@ -18,7 +18,7 @@ import requests
 from fakehub import FakeHub
 
 from chattts_service.config import Settings
-from chattts_service.inference import download
+from chattts_service.inference import download, model_files
 from chattts_service.inference.model_files import MODEL_FILES, ModelFilesError, sha256_of
 
 
@@ -124,12 +124,12 @@ def test_a_killed_download_resumes_and_never_looks_complete(start_server, hub_fi
         os.killpg(server.process.pid, signal.SIGKILL)  # arbiter and worker: no clean-up at all
         server.process.wait(10)
         checksums = json.loads(sums.read_text())
-        assert download.bad_files(model_dir, checksums), "a killed download looks complete"
+        assert model_files.bad_files(model_dir, checksums), "a killed download looks complete"
         hub.bytes_per_second = None
         again = start_server(**_server_settings(model_dir, sums, hub.url))
         again.wait_ready()
         assert hub.ranges, "the second start fetched everything again instead of resuming"
-        assert not download.bad_files(model_dir, checksums)
+        assert not model_files.bad_files(model_dir, checksums)
 
 
 def test_a_corrupt_file_is_caught_and_fetched_again(hub_files, tmp_path, monkeypatch):
@@ -147,7 +147,7 @@ def test_a_corrupt_file_is_caught_and_fetched_again(hub_files, tmp_path, monkeyp
         assert (model_dir / ".partial/asset/Decoder.safetensors.corrupt").is_file()  # kept aside
         assert hub.gets("asset/Decoder.safetensors") == 2
         assert hub.gets("asset/Vocos.safetensors") == 1  # the good ones stay
-        assert not download.bad_files(model_dir, json.loads(sums.read_text()))
+        assert not model_files.bad_files(model_dir, json.loads(sums.read_text()))
 
 
 def test_two_servers_on_one_empty_volume_download_once(start_server, hub_files, tmp_path):

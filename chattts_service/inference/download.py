@@ -26,12 +26,11 @@ from pathlib import Path
 
 from chattts_service.config import Settings
 from chattts_service.inference import model_files
-from chattts_service.inference.model_files import MODEL_FILES, ModelFilesError
+from chattts_service.inference.model_files import MODEL_FILES, ModelFilesError, bad_files
 
 log = logging.getLogger(__name__)
 
 LOCK_NAME = ".download.lock"
-STAMP_NAME = ".verified.json"
 PARTIAL_DIR = Path(".partial")  # files being fetched, renamed into place when whole
 CHUNK_BYTES = 1 << 16
 PROGRESS_LOG_SECONDS = 5.0
@@ -46,7 +45,6 @@ class DownloadProgress:
 
     def __init__(self):
         self._lock = threading.Lock()
-        self.active = False
         self.bytes_done = 0
         self.bytes_total: int | None = None
         self.error: str | None = None
@@ -82,37 +80,6 @@ def expected_checksums(settings: Settings) -> dict[str, str] | None:
     return model_files.shipped_checksums() if settings.verify_model else None
 
 
-def bad_files(model_dir: Path, checksums: dict[str, str] | None) -> list[str]:
-    """Files missing, or (with checksums) whose sha256 differs. A file verified before and
-    unchanged since (same size and modification time, recorded in ``.verified.json``) is not
-    hashed again: a restart does not read the whole model twice."""
-    missing = [relative for relative in MODEL_FILES if not (model_dir / relative).is_file()]
-    if missing or checksums is None:
-        return missing
-    stamp_path = model_dir / STAMP_NAME
-    try:
-        stamp = json.loads(stamp_path.read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        stamp = {}
-    bad, verified = [], {}
-    for relative in MODEL_FILES:
-        status = (model_dir / relative).stat()
-        identity = [status.st_size, status.st_mtime_ns, checksums.get(relative)]
-        known = stamp.get(relative) == identity
-        if known or model_files.sha256_of(model_dir / relative) == checksums.get(relative):
-            verified[relative] = identity
-        else:
-            bad.append(relative)
-    if verified != stamp:
-        try:
-            temporary = stamp_path.with_suffix(".tmp")
-            temporary.write_text(json.dumps(verified), encoding="utf-8")
-            os.replace(temporary, stamp_path)
-        except OSError:  # a read-only volume: verify again next time
-            pass
-    return bad
-
-
 def ensure_model(
     settings: Settings,
     progress: DownloadProgress | None = None,
@@ -125,11 +92,12 @@ def ensure_model(
     ``endpoint`` overrides ``HF_ENDPOINT``."""
     model_dir = Path(settings.model_dir)
     checksums = expected_checksums(settings)
-    if not bad_files(model_dir, checksums):
-        return
     if settings.download == "never":
         model_files.check_present(model_dir)  # names what is missing
-        model_files.verify(model_dir, checksums)  # or what is bad
+        if checksums is not None:
+            model_files.verify(model_dir, checksums)  # or what is bad
+        return
+    if not bad_files(model_dir, checksums):
         return
     model_dir.mkdir(parents=True, exist_ok=True)
     progress = progress or DownloadProgress()
@@ -193,7 +161,6 @@ def _fetch(model_dir: Path, progress: DownloadProgress, hub: str) -> None:
         wanted = [relative for relative in sizes if not (model_dir / relative).is_file()]
         done = sum(size for relative, size in sizes.items() if relative not in wanted)
         progress.update(
-            active=True,
             bytes_done=done,
             bytes_total=sum(sizes.values()),
             error=None,
@@ -215,8 +182,6 @@ def _fetch(model_dir: Path, progress: DownloadProgress, hub: str) -> None:
     except Exception as error:  # OSError (a full disk...), HTTP errors, the hub client's types
         what = f"{error.__class__.__name__}: {error}"
         raise DownloadFailed(_advice(hub, model_dir, what)) from None
-    finally:
-        progress.update(active=False)
 
 
 def _fetch_file(hub: str, relative: str, size: int, model_dir: Path, reporter) -> None:

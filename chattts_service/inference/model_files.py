@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
+import os
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,6 +21,7 @@ from pathlib import Path
 from chattts_service.inference.architecture import ARCHITECTURE_FILE_NAME
 
 HUB_REPO_ID = "2Noise/ChatTTS"
+STAMP_NAME = ".verified.json"  # files verified, with the size and mtime they had then
 # architecture.json: this project's own description of a model of other shapes (the test
 # models); the real repository has none, and the pattern then matches nothing
 EXTRA_FILES = ("architecture.json",)
@@ -126,21 +128,58 @@ def check_present(model_dir: Path) -> ModelPaths:
 
 
 def verify(model_dir: Path, checksums: dict[str, str] | None = None) -> None:
-    """Check every file against its expected sha256; the error names each bad file."""
+    """Check every file against its expected sha256 (ChatTTS's list unless ``checksums``);
+    the error names each bad file."""
     check_present(model_dir)
     expected = shipped_checksums() if checksums is None else checksums
-    bad = []
-    for relative in MODEL_FILES:
-        actual = sha256_of(model_dir / relative)
-        if actual != expected[relative]:
-            bad.append(
-                f"{relative} (sha256 {actual[:12]}..., expected {expected[relative][:12]}...)"
-            )
+    bad = [
+        f"{relative} (sha256 {actual[:12]}..., expected {expected[relative][:12]}...)"
+        for relative, actual in _mismatches(model_dir, expected)
+    ]
     if bad:
         raise ModelFilesError(
             f"model files in {model_dir} fail verification: {'; '.join(bad)}. "
             "Re-download them, or set CHATTTS_VERIFY_MODEL=0 for a self-built test model."
         )
+
+
+def bad_files(model_dir: Path, checksums: dict[str, str] | None) -> list[str]:
+    """Files missing, or (with checksums) whose sha256 differs."""
+    missing = [relative for relative in MODEL_FILES if not (model_dir / relative).is_file()]
+    if missing or checksums is None:
+        return missing
+    return [relative for relative, _ in _mismatches(model_dir, checksums)]
+
+
+def _mismatches(model_dir: Path, checksums: dict[str, str]) -> list[tuple[str, str]]:
+    """(file, its sha256) for each present file whose sha256 differs from ``checksums``. A file
+    verified before and unchanged since (same size and modification time, recorded in
+    ``.verified.json``) is not hashed again: a restart does not read the whole model twice."""
+    stamp_path = model_dir / STAMP_NAME
+    try:
+        stamp = json.loads(stamp_path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        stamp = {}
+    mismatches, verified = [], {}
+    for relative in MODEL_FILES:
+        status = (model_dir / relative).stat()
+        identity = [status.st_size, status.st_mtime_ns, checksums.get(relative)]
+        if stamp.get(relative) == identity:
+            verified[relative] = identity
+            continue
+        actual = sha256_of(model_dir / relative)
+        if actual == checksums.get(relative):
+            verified[relative] = identity
+        else:
+            mismatches.append((relative, actual))
+    if verified != stamp:
+        try:
+            temporary = stamp_path.with_suffix(".tmp")
+            temporary.write_text(json.dumps(verified), encoding="utf-8")
+            os.replace(temporary, stamp_path)
+        except OSError:  # a read-only volume: verify again next time
+            pass
+    return mismatches
 
 
 def download(model_dir: Path, endpoint: str | None = None) -> Path:
