@@ -165,7 +165,6 @@ class Engine:
             SynthesisJob(
                 self.prompts,
                 self.model.decoder,
-                self.context_steps,
                 text,
                 request,
                 voice.embedding,

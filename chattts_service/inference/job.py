@@ -28,6 +28,7 @@ from chattts_service.inference.types import (
 )
 
 if TYPE_CHECKING:  # prompts bring torch; a job is built once the model has loaded it
+    from chattts_service.inference.decoding import AudioDecoder
     from chattts_service.inference.prompts import Prompts
 
 log = logging.getLogger(__name__)
@@ -37,15 +38,14 @@ MAX_CHUNK_STEPS = 96
 
 
 class SynthesisJob:
-    """``decode(hiddens)`` turns hidden states into audio; ``context_steps`` is how many steps
-    of context on each side make a chunk exact; ``on_finished(seconds)`` hears how long the job
-    took from its start (the admission's wait estimate)."""
+    """``decoder(hiddens)`` turns hidden states into audio, and its ``context_steps`` is how
+    many steps of context on each side make a chunk exact; ``on_finished(seconds)`` hears how
+    long the job took from its start (the admission's wait estimate)."""
 
     def __init__(
         self,
         prompts: Prompts,
-        decode: Callable,
-        context_steps: int,
+        decoder: AudioDecoder,
         text: str,
         request: SynthesisRequest,
         voice,
@@ -54,7 +54,8 @@ class SynthesisJob:
         step_cap: int | None = None,
         on_finished: Callable[[float], None] | None = None,
     ):
-        self.prompts, self.decode, self.context_steps = prompts, decode, context_steps
+        self.prompts, self.decode = prompts, decoder
+        self.context_steps = decoder.context_steps
         self.text, self.request, self.voice = text, request, voice
         self.fixed_steps, self.step_cap = fixed_steps, step_cap
         self.on_finished = on_finished
