@@ -22,6 +22,9 @@ from chattts_service.inference.architecture import ARCHITECTURE_FILE_NAME
 
 HUB_REPO_ID = "2Noise/ChatTTS"
 STAMP_NAME = ".verified.json"  # files verified, with the size and mtime they had then
+# the same record for this process, for a volume the stamp cannot be written to (read-only):
+# the server checks the model before loading and the loader again, without hashing it twice
+_VERIFIED_HERE: dict[str, list] = {}
 # architecture.json: this project's own description of a model of other shapes (the test
 # models); the real repository has none, and the pattern then matches nothing
 EXTRA_FILES = ("architecture.json",)
@@ -154,7 +157,8 @@ def bad_files(model_dir: Path, checksums: dict[str, str] | None) -> list[str]:
 def _mismatches(model_dir: Path, checksums: dict[str, str]) -> list[tuple[str, str]]:
     """(file, its sha256) for each present file whose sha256 differs from ``checksums``. A file
     verified before and unchanged since (same size and modification time, recorded in
-    ``.verified.json``) is not hashed again: a restart does not read the whole model twice."""
+    ``.verified.json``, or in this process) is not hashed again: a restart does not read the
+    whole model twice."""
     stamp_path = model_dir / STAMP_NAME
     try:
         stamp = json.loads(stamp_path.read_text(encoding="utf-8"))
@@ -164,12 +168,13 @@ def _mismatches(model_dir: Path, checksums: dict[str, str]) -> list[tuple[str, s
     for relative in MODEL_FILES:
         status = (model_dir / relative).stat()
         identity = [status.st_size, status.st_mtime_ns, checksums.get(relative)]
-        if stamp.get(relative) == identity:
+        here = str((model_dir / relative).resolve())
+        if identity in (stamp.get(relative), _VERIFIED_HERE.get(here)):
             verified[relative] = identity
             continue
         actual = sha256_of(model_dir / relative)
         if actual == checksums.get(relative):
-            verified[relative] = identity
+            verified[relative] = _VERIFIED_HERE[here] = identity
         else:
             mismatches.append((relative, actual))
     if verified != stamp:
