@@ -79,7 +79,7 @@ def encode(audio: np.ndarray, sample_rate: int, audio_format: str) -> bytes:
         return to_pcm16(audio)
     if audio_format == "aac":  # libsndfile has no AAC
         encoder = StreamEncoder(audio_format, sample_rate)
-        return encoder.encode(audio) + encoder.finish()
+        return encoder.encode(to_pcm16(audio)) + encoder.finish()
     import soundfile
 
     _, container, subtype = FORMATS[audio_format]
@@ -116,8 +116,9 @@ class _Sink:
 
 
 class StreamEncoder:
-    """MP3, Ogg Opus or AAC (ADTS) encoded chunk by chunk: ``encode(samples)`` returns the bytes
-    ready so far (possibly none), ``finish()`` the rest. The concatenation is one valid file."""
+    """MP3, Ogg Opus or AAC (ADTS) encoded chunk by chunk: ``encode(pcm)`` (16-bit samples, as
+    ``to_pcm16`` makes them) returns the bytes ready so far (possibly none), ``finish()`` the
+    rest. The concatenation is one valid file."""
 
     def __init__(self, audio_format: str, sample_rate: int):
         import av
@@ -134,10 +135,10 @@ class StreamEncoder:
         self._fifo = av.AudioFifo()
         self._pts = 0
 
-    def encode(self, samples: np.ndarray) -> bytes:
-        if len(samples):
-            pcm = np.frombuffer(to_pcm16(samples), dtype="<i2").reshape(1, -1)
-            frame = self._av.AudioFrame.from_ndarray(pcm, format="s16", layout="mono")
+    def encode(self, pcm: bytes) -> bytes:
+        if pcm:
+            samples = np.frombuffer(pcm, dtype="<i2").reshape(1, -1)
+            frame = self._av.AudioFrame.from_ndarray(samples, format="s16", layout="mono")
             frame.sample_rate = self._rate
             self._fifo.write(frame)
         self._drain(final=False)
@@ -167,9 +168,9 @@ class _RawWriter:
     def __init__(self, header: bytes = b""):
         self._header = header
 
-    def encode(self, samples: np.ndarray) -> bytes:
+    def encode(self, pcm: bytes) -> bytes:
         header, self._header = self._header, b""
-        return header + to_pcm16(samples)
+        return header + pcm
 
     def finish(self) -> bytes:
         header, self._header = self._header, b""
@@ -177,8 +178,8 @@ class _RawWriter:
 
 
 def stream_writer(audio_format: str, sample_rate: int):
-    """What turns a stream's float chunks into the bytes of ``audio_format``: ``encode(samples)``
-    per chunk, ``finish()`` once at the end."""
+    """What turns a stream's 16-bit PCM chunks into the bytes of ``audio_format``:
+    ``encode(pcm)`` per chunk, ``finish()`` once at the end."""
     if audio_format not in STREAM_FORMATS:
         raise ValueError(f"{audio_format} cannot be streamed")
     if audio_format == "wav":

@@ -202,7 +202,7 @@ class SpeechPipeline:
                 if cached is not None:
                     seconds = cached[1]
                     self._count_served("HIT", 0.0)
-                    yield writer.encode(from_pcm16(cached[0])) + writer.finish()
+                    yield writer.encode(cached[0]) + writer.finish()
                     return
                 self._count_served("MISS", 0.0)
                 yield from self._stream_run(run, writer, parts, record, should_stop)
@@ -252,11 +252,12 @@ class SpeechPipeline:
         first = True
         try:
             for chunk in run.chunks(self.settings.request_timeout_s, should_stop):
-                parts.append(to_pcm16(chunk))
+                pcm = to_pcm16(chunk)
+                parts.append(pcm)
                 if first:
                     self.metrics.first_audio.observe(time.perf_counter() - record.started)
                     first = False
-                data = writer.encode(chunk)
+                data = writer.encode(pcm)
                 if data:  # an encoder may hold a chunk until it has a whole frame
                     yield data
         except EngineError as error:
