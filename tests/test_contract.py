@@ -88,9 +88,15 @@ def test_schemathesis_with_every_check_finds_nothing(start_server, tmp_path, key
     server.wait_ready()
     _register_voice(server, headers)
     extra = ("-H", f"Authorization: Bearer {KEY}") if keys else ()
-    result = _schemathesis(server, *extra)
-    assert result.returncode == 0, result.stdout[-8000:] + result.stderr[-2000:]
-    assert re.search(r"\b[1-9]\d* generated, [1-9]\d* passed", result.stdout), result.stdout[-2000:]
+    # The document lists the voices that exist when it is fetched: deleting the registered
+    # one midway would make later speech requests that name it invalid. The delete route is
+    # exercised in a second run, after everything else.
+    for scope in (("--exclude-method", "DELETE"), ("--include-method", "DELETE")):
+        result = _schemathesis(server, *extra, *scope)
+        assert result.returncode == 0, result.stdout[-8000:] + result.stderr[-2000:]
+        assert re.search(r"\b[1-9]\d* generated, [1-9]\d* passed", result.stdout), result.stdout[
+            -2000:
+        ]
 
 
 def test_a_method_a_route_does_not_take_gets_405_with_allow(start_server):

@@ -15,7 +15,13 @@ from chattts_service.inference.types import (
     NothingToSay,
     Overloaded,
 )
-from chattts_service.services.voices import NotAnEmbedding, UnknownVoice, VoiceError, VoiceExists
+from chattts_service.services.voices import (
+    NotAnEmbedding,
+    UnknownVoice,
+    UnusableBlend,
+    VoiceError,
+    VoiceExists,
+)
 
 log = logging.getLogger(__name__)
 
@@ -90,6 +96,7 @@ VOICE_ERRORS: list[tuple[type[VoiceError], type[ApiError]]] = [
     (UnknownVoice, NotFound),
     (VoiceExists, Conflict),
     (NotAnEmbedding, Unprocessable),
+    (UnusableBlend, Unprocessable),
     (VoiceError, BadRequest),
 ]
 RETRY_AFTER_SECONDS = "5"  # what a client told "not ready yet" should wait

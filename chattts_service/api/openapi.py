@@ -7,25 +7,12 @@ than it is documented; every status a route can answer is listed with its error 
 
 from __future__ import annotations
 
-from chattts_service.api.schemas import (
-    SPEECH_EVENT,
-    VOICE_NAME,
-    seed_voice_pattern,
-    text_patterns,
-)
-from chattts_service.api.validation import (
-    MODEL_IDS,
-    SEED,
-    SPEED,
-    STREAM_FORMAT_CHOICES,
-    TEMPERATURE,
-    TOP_K,
-    TOP_P,
-)
+from chattts_service.api.bodies import captioned_request, speech_request, voice_schema
+from chattts_service.api.schemas import CAPTIONED_SPEECH, SPEECH_EVENT, VOICE_NAME
+from chattts_service.api.validation import MODEL_IDS
 from chattts_service.config import Settings
 from chattts_service.inference.policy import KNOBS
-from chattts_service.services.audio import FORMATS, STREAM_FORMATS
-from chattts_service.services.text import INLINE_TOKENS
+from chattts_service.services.audio import FORMATS
 from chattts_service.services.voices import MAX_EMBEDDING_CHARS
 
 
@@ -69,119 +56,6 @@ def _audio_responses(openai: bool) -> dict:
         "content": content,
     }
     return {"200": ok, **_errors(openai, *BODY_ERRORS, 422, 503, 504)}
-
-
-def _nullable(kind: str, **schema) -> dict:
-    return {"type": [kind, "null"], **schema}
-
-
-def _voice(voices: list[str], required: bool) -> dict:
-    choices = [{"enum": sorted(voices)}, {"type": "string", "pattern": seed_voice_pattern()}]
-    description = "A named voice (GET /v1/audio/voices) or seed:N." + (
-        "" if required else " Without it the voice of 'seed'."
-    )
-    if not required:
-        choices.append({"type": "null"})
-    return {"anyOf": choices, "description": description}
-
-
-def _options(settings: Settings, voices: list[str], required_voice: bool) -> dict:
-    return {
-        "voice": _voice(voices, required_voice),
-        "seed": SEED.schema(settings.default_seed),
-        "speed": SPEED.schema(),
-        "temperature": TEMPERATURE.schema(),
-        "top_p": TOP_P.schema(),
-        "top_k": TOP_K.schema(),
-        "refine_text": _nullable(
-            "boolean",
-            default=settings.refine_text,
-            description="Let the model rewrite the text first (pauses, fillers, laughter).",
-        ),
-        "refine_prompt": _nullable(
-            "string",
-            pattern=r"^( *\[(oral_\d|laugh_[0-2]|break_[0-7])\])* *$",
-            description="Control tokens for refinement, e.g. [oral_2][laugh_0][break_6]; "
-            "needs refine_text.",
-        ),
-        "normalize": _nullable(
-            "boolean",
-            default=settings.normalize,
-            description="Write numbers, dates, money, units and phone numbers out in words "
-            "(wetext, zh and en) first.",
-        ),
-        "stream": _nullable(
-            "boolean",
-            default=False,
-            description="Send audio while it is generated (chunked; "
-            f"{' or '.join(STREAM_FORMATS)} only).",
-        ),
-        "stream_format": _nullable(
-            "string",
-            enum=[*STREAM_FORMAT_CHOICES, None],
-            default="audio",
-            description="OpenAI's: 'audio' (the audio itself) or 'sse' (Server-Sent Events: "
-            "speech.audio.delta with base64 audio as it is generated, then "
-            "speech.audio.done; for flac one delta holds the whole file).",
-        ),
-    }
-
-
-def _text(settings: Settings) -> dict:
-    whole, somewhere = text_patterns()
-    return {
-        "type": "string",
-        "minLength": 1,
-        "maxLength": settings.max_chars,
-        "pattern": whole,
-        "allOf": [{"pattern": somewhere}],
-        "description": "Chinese and/or English, up to maxLength code points. Inline control "
-        f"tokens allowed: {', '.join(INLINE_TOKENS)} (at most {settings.max_control_tokens}). "
-        "Long text is split at sentence boundaries.",
-    }
-
-
-def _speech_request(settings, voices, text_field, format_field, default_format, openai):
-    """/synthesize's and /v1/audio/speech's body: the same options, two spellings."""
-    properties = {
-        text_field: _text(settings),
-        format_field: _nullable("string", enum=[*FORMATS, None], default=default_format),
-        **_options(settings, voices, required_voice=openai),
-    }
-    required = [text_field]
-    if openai:
-        properties["model"] = {"type": "string", "enum": list(MODEL_IDS)}
-        properties["instructions"] = _nullable(
-            "string", maxLength=0, description="Not supported; must be empty."
-        )
-        required = ["model", text_field, "voice"]
-    stream_then = {"properties": {format_field: {"enum": list(STREAM_FORMATS)}}}
-    if default_format not in STREAM_FORMATS:
-        stream_then["required"] = [format_field]
-    refine_then = (
-        {"properties": {"refine_text": {"enum": [True, None]}}}
-        if settings.refine_text
-        else {"properties": {"refine_text": {"const": True}}, "required": ["refine_text"]}
-    )
-    return {
-        "type": "object",
-        "additionalProperties": False,
-        "required": required,
-        "properties": properties,
-        "allOf": [
-            {  # a stream sends wav or pcm
-                "if": {"properties": {"stream": {"const": True}}, "required": ["stream"]},
-                "then": stream_then,
-            },
-            {  # a refinement prompt needs refinement
-                "if": {
-                    "properties": {"refine_prompt": {"type": "string", "pattern": r"\["}},
-                    "required": ["refine_prompt"],
-                },
-                "then": refine_then,
-            },
-        ],
-    }
 
 
 def _tuning(limits: dict) -> dict:
@@ -244,6 +118,20 @@ def document(settings: Settings, voices: list[str], limits: dict) -> dict:
                     "responses": _audio_responses(openai=True),
                 }
             },
+            "/v1/audio/captioned_speech": {
+                "post": {
+                    "summary": "Speech with a caption per sentence, timed to the sample (JSON: "
+                    "base64 audio, captions, and SubRip or WebVTT when asked)",
+                    "requestBody": _json_body("CaptionedSpeechRequest"),
+                    "responses": {
+                        "200": {
+                            "description": "Audio and captions. Headers as /v1/audio/speech.",
+                            "content": {"application/json": {"schema": CAPTIONED_SPEECH}},
+                        },
+                        **_errors(True, *BODY_ERRORS, 422, 503, 504),
+                    },
+                }
+            },
             "/v1/models": {
                 "get": {
                     "summary": "Model names accepted in 'model'",
@@ -263,7 +151,8 @@ def document(settings: Settings, voices: list[str], limits: dict) -> dict:
                     "responses": {**_ok("{voices: [names]}"), **_errors(True, 401, 503)},
                 },
                 "post": {
-                    "summary": "Register a voice from a ChatTTS speaker embedding string",
+                    "summary": "Register a voice from a ChatTTS speaker embedding string or "
+                    "from a voice (a blend, seed:N)",
                     "requestBody": _json_body("VoiceRequest"),
                     "responses": {
                         "201": {"description": "Registered"},
@@ -323,16 +212,18 @@ def document(settings: Settings, voices: list[str], limits: dict) -> dict:
         },
         "components": {
             "schemas": {
-                "SynthesizeRequest": _speech_request(
+                "SynthesizeRequest": speech_request(
                     settings, voices, "text", "format", "wav", openai=False
                 ),
-                "SpeechRequest": _speech_request(
+                "SpeechRequest": speech_request(
                     settings, voices, "input", "response_format", "mp3", openai=True
                 ),
+                "CaptionedSpeechRequest": captioned_request(settings, voices),
                 "VoiceRequest": {
                     "type": "object",
                     "additionalProperties": False,
-                    "required": ["name", "embedding"],
+                    "required": ["name"],
+                    "oneOf": [{"required": ["embedding"]}, {"required": ["voice"]}],
                     "properties": {
                         "name": {"type": "string", "pattern": VOICE_NAME},
                         "embedding": {
@@ -340,6 +231,11 @@ def document(settings: Settings, voices: list[str], limits: dict) -> dict:
                             "minLength": 1,
                             "maxLength": MAX_EMBEDDING_CHARS,
                             "description": "ChatTTS speaker embedding string",
+                        },
+                        "voice": {
+                            **voice_schema(voices, required=True),
+                            "description": "Store this voice under the name: a blend such as "
+                            "alloy(2)+echo(1), seed:N, or another voice.",
                         },
                         "replace": {"type": "boolean", "default": False},
                     },

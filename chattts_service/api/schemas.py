@@ -1,5 +1,6 @@
 """The JSON Schema pieces the OpenAPI document is built from where a field's rule is more than
-a type and bounds: voice names, ``seed:N``, the text's control tokens, the speech events.
+a type and bounds: voice names, ``seed:N``, blends, the text's control tokens, the speech
+events, the captioned answer.
 
 Each states a rule the service enforces in code (services/voices.py, services/text.py,
 api/validation.py); tests/test_contract.py holds the two to each other.
@@ -7,14 +8,32 @@ api/validation.py); tests/test_contract.py holds the two to each other.
 
 from __future__ import annotations
 
+import re
+
+from chattts_service.services.audio import FORMATS
 from chattts_service.services.text import INLINE_TOKENS
-from chattts_service.services.voices import MAX_SEED, NAME
+from chattts_service.services.voices import MAX_BLEND_PARTS, MAX_SEED, NAME
 
 VOICE_NAME = NAME.pattern
+BLEND_WEIGHT = r"(?:\d{1,4}(?:\.\d{1,6})?|\.\d{1,6})"  # 0-9999.999999; the service caps 1000
 
 
 def seed_voice_pattern(maximum: int = MAX_SEED) -> str:
     """``seed:N`` for N from 0 to ``maximum`` (leading zeros allowed, as int() takes them)."""
+    return rf"^{_seed_voice(maximum)}$"
+
+
+def blend_pattern(voices: list[str]) -> str:
+    """``name(weight)+name(weight)``, each part one of ``voices`` or ``seed:N``, the weight
+    optional. (That the weights add up to more than 0 and none is over 1000 is checked by the
+    service: 422.)"""
+    names = "|".join(re.escape(name) for name in sorted(voices, key=lambda n: (-len(n), n)))
+    voice = f"(?:{names}|{_seed_voice(MAX_SEED)})" if names else _seed_voice(MAX_SEED)
+    part = rf"{voice}(?:\({BLEND_WEIGHT}\))?"
+    return rf"^{part}(?:\+{part}){{0,{MAX_BLEND_PARTS - 1}}}$"
+
+
+def _seed_voice(maximum: int) -> str:
     digits = str(maximum)
     alternatives = [rf"\d{{1,{len(digits) - 1}}}"]
     for index, digit in enumerate(digits):
@@ -25,7 +44,7 @@ def seed_voice_pattern(maximum: int = MAX_SEED) -> str:
             low = "0" if index else "1"
             if int(digit) - 1 >= int(low):
                 alternatives.append(digits[:index] + f"[{low}-{int(digit) - 1}]" + rf"\d{{{rest}}}")
-    return r"^seed:0*(" + "|".join(alternatives) + r")$"
+    return r"seed:0*(?:" + "|".join(alternatives) + r")"
 
 
 def text_patterns() -> tuple[str, str]:
@@ -68,5 +87,31 @@ SPEECH_EVENT = {
                 ]
             },
         },
+    },
+}
+
+CAPTION = {
+    "type": "object",
+    "required": ["start", "end", "text", "spoken_text", "start_sample", "end_sample"],
+    "properties": {
+        "start": {"type": "number", "description": "seconds into the audio"},
+        "end": {"type": "number"},
+        "text": {"type": "string", "description": "the sentence as sent"},
+        "spoken_text": {"type": "string", "description": "as the model read it (normalised)"},
+        "start_sample": {"type": "integer", "description": "24 kHz samples: exact"},
+        "end_sample": {"type": "integer"},
+    },
+}
+CAPTIONED_SPEECH = {
+    "type": "object",
+    "required": ["audio", "format", "content_type", "seconds", "captions"],
+    "properties": {
+        "audio": {"type": "string", "contentEncoding": "base64"},
+        "format": {"type": "string", "enum": list(FORMATS)},
+        "content_type": {"type": "string"},
+        "seconds": {"type": "number"},
+        "captions": {"type": "array", "items": CAPTION},
+        "srt": {"type": "string"},
+        "vtt": {"type": "string"},
     },
 }

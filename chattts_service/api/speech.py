@@ -18,7 +18,8 @@ from flask import Response, current_app, g, request
 from chattts_service.api import validation
 from chattts_service.api.errors import RETRY_AFTER_SECONDS, ApiError, NotReady, from_engine_error
 from chattts_service.inference.types import SAMPLE_RATE, SAMPLES_PER_STEP, EngineError
-from chattts_service.services.speech import Speech, SpeechStream
+from chattts_service.services import captions
+from chattts_service.services.speech import CaptionedSpeech, Output, Speech, SpeechStream
 
 
 def speak(parse) -> Response:
@@ -43,6 +44,10 @@ def speak(parse) -> Response:
             if output.stream:
                 stream = pipeline.stream(plan, output, record, should_stop)
                 return _streamed(stream, events=output.events)
+            if output.captions:
+                captioned = pipeline.captioned(plan, output, should_stop)
+                record.finish(200, captioned.seconds, captioned.cache)
+                return _captioned(captioned, output)
             speech = pipeline.synthesize(plan, output, should_stop)
         except EngineError as error:
             raise from_engine_error(error) from None
@@ -73,6 +78,26 @@ def _whole(speech: Speech, events: bool = False) -> Response:
         )
     else:
         response = Response(speech.body, content_type=speech.content_type)
+    _headers(response, speech.cache, speech.seconds, speech.segments)
+    return response
+
+
+def _captioned(speech: CaptionedSpeech, output: Output) -> Response:
+    """The audio (base64) and its captions in one JSON answer; SubRip or WebVTT as well
+    when the request's ``caption_format`` asks for them."""
+    g.audio_seconds, g.cache = speech.seconds, speech.cache
+    answer = {
+        "audio": base64.b64encode(speech.audio).decode("ascii"),
+        "format": output.format,
+        "content_type": speech.content_type,
+        "seconds": round(speech.seconds, 6),
+        "captions": [caption.describe() for caption in speech.captions],
+    }
+    if output.captions == "srt":
+        answer["srt"] = captions.srt(list(speech.captions))
+    elif output.captions == "vtt":
+        answer["vtt"] = captions.vtt(list(speech.captions))
+    response = Response(json.dumps(answer, ensure_ascii=False), content_type="application/json")
     _headers(response, speech.cache, speech.seconds, speech.segments)
     return response
 

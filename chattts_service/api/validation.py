@@ -6,16 +6,22 @@ import json
 import math
 import re
 import unicodedata
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
-from chattts_service.api.errors import BadRequest, PayloadTooLarge, UnsupportedMediaType
+from chattts_service.api.errors import (
+    BadRequest,
+    PayloadTooLarge,
+    Unprocessable,
+    UnsupportedMediaType,
+)
 from chattts_service.config import Settings
 from chattts_service.inference.types import CODE_SAMPLING, SynthesisRequest
 from chattts_service.services.audio import FORMATS, STREAM_FORMATS
+from chattts_service.services.captions import CAPTION_FORMATS
 from chattts_service.services.speech import Output
 from chattts_service.services.text import TextError, check_refine_prompt, check_tokens
-from chattts_service.services.voices import MAX_SEED, VoiceError
+from chattts_service.services.voices import MAX_SEED, UnusableBlend, VoiceError
 
 OPTION_FIELDS = {
     "seed",
@@ -214,6 +220,8 @@ def synthesis_options(
             raise BadRequest("voices are not available until the model is loaded")
         try:
             voice = voices.get(body["voice"])
+        except UnusableBlend as error:
+            raise Unprocessable(str(error)) from None
         except VoiceError as error:
             raise BadRequest(str(error)) from None
 
@@ -278,8 +286,28 @@ def synthesize_request(
     )
 
 
-def speech_request(
+def captioned_speech_request(
     body: dict[str, Any], settings: Settings, voices
+) -> tuple[SynthesisRequest, Output]:
+    """POST /v1/audio/captioned_speech: the /v1/audio/speech body plus ``caption_format``;
+    answered whole, every sentence read as its own segment so the captions are exact."""
+    caption_format = body.get("caption_format")
+    if caption_format is None:
+        caption_format = "json"
+    if caption_format not in CAPTION_FORMATS:
+        raise BadRequest(f"'caption_format' must be one of {', '.join(CAPTION_FORMATS)}")
+    for name in ("stream", "stream_format"):
+        if body.get(name) not in (None, False, "audio"):
+            raise BadRequest(f"captioned speech is answered whole: '{name}' cannot be used here")
+    request, output = speech_request(body, settings, voices, SPEECH_FIELDS | {"caption_format"})
+    return (
+        replace(request, sentence_segments=True),
+        Output(format=output.format, stream=False, captions=caption_format),
+    )
+
+
+def speech_request(
+    body: dict[str, Any], settings: Settings, voices, accepted: set[str] = SPEECH_FIELDS
 ) -> tuple[SynthesisRequest, Output]:
     """POST /v1/audio/speech: OpenAI's fields (MP3 by default), plus this service's options."""
     model = body.get("model")
@@ -302,5 +330,5 @@ def speech_request(
         text_field="input",
         format_field="response_format",
         default_format="mp3",
-        accepted=SPEECH_FIELDS,
+        accepted=accepted,
     )

@@ -159,7 +159,8 @@ class Engine:
         cap (degraded mode)."""
         if self.model is None:
             raise EngineError("model is not loaded")
-        segments = self.segments(request)
+        sentences = self.prompts.sentences(request)
+        segments = self.prompts.segments(request, sentences)
         voice = request.voice if request.voice is not None else self.voices.from_seed(request.seed)
         jobs = [
             SynthesisJob(
@@ -176,7 +177,8 @@ class Engine:
             for text in segments
         ]
         self.admission.check(self.scheduler, len(jobs))
-        run = Run(jobs, self.settings.segment_pause_ms / 1000.0)
+        layout = self.prompts.layout(sentences) if request.sentence_segments else None
+        run = Run(jobs, self.settings.segment_pause_ms / 1000.0, layout)
         try:
             for job in jobs:
                 self.scheduler.submit(job)

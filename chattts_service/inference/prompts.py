@@ -57,18 +57,38 @@ class Prompts:
             raise NothingToSay("text has nothing speakable after normalisation")
         return normalised
 
-    def segments(self, request: SynthesisRequest) -> list[str]:
-        """The request's text as the model will read it: sentences normalised one by one (so
-        each gets its own language), packed into segments of at most the configured length."""
+    def sentences(self, request: SynthesisRequest) -> list[tuple[str, str]]:
+        """Each sentence of the text as written and as the model reads it (normalised one by
+        one, so each gets its own language); "" for a sentence with nothing to say
+        (punctuation or symbols alone)."""
         sentences = []
         for sentence in split_sentences(request.text):
             try:
-                sentences.append(self.normalise(sentence, request.normalize))
+                sentences.append((sentence, self.normalise(sentence, request.normalize)))
             except NothingToSay:
-                continue  # punctuation or symbols alone: nothing to say, nothing lost
-        if not sentences:
+                sentences.append((sentence, ""))
+        if not any(spoken for _, spoken in sentences):
             raise NothingToSay("text has nothing speakable after normalisation")
-        return pack(sentences, self.settings.max_segment_chars)
+        return sentences
+
+    def segments(
+        self, request: SynthesisRequest, sentences: list[tuple[str, str]] | None = None
+    ) -> list[str]:
+        """The request's text as the model will read it: normalised sentences packed into
+        segments of at most the configured length; with ``sentence_segments``, every sentence
+        its own segment(s), so each one's place in the audio is known to the sample."""
+        if sentences is None:
+            sentences = self.sentences(request)
+        limit = self.settings.max_segment_chars
+        spoken = [text for _, text in sentences if text]
+        if request.sentence_segments:
+            return [piece for text in spoken for piece in pack([text], limit)]
+        return pack(spoken, limit)
+
+    def layout(self, sentences: list[tuple[str, str]]) -> list[tuple[str, int]]:
+        """How many segments ``segments`` gives each sentence with ``sentence_segments``."""
+        limit = self.settings.max_segment_chars
+        return [(text, len(pack([spoken], limit)) if spoken else 0) for text, spoken in sentences]
 
     def _prompt(self, decorated: str):
         chat = self.chat

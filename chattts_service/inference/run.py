@@ -30,9 +30,18 @@ STOP_POLL_SECONDS = 0.25  # how often a waiting request checks its client
 
 
 class Run:
-    def __init__(self, jobs: list[SynthesisJob], pause_seconds: float):
+    """``sentences``: each sentence of the text as written, with how many of the jobs (in
+    order) speak it; 0 for a sentence with nothing to say."""
+
+    def __init__(
+        self,
+        jobs: list[SynthesisJob],
+        pause_seconds: float,
+        sentences: list[tuple[str, int]] | None = None,
+    ):
         self.jobs = jobs
         self.pause = silence(pause_seconds, SAMPLE_RATE)
+        self.sentences = sentences or []
 
     def cancel(self) -> None:
         for job in self.jobs:
@@ -60,6 +69,9 @@ class Run:
             spoken_text=" ".join(part.spoken_text for part in parts),
             segments=len(parts),
             truncated=self.truncated,
+            part_samples=tuple(len(part.audio) for part in parts),
+            part_texts=tuple(part.spoken_text for part in parts),
+            pause_samples=len(self.pause),
         )
 
     @property

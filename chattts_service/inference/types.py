@@ -80,6 +80,7 @@ class SynthesisRequest:
     top_k: int = CODE_SAMPLING.top_k
     normalize: bool = True  # numbers, dates, money... written out in words first
     refine_prompt: str = ""  # [oral_N][laugh_N][break_N] for the refinement pass
+    sentence_segments: bool = False  # each sentence its own segment(s): captions need it
 
     @property
     def sampling(self) -> Sampling:
@@ -94,6 +95,10 @@ class Synthesis:
     spoken_text: str
     segments: int = 1
     truncated: int = 0  # segments stopped by the step cap instead of ending their speech
+    # the samples and spoken text of each segment, in order (joined by ``pause_samples``)
+    part_samples: tuple[int, ...] = ()
+    part_texts: tuple[str, ...] = ()
+    pause_samples: int = 0
 
     @property
     def seconds(self) -> float:

@@ -23,6 +23,7 @@ from chattts_service.inference.types import EngineError, Overloaded, SynthesisRe
 from chattts_service.runtime.metrics import Metrics
 from chattts_service.services.audio import content_type, encode, stream_writer, to_pcm16
 from chattts_service.services.cache import AudioCache, cache_key
+from chattts_service.services.captions import Caption, captions
 
 log = logging.getLogger(__name__)
 
@@ -32,6 +33,7 @@ class Output:
     format: str
     stream: bool
     events: bool = False  # Server-Sent Events (OpenAI's stream_format "sse"), else raw audio
+    captions: str | None = None  # json, srt or vtt: the audio comes in JSON with its captions
 
 
 @dataclass(frozen=True)
@@ -53,6 +55,16 @@ class Speech:
     cache: str  # HIT or MISS
     seconds: float
     segments: int | None  # known when the model made it now
+
+
+@dataclass(frozen=True)
+class CaptionedSpeech:
+    audio: bytes  # in the requested format
+    content_type: str
+    cache: str
+    seconds: float
+    captions: tuple[Caption, ...]
+    segments: int
 
 
 class RequestRecord:
@@ -161,8 +173,42 @@ class SpeechPipeline:
         self._count_served(cache_status, seconds)
         return Speech(body, content_type(output.format, rate), cache_status, seconds, segments)
 
+    def captioned(
+        self, plan: Plan, output: Output, should_stop: Callable[[], bool] | None
+    ) -> CaptionedSpeech:
+        """The whole answer with a caption per sentence (``plan.request`` reads each sentence
+        as its own segment); cached with its captions, as they are one answer."""
+        identity, rate = self.engine.identity, self.engine.sample_rate
+        key = cache_key(plan.request, identity, f"captioned/{output.format}")
+        cached = self.cache.get(key)
+        if cached is not None:
+            body, seconds, items, segments = cached
+            cache_status = "HIT"
+        else:
+            run = self._start(plan, stream=False)
+            result = self._finish(run, should_stop)
+            items = tuple(
+                captions(
+                    run.sentences,
+                    result.part_samples,
+                    result.part_texts,
+                    result.pause_samples,
+                    rate,
+                )
+            )
+            body = encode(result.audio, rate, output.format)
+            seconds, segments, cache_status = result.seconds, result.segments, "MISS"
+            if _cacheable(plan, result.truncated):
+                self.cache.put(key, (body, seconds, items, segments))
+        self._count_served(cache_status, seconds)
+        return CaptionedSpeech(
+            body, content_type(output.format, rate), cache_status, seconds, items, segments
+        )
+
     def _infer(self, plan: Plan, should_stop):
-        run = self._start(plan, stream=False)
+        return self._finish(self._start(plan, stream=False), should_stop)
+
+    def _finish(self, run: Run, should_stop):
         started = time.perf_counter()
         try:
             result = run.result(self.settings.request_timeout_s, should_stop)

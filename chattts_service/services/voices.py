@@ -6,7 +6,9 @@ A voice is one of
   clients register them with ``POST /v1/audio/voices``;
 - a shipped default: the OpenAI names map to fixed seeds, drawn from the loaded model's speaker
   statistics (a file with the same name takes precedence);
-- ``seed:N``: the voice drawn from seed N, without touching the global RNG.
+- ``seed:N``: the voice drawn from seed N, without touching the global RNG;
+- a blend ``name(weight)+name(weight)`` of any of these (Kokoro-FastAPI's form): the weighted
+  mean of their embeddings, weights normalised to sum to 1 (a part without a weight counts 1).
 
 Names are checked against a strict pattern before they come near a path.
 """
@@ -39,6 +41,9 @@ DEFAULT_VOICES = {
     "shimmer": 1111,
 }
 MAX_SEED = 2**31 - 1
+MAX_BLEND_PARTS = 8
+# one part of a blend: a voice, then optionally its weight in parentheses (0 to 9999.999999)
+BLEND_PART = re.compile(r"^([a-z0-9][a-z0-9_:-]{0,63})(?:\((\d{1,4}(?:\.\d{1,6})?|\.\d{1,6})\))?$")
 
 
 class VoiceError(ValueError):
@@ -55,6 +60,10 @@ class VoiceExists(VoiceError):
 
 class UnknownVoice(VoiceError):
     pass
+
+
+class UnusableBlend(VoiceError):
+    """A well-formed blend whose weights are all 0."""
 
 
 @dataclass(frozen=True)
@@ -137,6 +146,39 @@ class VoiceStore:
         if not isinstance(name, str):
             raise VoiceError("'voice' must be a string")
         name = name.strip().lower()
+        if "+" in name or "(" in name:
+            return self.blend(name)
+        return self._single(name)
+
+    def blend(self, spec: str) -> Voice:
+        """``a(2)+b(1)``: the embeddings' weighted mean, weights normalised. Its name is the
+        canonical spelling (normalised weights) and its digest that of the blended embedding,
+        so the cache tells blends apart and one blend spelled two ways shares an entry."""
+        parts = [part.strip() for part in spec.split("+")]
+        if len(parts) > MAX_BLEND_PARTS:
+            raise VoiceError(f"a blend has at most {MAX_BLEND_PARTS} voices")
+        named = []
+        for part in parts:
+            match = BLEND_PART.match(part)
+            if not match:
+                raise VoiceError(
+                    f"cannot read {part!r} in the blend {spec!r}: write voices as "
+                    "name(weight)+name(weight), weights from 0 to 9999"
+                )
+            weight = float(match.group(2)) if match.group(2) is not None else 1.0
+            named.append((match.group(1), weight))
+        total = sum(weight for _, weight in named)
+        if total <= 0:
+            raise UnusableBlend(f"the blend {spec!r} has no weight above 0")
+        weights: dict[str, float] = {}  # a voice named twice adds up its weights
+        for name, weight in named:
+            weights[name] = weights.get(name, 0.0) + weight / total
+        voices = {name: self._single(name) for name in weights if weights[name] > 0}
+        embedding = sum(weights[name] * voices[name].embedding for name in sorted(voices))
+        label = "+".join(f"{name}({weights[name]:.4g})" for name in sorted(voices))
+        return Voice(label, embedding, _digest(embedding))
+
+    def _single(self, name: str) -> Voice:
         seed = SEED_VOICE.match(name)
         if seed:
             digits = seed.group(1).lstrip("0") or "0"
@@ -177,13 +219,22 @@ class VoiceStore:
         embedding = self._sampler(seed)
         return Voice(f"seed:{seed}", embedding, "")  # the seed alone defines it for this model
 
-    def register(self, name: str, embedding_text: str, replace: bool = False) -> Voice:
+    def register(
+        self, name: str, embedding_text: str | None = None, replace: bool = False, voice=None
+    ) -> Voice:
+        """Store a voice under ``name``: from an embedding string, or from ``voice``, any
+        voice this store resolves (a blend, ``seed:N``, another name)."""
         if not isinstance(name, str) or not NAME.match(name):
             raise VoiceError(
                 "voice names are 1-64 characters of a-z, 0-9, '-' and '_', "
                 "starting with a letter or digit"
             )
-        embedding = decode_embedding(embedding_text, self.dim)
+        if (embedding_text is None) == (voice is None):
+            raise VoiceError("send either 'embedding' or 'voice' (a blend, seed:N or a name)")
+        if voice is not None:
+            embedding = self.get(voice).embedding
+        else:
+            embedding = decode_embedding(embedding_text, self.dim)
         self.directory.mkdir(parents=True, exist_ok=True)
         path = self._path(name)
         with self._lock:

@@ -1,4 +1,4 @@
-"""The OpenAI-compatible API: /v1/audio/speech, /v1/models, and the voices listing.
+"""The OpenAI-compatible API: /v1/audio/speech (and its captioned form), /v1/models, voices.
 
 Errors on these paths come in OpenAI's shape (``{"error": {"message", "type", "param",
 "code"}}``; see ``errors.py``), so OpenAI clients raise their usual exceptions.
@@ -17,7 +17,7 @@ from chattts_service.api.errors import (
     from_voice_error,
 )
 from chattts_service.api.speech import speak
-from chattts_service.services.voices import VoiceError
+from chattts_service.services.voices import UnknownVoice, VoiceError
 
 blueprint = Blueprint("openai", __name__)
 CREATED = 1_700_000_000  # a fixed "created" time for the model listing
@@ -26,6 +26,11 @@ CREATED = 1_700_000_000  # a fixed "created" time for the model listing
 @blueprint.post("/v1/audio/speech")
 def speech():
     return speak(validation.speech_request)
+
+
+@blueprint.post("/v1/audio/captioned_speech")
+def captioned_speech():
+    return speak(validation.captioned_speech_request)
 
 
 @blueprint.get("/v1/models")
@@ -65,19 +70,27 @@ def list_voices():
 
 @blueprint.post("/v1/audio/voices")
 def register_voice():
-    """Register a named voice from a ChatTTS speaker embedding string."""
+    """Register a named voice from a ChatTTS speaker embedding string, or from a voice this
+    server resolves (a blend such as ``alloy(2)+echo(1)``, ``seed:N``)."""
     store = _voices()
     body = validation.json_body(request.mimetype, request.get_data(cache=False))
-    unknown = sorted(set(body) - {"name", "embedding", "replace"})
+    unknown = sorted(set(body) - {"name", "embedding", "voice", "replace"})
     if unknown:
         raise BadRequest(
-            f"unknown fields: {', '.join(unknown)}; accepted: embedding, name, replace"
+            f"unknown fields: {', '.join(unknown)}; accepted: embedding, name, replace, voice"
         )
     replace = body.get("replace", False)
     if not isinstance(replace, bool):
         raise BadRequest("'replace' must be true or false")
+    source = body.get("voice")
+    if source is not None and not isinstance(source, str):
+        raise BadRequest("'voice' must be a string")
     try:
-        voice = store.register(body.get("name"), body.get("embedding"), replace=replace)
+        voice = store.register(
+            body.get("name"), body.get("embedding"), replace=replace, voice=source
+        )
+    except UnknownVoice as error:  # the voice to store does not exist: as in a speech request
+        raise BadRequest(str(error)) from None
     except VoiceError as error:
         raise from_voice_error(error) from None
     response = jsonify(voice.describe())

@@ -1,0 +1,106 @@
+"""Captions for speech: one per sentence, timed from the audio's own segment boundaries.
+
+A captioned request reads every sentence as its own segment (``sentence_segments``), and the
+service joins segments with a pause it inserts itself, so where each sentence starts and ends is
+known to the sample: no alignment model, no estimate. A sentence with nothing to say (symbols
+alone) has no audio; its text joins the caption before it (or the first one).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+
+CAPTION_FORMATS = ("json", "srt", "vtt")
+
+
+@dataclass(frozen=True)
+class Caption:
+    start: float  # seconds into the returned audio
+    end: float
+    text: str  # as the user wrote it
+    spoken_text: str  # as the model read it (normalised, or refined)
+    start_sample: int
+    end_sample: int
+
+    def describe(self) -> dict:
+        return asdict(self)
+
+
+def captions(
+    sentences: list[tuple[str, int]],
+    part_samples: tuple[int, ...],
+    part_texts: tuple[str, ...],
+    pause_samples: int,
+    sample_rate: int,
+) -> list[Caption]:
+    """``sentences``: each sentence as written and how many segments (in order) speak it;
+    ``part_samples``/``part_texts``: each segment's length and spoken text; segments are
+    joined by ``pause_samples`` of silence."""
+    if sum(count for _, count in sentences) != len(part_samples):
+        raise ValueError("the sentences do not account for every segment")
+    starts, offset = [], 0
+    for index, samples in enumerate(part_samples):
+        offset += pause_samples if index else 0
+        starts.append(offset)
+        offset += samples
+    made: list[dict] = []
+    orphans: list[str] = []  # sentences without audio before the first caption
+    part = 0
+    for text, count in sentences:
+        if count == 0:
+            if made:
+                made[-1]["text"] = f"{made[-1]['text']} {text}"
+            else:
+                orphans.append(text)
+            continue
+        first, last = part, part + count - 1
+        made.append(
+            {
+                "text": " ".join([*orphans, text]),
+                "spoken_text": " ".join(part_texts[first : last + 1]),
+                "start_sample": starts[first],
+                "end_sample": starts[last] + part_samples[last],
+            }
+        )
+        orphans = []
+        part += count
+    return [
+        Caption(
+            start=round(item["start_sample"] / sample_rate, 6),
+            end=round(item["end_sample"] / sample_rate, 6),
+            text=item["text"],
+            spoken_text=item["spoken_text"],
+            start_sample=item["start_sample"],
+            end_sample=item["end_sample"],
+        )
+        for item in made
+    ]
+
+
+def _clock(seconds: float, separator: str, up: bool = False) -> str:
+    """A cue time in milliseconds: starts rounded down and ends up, so a cue holds its audio."""
+    millis = math.ceil(seconds * 1000 - 1e-6) if up else math.floor(seconds * 1000 + 1e-6)
+    hours, millis = divmod(millis, 3_600_000)
+    minutes, millis = divmod(millis, 60_000)
+    whole, millis = divmod(millis, 1000)
+    return f"{hours:02d}:{minutes:02d}:{whole:02d}{separator}{millis:03d}"
+
+
+def srt(items: list[Caption]) -> str:
+    """SubRip: numbered cues, times as HH:MM:SS,mmm."""
+    cues = [
+        f"{number}\n{_clock(item.start, ',')} --> {_clock(item.end, ',', up=True)}\n{item.text}\n"
+        for number, item in enumerate(items, start=1)
+    ]
+    return "\n".join(cues)
+
+
+def vtt(items: list[Caption]) -> str:
+    """WebVTT: times as HH:MM:SS.mmm; the cue text escaped (&, <, >), so a "-->" in it
+    cannot end a cue."""
+    cues = ["WEBVTT\n"]
+    for item in items:
+        text = item.text.replace("&", "&amp;").replace("<", "&lt;").replace(">", "&gt;")
+        cues.append(f"{_clock(item.start, '.')} --> {_clock(item.end, '.', up=True)}\n{text}\n")
+    return "\n".join(cues)
