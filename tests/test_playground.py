@@ -231,3 +231,65 @@ def test_page_explains_empty_too_long_and_overloaded(browser, start_server):
     too_long = wait_for(lambda: error_message(browser))
     assert "413" in too_long and "the limit is 150" in too_long
     browser.save_screenshot(str(ARTIFACTS / "playground-busy.png"))
+
+
+def test_captions_follow_the_player_and_voices_blend(browser, server):
+    from selenium.webdriver.support.ui import Select
+
+    browser.get(server.url + "/")
+    wait_for(lambda: text_of(browser, "s-state") == "ready")
+    wait_for(lambda: len(browser.find_elements("css selector", "#blend option")) > 6)
+
+    # a blend of two voices from the mixer: the request names both, weighted by the slider
+    Select(browser.find_element("id", "voice")).select_by_value("alloy")
+    Select(browser.find_element("id", "blend")).select_by_value("echo")
+    browser.execute_script(
+        "const mix = document.getElementById('mix'); mix.value = 30;"
+        "mix.dispatchEvent(new Event('input'));"
+    )
+    assert text_of(browser, "mix-value") == "30%"
+    browser.find_element("id", "captions-on").click()
+    speak(browser, "First sentence here. 第二句话。 And a third one.", "mp3")
+    wait_for(lambda: text_of(browser, "r-voice") == "alloy(70)+echo(30)")
+    assert wait_for(lambda: player_duration(browser)) > 0
+    assert not error_message(browser)
+
+    # one caption per sentence under the player, as written, with its start time
+    items = browser.find_elements("css selector", "#captions li")
+    assert [item.text.split(" s", 1)[1].strip() for item in items] == [
+        "First sentence here.",
+        "第二句话。",
+        "And a third one.",
+    ]
+    spans = browser.execute_script(
+        "return [...document.querySelectorAll('#captions li')]"
+        ".map(li => [parseFloat(li.dataset.start), parseFloat(li.dataset.end)]);"
+    )
+    assert all(start < end for start, end in spans)
+    assert all(before[1] < after[0] for before, after in zip(spans, spans[1:]))
+
+    # the caption being spoken is highlighted as the player moves; a click seeks to it
+    browser.execute_script("document.getElementById('player').pause();")
+    for index, (start, end) in enumerate(spans):
+        browser.execute_script(
+            "document.getElementById('player').currentTime = arguments[0];", (start + end) / 2
+        )
+        wait_for(
+            lambda index=index: (
+                browser.execute_script(
+                    "return [...document.querySelectorAll('#captions li')]"
+                    ".map(li => li.classList.contains('current'));"
+                )
+                == [i == index for i in range(len(spans))]
+            )
+        )
+        assert items[index].get_attribute("aria-current") == "true"
+    browser.save_screenshot(str(ARTIFACTS / "playground-captions.png"))
+    items[0].click()
+    wait_for(
+        lambda: (
+            browser.execute_script("return document.getElementById('player').currentTime;")
+            < spans[0][1]
+        )
+    )
+    browser.find_element("id", "captions-on").click()  # off again for the other tests

@@ -107,6 +107,69 @@ async function speakStreamed(body, started) {
            cache: response.headers.get("X-Cache") };
 }
 
+// Captioned: the audio and one caption per sentence in one JSON answer; the caption being
+// spoken is highlighted as the player moves, and a click on a caption plays from there.
+async function speakCaptioned(body, started) {
+  const response = await fetch("/v1/audio/captioned_speech", {
+    method: "POST", headers: { "Content-Type": "application/json", ...authHeaders() },
+    body: JSON.stringify({
+      model: "chattts", input: body.text, voice: body.voice || `seed:${body.seed}`,
+      seed: body.seed, speed: body.speed, refine_text: body.refine_text,
+      response_format: body.format,
+    }),
+  });
+  if (!response.ok) return response;
+  const answer = await response.json();
+  const bytes = Uint8Array.from(atob(answer.audio), (c) => c.charCodeAt(0));
+  setAudio(new Blob([bytes], { type: answer.content_type }),
+           body.format === "opus" ? "ogg" : body.format);
+  showCaptions(answer.captions);
+  $("player").play().catch(() => { /* autoplay refused: the controls are there */ });
+  return { latency: (performance.now() - started) / 1000, first: null, audio: answer.seconds,
+           cache: response.headers.get("X-Cache") };
+}
+
+function showCaptions(captions) {
+  const list = $("captions");
+  list.replaceChildren(...captions.map((caption) => {
+    const item = document.createElement("li");
+    item.dataset.start = caption.start;
+    item.dataset.end = caption.end;
+    item.title = caption.spoken_text;
+    const time = document.createElement("span");
+    time.className = "time";
+    time.textContent = caption.start.toFixed(2) + " s";
+    item.append(time, caption.text);
+    item.addEventListener("click", () => {
+      $("player").currentTime = caption.start;
+      $("player").play().catch(() => {});
+    });
+    return item;
+  }));
+  list.hidden = !captions.length;
+  highlightCaption();
+}
+
+function highlightCaption() {
+  const now = $("player").currentTime;
+  for (const item of $("captions").children) {
+    const current = now >= parseFloat(item.dataset.start) && now < parseFloat(item.dataset.end);
+    item.classList.toggle("current", current);
+    if (current) item.setAttribute("aria-current", "true");
+    else item.removeAttribute("aria-current");
+  }
+}
+
+// The voice asked for: the chosen one (or the seed's), blended with a second one if set.
+function voiceSpec(seed) {
+  const first = $("voice").value, second = $("blend").value;
+  const mix = parseInt($("mix").value, 10);
+  if (!second || mix === 0) return first;
+  const base = first || `seed:${seed}`;
+  if (mix === 100) return second;
+  return `${base}(${100 - mix})+${second}(${mix})`;
+}
+
 async function speakWhole(body, started) {
   const response = await fetch("/synthesize", {
     method: "POST", headers: { "Content-Type": "application/json", ...authHeaders() },
@@ -130,14 +193,18 @@ async function speak(event) {
   const body = { text, seed: parseInt($("seed").value || "0", 10),
                  speed: parseFloat($("speed").value), refine_text: $("refine").checked,
                  format: $("format").value };
-  if ($("voice").value) body.voice = $("voice").value;
+  const voice = voiceSpec(body.seed);
+  if (voice) body.voice = voice;
+  const captioned = $("captions-on").checked;
+  if (!captioned) { $("captions").hidden = true; $("captions").replaceChildren(); }
   const button = $("speak");
   button.disabled = true;
   showMessage("Speaking…", "info");
   const started = performance.now();
   try {
-    const outcome = body.format === "wav" ? await speakStreamed(body, started)
-                                          : await speakWhole(body, started);
+    const outcome = captioned ? await speakCaptioned(body, started)
+      : body.format === "wav" ? await speakStreamed(body, started)
+      : await speakWhole(body, started);
     if (outcome instanceof Response) {
       if (outcome.status === 401) needKey(await errorText(outcome));
       else showMessage(await errorText(outcome));
@@ -145,6 +212,7 @@ async function speak(event) {
     }
     showMessage("");
     showResult(outcome);
+    $("r-voice").textContent = voice || `seed:${body.seed}`;
   } catch (error) {
     showMessage("The request failed: " + error.message);
   } finally {
@@ -200,15 +268,23 @@ async function loadVoices() {
   try {
     const response = await fetch("/v1/audio/voices", { headers: authHeaders() });
     if (!response.ok) return;
-    const select = $("voice");
-    for (const name of (await response.json()).voices) {
-      const option = document.createElement("option");
-      option.value = option.textContent = name;
-      select.appendChild(option);
+    const names = (await response.json()).voices;
+    for (const select of [$("voice"), $("blend")]) {
+      select.replaceChildren(select.options[0]);
+      for (const name of names) {
+        const option = document.createElement("option");
+        option.value = option.textContent = name;
+        select.appendChild(option);
+      }
     }
   } catch (ignored) { /* the seed's voice still works */ }
 }
 
+$("mix").addEventListener("input", () => {
+  $("mix-value").textContent = $("mix").value + "%";
+});
+$("player").addEventListener("timeupdate", highlightCaption);
+$("player").addEventListener("seeked", highlightCaption);
 $("speed").addEventListener("input", () => {
   $("speed-value").textContent = parseFloat($("speed").value).toFixed(2);
 });
