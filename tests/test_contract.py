@@ -8,6 +8,7 @@ Bounded: a few dozen examples per operation, one request at a time.
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import subprocess
@@ -144,3 +145,93 @@ def test_deeply_nested_json_is_a_400_not_a_500():
         json_body("application/json", b"[" * 5000 + b"]" * 5000)
     with pytest.raises(BadRequest, match="nested too deeply"):
         json_body("application/json", b'{"a":' * 5000 + b"1" + b"}" * 5000)
+
+
+BLEND_PIECES = st.sampled_from(["alloy", "echo", "ghost", "seed:7", "(", ")", "+", "2", ".5", "0"])
+
+
+@settings(max_examples=400, deadline=None)
+@given(st.lists(BLEND_PIECES, min_size=1, max_size=10).map("".join))
+def test_the_blend_pattern_is_what_the_service_resolves(spec):
+    import torch
+
+    from chattts_service.api.schemas import blend_pattern
+    from chattts_service.services.voices import UnusableBlend, VoiceError, VoiceStore
+
+    store = VoiceStore(Path("/nonexistent-voices"), 4, lambda seed: torch.full((4,), float(seed)))
+    try:
+        store.get(spec)
+        resolved = True
+    except UnusableBlend:  # well-formed, all weights 0: a 422, as documented
+        resolved = True
+    except VoiceError:
+        resolved = False
+    documented = bool(re.match(blend_pattern(["alloy", "echo"]), spec))
+    plain = bool(re.match(r"^(alloy|echo)$", spec)) or bool(re.match(seed_voice_pattern(), spec))
+    assert (documented or plain) == resolved, spec
+
+
+# -- deep and odd JSON on every JSON route, over HTTP ------------------------------------------
+
+
+def _deep(depth: int, kind: str) -> str:
+    return "[" * depth + "]" * depth if kind == "array" else '{"a":' * depth + "1" + "}" * depth
+
+
+JSON_VALUES = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=20),
+    lambda inner: (
+        st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner, max_size=4)
+    ),
+    max_leaves=20,
+)
+ODD_BODIES = st.one_of(
+    st.builds(
+        _deep, st.integers(min_value=50, max_value=20_000), st.sampled_from(["array", "object"])
+    ),
+    st.builds(
+        lambda field, depth, kind: json.dumps({field: None}).replace("null", _deep(depth, kind)),
+        st.sampled_from(["text", "input", "voice", "name", "embedding", "max_batch"]),
+        st.integers(min_value=50, max_value=20_000),
+        st.sampled_from(["array", "object"]),
+    ),
+    JSON_VALUES.map(lambda value: json.dumps(value, allow_nan=True)),
+    st.text(max_size=40),
+)
+JSON_ROUTES = [
+    "/synthesize",
+    "/v1/audio/speech",
+    "/v1/audio/captioned_speech",
+    "/v1/audio/voices",
+    "/admin/config",
+]
+
+
+@pytest.fixture(scope="module")
+def odd_server(start_server, tmp_path_factory):
+    server = start_server(
+        CHATTTS_MAX_NEW_TOKENS="20",
+        CHATTTS_API_KEYS=KEY,
+        CHATTTS_VOICES_DIR=str(tmp_path_factory.mktemp("voices")),
+    )
+    server.wait_ready()
+    return server
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.sampled_from(JSON_ROUTES), ODD_BODIES)
+def test_deep_and_odd_json_gets_a_clear_4xx_on_every_json_route(odd_server, route, body):
+    answer = requests.post(
+        odd_server.url + route,
+        data=body.encode("utf-8", "surrogatepass"),
+        headers={"Content-Type": "application/json", "Authorization": f"Bearer {KEY}"},
+        timeout=60,
+    )
+    assert 400 <= answer.status_code < 500 or answer.status_code == 200, (
+        answer.status_code,
+        body[:200],
+    )
+    if answer.status_code != 200:
+        error = answer.json()["error"]
+        message = error if isinstance(error, str) else error["message"]
+        assert message and "Traceback" not in message

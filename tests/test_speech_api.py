@@ -256,6 +256,26 @@ def test_openai_client_streams_pcm(client):
     assert len(data) > 0 and len(data) % 2 == 0
 
 
+def test_openai_client_streams_mp3_as_it_is_generated(client):
+    arrivals = []
+    started = time.monotonic()
+    with client.audio.speech.with_streaming_response.create(
+        model="tts-1",
+        voice="fable",
+        input="第一句话先到。第二句话随后。The third sentence comes last.",
+        extra_body={"stream": True, "seed": 8},
+    ) as response:
+        assert response.headers["Content-Type"] == "audio/mpeg"
+        assert "Content-Length" not in response.headers  # chunked: sent as it is encoded
+        data = b""
+        for piece in response.iter_bytes():
+            arrivals.append(time.monotonic() - started)
+            data += piece
+    assert len(arrivals) >= 2, "the MP3 arrived in one piece"
+    audio, rate = _decoded(data)
+    assert rate == 24_000 and len(audio) / rate > 0.1
+
+
 def test_openai_errors_have_openai_shape(client):
     import openai
 
