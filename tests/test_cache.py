@@ -26,6 +26,7 @@ def test_every_input_that_changes_audio_changes_the_key():
         "top_k": 5,
         "normalize": False,
         "refine_prompt": "[oral_2]",
+        "sentence_segments": True,
     }
     assert set(changed) == {f.name for f in fields(SynthesisRequest)}, "new field: extend this test"
     keys = {cache_key(BASE, "m", "wav")}
