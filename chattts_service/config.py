@@ -95,6 +95,11 @@ class Settings:
     verify_model: bool = _env_field(
         "VERIFY_MODEL", True, "check every model file against ChatTTS's sha256 list at start"
     )
+    packed_cache: bool = _env_field(
+        "PACKED_CACHE",
+        True,
+        "keep the GPT's packed int8 layers in <model dir>/.packed and map them on later starts",
+    )
     host: str = _env_field("HOST", "0.0.0.0", "address to listen on")
     port: int = _env_field("PORT", 8090, "port to listen on", low=1, high=65535)
     threads: int = _env_field(

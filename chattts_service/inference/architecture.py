@@ -38,6 +38,9 @@ def config_from_architecture(architecture: dict[str, Any] | None):
     ChatTTS's ``Config()`` sub-objects are class-level defaults shared by every instance, so
     every section is rebuilt as a new object rather than mutated in place.
     """
+    from chattts_service.inference import upstream
+
+    upstream.install()
     from ChatTTS.config.config import (
         DVAE,
         GPT,

@@ -19,11 +19,13 @@ from pathlib import Path
 import torch
 
 from chattts_service.config import Settings
-from chattts_service.inference import model_files
+from chattts_service.inference import model_files, upstream
 from chattts_service.inference.architecture import config_from_architecture, read_architecture
 from chattts_service.inference.decoding import AudioDecoder
 from chattts_service.inference.download import ensure_model
 from chattts_service.inference.generation import Batch, Heads
+from chattts_service.inference.gpt_weights import GptWeights
+from chattts_service.inference.packed_cache import PackedCache
 from chattts_service.inference.transformer import Transformer
 from chattts_service.runtime import heap
 
@@ -85,12 +87,36 @@ def load_model(settings: Settings) -> LoadedModel:
     return model
 
 
+@dataclass
+class ChatParts:
+    """The pieces of ChatTTS's ``Chat`` the service uses, built without ``Chat`` (whose import
+    brings model code the service never runs; see ``upstream``)."""
+
+    config: object
+    normalizer: object
+    tokenizer: object = None
+    speaker: object = None
+    embed: object = None
+    decoder: object = None
+    vocos: object = None
+
+
+def chattts_normaliser():
+    """ChatTTS's text normaliser, with its homophone map, as ``Chat`` makes it."""
+    upstream.install()
+    import ChatTTS
+    from ChatTTS.norm import Normalizer
+
+    homophones = Path(ChatTTS.__file__).parent / "res" / "homophones_map.json"
+    return Normalizer(str(homophones), logging.getLogger("ChatTTS"))
+
+
 def _load_modules(settings: Settings, paths: model_files.ModelPaths, architecture) -> LoadedModel:
-    from ChatTTS import Chat
+    upstream.install()
     from ChatTTS.model import Speaker, Tokenizer
 
-    chat = Chat(logging.getLogger("ChatTTS"))
-    config = chat.config = config_from_architecture(architecture)
+    config = config_from_architecture(architecture)
+    chat = ChatParts(config=config, normalizer=chattts_normaliser())
     transformer = _load_transformer(settings, paths)  # first: its fp32 weights are unmapped after
     chat.embed, heads = _load_embeddings(settings, paths, config, transformer)
     chat.decoder, chat.vocos = _load_audio_modules(paths, config)
@@ -119,20 +145,26 @@ def _load_modules(settings: Settings, paths: model_files.ModelPaths, architectur
 
 
 def _load_transformer(settings: Settings, paths: model_files.ModelPaths) -> Transformer:
-    """The GPT, memory-mapped by transformers, read once into the lean (int8) transformer."""
-    from transformers import LlamaModel
-
-    llama = LlamaModel.from_pretrained(str(paths.gpt))
+    """The GPT: its packed int8 layers mapped from the cache of an earlier start, or its
+    memory-mapped fp32 weights read once into the lean (int8) transformer, which is then kept
+    in the cache for the next start."""
+    weights = GptWeights(paths.gpt)
+    config, cache = weights.config, None
+    if settings.packed_cache and settings.quantize == "int8":
+        cache = PackedCache(paths.base, paths.gpt)
     transformer = Transformer(
-        llama,
+        weights,
         settings.quantize,
         settings.kernels,
         settings.int8_product,
         settings.kv_cache_dtype,
         kernel_dir=settings.kernel_dir,
+        packed=(lambda kernels: cache.load(kernels, config)) if cache else None,
     )
-    del llama
-    gc.collect()
+    if cache is not None and not transformer.from_packed_cache:
+        saved = cache.save(transformer)
+        if saved is not None:
+            log.info("packed GPT kept in %s for later starts", saved)
     return transformer
 
 
@@ -185,6 +217,8 @@ def cache_normaliser_jit() -> None:
     if not os.environ.get("NUMBA_CACHE_DIR"):
         return
     import numba
+
+    upstream.install()
     from ChatTTS import norm
 
     for name in NUMBA_FUNCTIONS:
@@ -205,9 +239,7 @@ def compile_normaliser_jit(texts: tuple[str, ...]) -> float:
         raise RuntimeError("NUMBA_CACHE_DIR must name the directory to compile into")
     started = time.perf_counter()
     cache_normaliser_jit()
-    from ChatTTS import Chat
-
-    normalizer = Chat(logging.getLogger("ChatTTS")).normalizer
+    normalizer = chattts_normaliser()
     # a tag beside a character ChatTTS rejects ("-") takes it through all four functions
     for text in (*texts, "你好 [uv_break] hello-world [laugh]"):
         normalizer(text, do_text_normalization=True, do_homophone_replacement=True)

@@ -126,6 +126,14 @@ class KernelInt8Linear:
         self.out_features, self.in_features = self.packing.out_features, self.packing.in_features
         self.kernels = kernels
 
+    @classmethod
+    def from_packing(cls, packing: Int8Packing, kernels) -> KernelInt8Linear:
+        """A layer over weights packed earlier (the packed cache)."""
+        linear = cls.__new__(cls)
+        linear.kernel, linear.packing, linear.kernels = packing.instructions, packing, kernels
+        linear.out_features, linear.in_features = packing.out_features, packing.in_features
+        return linear
+
     @property
     def nbytes(self) -> int:
         return self.packing.nbytes

@@ -1,7 +1,8 @@
 """A lean forward pass over ChatTTS's GPT (a Llama body), with a KV cache per sequence.
 
-Weights are taken once from the loaded transformers ``LlamaModel`` (which is then released):
-q/k/v fused into one matrix and gate/up into another, so a layer costs four matrix products.
+Weights are read once from the GPT's memory-mapped files (``gpt_weights``), or from the packed
+cache of an earlier start (``packed_cache``): q/k/v fused into one matrix and gate/up into
+another, so a layer costs four matrix products.
 Each sequence has its own KV cache with its own positions, so sequences of any lengths share a
 step without padding, and attention reads each cache in place, never a gathered copy: in a decode
 step through the C++ kernel of ``kernels.py`` (one call per layer for all rows, over a bf16
@@ -18,6 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from chattts_service.config import KV_CACHE_DTYPES
+from chattts_service.inference.gpt_weights import GptWeights, rotary_table
 from chattts_service.inference.quantize import KernelInt8Linear, make_linear
 from chattts_service.kernels import bindings as cpp_kernels
 
@@ -37,28 +39,34 @@ class RMSNorm:
 
 
 class Layer:
-    def __init__(self, hf_layer, quantization: str, kernels=None):
-        attention, mlp = hf_layer.self_attn, hf_layer.mlp
-        self.qkv = make_linear(
-            torch.cat([attention.q_proj.weight, attention.k_proj.weight, attention.v_proj.weight]),
-            quantization,
-            kernels,
-        )
-        self.out = make_linear(attention.o_proj.weight, quantization, kernels)
-        self.gate_up = make_linear(
-            torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]), quantization, kernels
-        )
-        self.down = make_linear(mlp.down_proj.weight, quantization, kernels)
+    def __init__(self, qkv, out, gate_up, down, attention_norm: RMSNorm, mlp_norm: RMSNorm):
+        self.qkv, self.out, self.gate_up, self.down = qkv, out, gate_up, down
         # the C++ int8 layers add the residual and do SwiGLU in their own call
         self.fused_epilogue = all(
             isinstance(linear, KernelInt8Linear) for linear in (self.out, self.down)
         )
-        self.attention_norm = RMSNorm(
-            hf_layer.input_layernorm.weight, hf_layer.input_layernorm.variance_epsilon
+        self.attention_norm, self.mlp_norm = attention_norm, mlp_norm
+
+    @classmethod
+    def from_weights(cls, weights: GptWeights, index: int, quantization: str, kernels=None):
+        """Layer ``index`` of the GPT's weights: q/k/v fused into one product, gate/up into
+        another, each quantized as ``quantization`` says."""
+
+        def weight(name: str) -> torch.Tensor:
+            return weights.layer(index, name)
+
+        eps = weights.config.rms_norm_eps
+        qkv = torch.cat(
+            [weight("self_attn.q_proj"), weight("self_attn.k_proj"), weight("self_attn.v_proj")]
         )
-        self.mlp_norm = RMSNorm(
-            hf_layer.post_attention_layernorm.weight,
-            hf_layer.post_attention_layernorm.variance_epsilon,
+        gate_up = torch.cat([weight("mlp.gate_proj"), weight("mlp.up_proj")])
+        return cls(
+            make_linear(qkv, quantization, kernels),
+            make_linear(weight("self_attn.o_proj"), quantization, kernels),
+            make_linear(gate_up, quantization, kernels),
+            make_linear(weight("mlp.down_proj"), quantization, kernels),
+            RMSNorm(weight("input_layernorm"), eps),
+            RMSNorm(weight("post_attention_layernorm"), eps),
         )
 
     @property
@@ -158,31 +166,41 @@ def rounded_positions(positions: int) -> int:
 
 
 class Transformer:
+    """``source``: the GPT's weights (``GptWeights``, or a transformers ``LlamaModel``).
+    ``packed(kernels)`` may give the layers and final norm instead, as a packed cache holds
+    them (``packed_cache``), or None; the weights then only give the shapes."""
+
     def __init__(
         self,
-        llama_model,
+        source,
         quantization: str = "int8",
         kernels: str = "auto",
         int8_product: str = "auto",
         kv_cache: str = "bf16",
         kernel_dir: str = "",
+        packed=None,
     ):
-        config = llama_model.config
+        weights = source if isinstance(source, GptWeights) else GptWeights.from_module(source)
+        config = self.config = weights.config
         self.hidden_size = config.hidden_size
         self.heads = config.num_attention_heads
-        self.head_dim = getattr(config, "head_dim", None) or self.hidden_size // self.heads
-        if getattr(config, "num_key_value_heads", self.heads) != self.heads:
-            raise ValueError("grouped-query attention is not used by ChatTTS and not supported")
+        self.head_dim = config.head_dim
+        self.quantization = quantization
         self.kernels = cpp_kernels.load(kernels, int8_product, kernel_dir)
         if kv_cache not in KV_CACHE_DTYPES:
             raise ValueError(f"kv_cache must be one of {KV_CACHE_DTYPES}, not {kv_cache!r}")
         self.kv_cache = kv_cache  # where the kernels attend; torch's attention reads fp32
-        self.layers = [Layer(layer, quantization, self.kernels) for layer in llama_model.layers]
-        self.norm = RMSNorm(llama_model.norm.weight, llama_model.norm.variance_epsilon)
-        positions = torch.arange(config.max_position_embeddings)[None]
-        with torch.no_grad():
-            cos, sin = llama_model.rotary_emb(torch.zeros(1, dtype=torch.float32), positions)
-        self.cos, self.sin = cos[0].float().contiguous(), sin[0].float().contiguous()  # [P, dim]
+        loaded = packed(self.kernels) if packed is not None else None
+        self.from_packed_cache = loaded is not None
+        if loaded is not None:
+            self.layers, self.norm = loaded
+        else:
+            self.layers = [
+                Layer.from_weights(weights, index, quantization, self.kernels)
+                for index in range(config.num_hidden_layers)
+            ]
+            self.norm = RMSNorm(weights.tensor("norm.weight"), config.rms_norm_eps)
+        self.cos, self.sin = rotary_table(config)  # [P, dim]
         self.max_positions = config.max_position_embeddings
         self.scale = 1.0 / math.sqrt(self.head_dim)  # scaled_dot_product_attention's default
 

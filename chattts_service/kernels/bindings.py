@@ -336,6 +336,36 @@ class Int8Packing:
             self.weight_scale.data_ptr(),
         )
 
+    @classmethod
+    def from_parts(
+        cls,
+        packed: torch.Tensor,
+        offsets: torch.Tensor,
+        weight_scale: torch.Tensor,
+        out_features: int,
+        in_features: int,
+        instructions: str,
+    ) -> Int8Packing:
+        """A packing made earlier (kept on disk), checked against its stated shape."""
+        if instructions not in INT8_INSTRUCTIONS:
+            raise ValueError(f"instructions must be one of {sorted(INT8_INSTRUCTIONS)}")
+        rows = out_features + (-out_features % 16)
+        expected = (
+            (packed, (rows // 16, in_features // 4, 16, 4), torch.int8),
+            (offsets, (rows,), torch.int32),
+            (weight_scale, (rows,), torch.float32),
+        )
+        for tensor, shape, dtype in expected:
+            if tuple(tensor.shape) != shape or tensor.dtype != dtype or not tensor.is_contiguous():
+                raise ValueError(f"a packed tensor is not {dtype} {shape}")
+        packing = cls.__new__(cls)
+        packing.instructions = instructions
+        packing.levels = INT8_INSTRUCTIONS[instructions][1]
+        packing.out_features, packing.in_features = out_features, in_features
+        packing.packed, packing.offsets, packing.weight_scale = packed, offsets, weight_scale
+        packing.pointers = (packed.data_ptr(), offsets.data_ptr(), weight_scale.data_ptr())
+        return packing
+
     @property
     def nbytes(self) -> int:
         return self.packed.numel() + self.offsets.numel() * 4 + self.weight_scale.numel() * 4

@@ -1,0 +1,159 @@
+"""The GPT's int8 layers, packed once and kept on disk next to the model, mapped on later starts.
+
+Quantizing and packing the full-size GPT's linears takes seconds of every start; the packed
+result (int8 blocks, channel offsets and scales, the norms) is a pure function of the GPT's
+files, the packing's layout and the kernels' product. It is written once to
+``<model dir>/.packed/gpt-<product>-<key>.pt`` (a temporary name, renamed when whole, so a
+killed start never leaves half a file under the real name) and memory-mapped on later starts:
+nothing is quantized, the fp32 weights are never read, and replicas on one host share the pages.
+
+The key names the GPT's files by path, size and modification time, the packing's version and
+the kernels' ABI: a replaced model, a new layout or a new library makes another key, and the old
+file is removed. A file that cannot be read or does not match the model is rebuilt, with a
+warning, never used.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import tempfile
+from pathlib import Path
+
+import torch
+
+from chattts_service.inference.quantize import KernelInt8Linear
+from chattts_service.kernels.abi import ABI_VERSION
+from chattts_service.kernels.bindings import Int8Packing
+
+log = logging.getLogger(__name__)
+
+PACKING_VERSION = 1  # bump when Int8Packing's layout or what is stored changes
+DIRECTORY = ".packed"
+LINEARS = ("qkv", "out", "gate_up", "down")
+
+
+def model_key(gpt_dir: Path) -> str:
+    """The GPT's files as they are now: path, size and modification time of each."""
+    files = []
+    for path in sorted(Path(gpt_dir).iterdir()):
+        if path.is_file():
+            stat = path.stat()
+            files.append([path.name, stat.st_size, stat.st_mtime_ns])
+    identity = {"packing": PACKING_VERSION, "abi": ABI_VERSION, "files": files}
+    text = json.dumps(identity, sort_keys=True).encode()
+    return hashlib.sha256(text).hexdigest()[:24]
+
+
+class PackedCache:
+    """The packed layers of the GPT in ``gpt_dir`` (under its model directory ``model_dir``)."""
+
+    def __init__(self, model_dir: Path, gpt_dir: Path):
+        self.directory = Path(model_dir) / DIRECTORY
+        self.key = model_key(gpt_dir)
+
+    def path(self, instructions: str) -> Path:
+        return self.directory / f"gpt-{instructions}-{self.key}.pt"
+
+    def load(self, kernels, config):
+        """The layers and final norm from the cache, or None (no kernels, no file, or a file
+        that does not fit: then it is rebuilt)."""
+        from chattts_service.inference.transformer import Layer, RMSNorm
+
+        if kernels is None:
+            return None
+        path = self.path(kernels.int8_instructions)
+        if not path.is_file():
+            return None
+        try:
+            stored = torch.load(path, mmap=True, weights_only=True)
+            if stored.get("key") != self.key or len(stored["layers"]) != config.num_hidden_layers:
+                raise ValueError("it was made for another model")
+            eps = config.rms_norm_eps
+            layers = [
+                Layer(
+                    *(self._linear(layer[name], kernels) for name in LINEARS),
+                    RMSNorm(layer["attention_norm"], eps),
+                    RMSNorm(layer["mlp_norm"], eps),
+                )
+                for layer in stored["layers"]
+            ]
+            if layers[0].qkv.in_features != config.hidden_size:
+                raise ValueError("its shapes are not the model's")
+            return layers, RMSNorm(stored["norm"], eps)
+        except Exception as error:  # any unreadable or foreign file: rebuild, never use it
+            log.warning("packed GPT cache %s is unusable (%s): packing again", path, error)
+            return None
+
+    @staticmethod
+    def _linear(parts: dict, kernels) -> KernelInt8Linear:
+        if parts["instructions"] != kernels.int8_instructions:
+            raise ValueError(f"it holds the {parts['instructions']} packing")
+        packing = Int8Packing.from_parts(
+            parts["packed"],
+            parts["offsets"],
+            parts["weight_scale"],
+            parts["out_features"],
+            parts["in_features"],
+            parts["instructions"],
+        )
+        return KernelInt8Linear.from_packing(packing, kernels)
+
+    def save(self, transformer) -> Path | None:
+        """Write the transformer's packed layers (only when every linear is the kernels');
+        None when there is nothing to keep or the directory cannot be written."""
+        if transformer.kernels is None or not all(
+            isinstance(getattr(layer, name), KernelInt8Linear)
+            for layer in transformer.layers
+            for name in LINEARS
+        ):
+            return None
+        instructions = transformer.kernels.int8_instructions
+        stored = {
+            "key": self.key,
+            "layers": [
+                {
+                    **{name: _parts(getattr(layer, name).packing) for name in LINEARS},
+                    "attention_norm": layer.attention_norm.weight,
+                    "mlp_norm": layer.mlp_norm.weight,
+                }
+                for layer in transformer.layers
+            ],
+            "norm": transformer.norm.weight,
+        }
+        path = self.path(instructions)
+        try:
+            self.directory.mkdir(exist_ok=True)
+            handle, temporary = tempfile.mkstemp(dir=self.directory, suffix=".tmp")
+            try:
+                with os.fdopen(handle, "wb") as out:
+                    torch.save(stored, out)
+                os.chmod(temporary, 0o644)  # replicas may run as other users
+                os.replace(temporary, path)
+            except BaseException:
+                Path(temporary).unlink(missing_ok=True)
+                raise
+        except OSError as error:
+            log.warning(
+                "cannot keep the packed GPT in %s (%s): later starts pack again",
+                self.directory,
+                error,
+            )
+            return None
+        for old in self.directory.glob(f"gpt-{instructions}-*.pt"):
+            if old != path:
+                old.unlink(missing_ok=True)
+        return path
+
+
+def _parts(packing: Int8Packing) -> dict:
+    return {
+        "packed": packing.packed,
+        "offsets": packing.offsets,
+        "weight_scale": packing.weight_scale,
+        "out_features": packing.out_features,
+        "in_features": packing.in_features,
+        "instructions": packing.instructions,
+    }
