@@ -1,6 +1,7 @@
 """The benchmarks run end to end (smoke mode, tiny model); their numbers are not judged here."""
 
 import json
+import re
 import subprocess
 import sys
 
@@ -87,3 +88,21 @@ def test_speech_benchmark_smoke(tiny_model_dir):
     assert data["upstream"]["first_audio_seconds"][0] > 0
     assert data["ours"]["first_audio_seconds"][0] > 0 and data["ours"]["chunks"] >= 2
     assert data["ours"]["long_text"]["segments"] >= 3
+
+
+def test_cold_start_benchmark_smoke():
+    result = subprocess.run(
+        [sys.executable, "benchmarks/coldstart.py", "--sizes", "tiny", "--restarts", "1"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    lines = result.stdout.splitlines()
+    assert lines[0].startswith("CPU: ")
+    first = next(line for line in lines if "first start" in line)
+    assert "packed GPT written: yes" in first  # nothing was cached before it
+    restart = next(line for line in lines if "restart 1" in line)
+    assert float(re.search(r"ready +([\d.]+) s", restart).group(1)) > 0
+    assert re.search(r"restart median [\d.]+ s \(target <= 3 s\): (ok|MISSED)$", lines[-1])
