@@ -18,6 +18,7 @@ RUN python3 -m venv /opt/venv
 WORKDIR /app
 COPY requirements.txt ./
 # torch and torchaudio first, from TORCH_INDEX_URL; the rest from PyPI as pinned
+# (pip's bytecode of every module, ~300 MB, goes: the runtime stage writes what a start uses)
 RUN grep -E '^(torch|torchaudio)==' requirements.txt > torch-requirements.txt \
  && /opt/venv/bin/pip install --index-url "${TORCH_INDEX_URL}" -r torch-requirements.txt \
  && /opt/venv/bin/pip install -r requirements.txt \
@@ -61,9 +62,16 @@ ENV PATH=/opt/venv/bin:$PATH \
     CHATTTS_MODEL_DIR=/models/chattts \
     CHATTTS_VOICES_DIR=/voices \
     CHATTTS_PORT=8090
-# ChatTTS's Numba functions compiled once, here: the entrypoint copies them into the empty
-# NUMBA_CACHE_DIR tmpfs, so even a container's first start skips their JIT (~2.3 s of warm-up)
-RUN NUMBA_CACHE_DIR=/opt/numba-cache python -m chattts_service.tools.warmup --jit-cache
+# Compiled once, here: ChatTTS's Numba functions (the entrypoint copies them into the empty
+# NUMBA_CACHE_DIR tmpfs, so even a container's first start skips their JIT, ~2.3 s), and the
+# bytecode of every module a start imports, written by a start of a tiny random-weight model
+# (without it each container start compiles torch, transformers and ChatTTS again: ~10 s)
+RUN NUMBA_CACHE_DIR=/opt/numba-cache PYTHONDONTWRITEBYTECODE='' sh -c '\
+    python -m chattts_service.tools.warmup --jit-cache \
+ && python -m chattts_service.tools.testmodel /tmp/bytecode-model --size tiny >/dev/null 2>&1 \
+ && python -m chattts_service.tools.warmup --model-dir /tmp/bytecode-model --no-verify \
+ && python -c "import chattts_service.serve, chattts_service.app, gunicorn.workers.gthread" \
+ && rm -rf /tmp/bytecode-model'
 USER 10001:10001
 EXPOSE 8090
 # a first start downloads the model into the volume: the start period allows for it

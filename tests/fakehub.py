@@ -31,6 +31,7 @@ class FakeHub:
         self.ranges: list[tuple[str, str]] = []  # (path, Range header) of ranged GETs
         self.bytes_per_second: float | None = None  # throttle file bodies
         self.fail_with: int | None = None  # answer every request with this status
+        self.on_request = None  # called with (method, file) for each file asked for
         self._lock = threading.Lock()
         self.server = ThreadingHTTPServer((host, 0), self._handler())
         self.server.daemon_threads = True
@@ -115,6 +116,8 @@ class FakeHub:
                     name = match.group(1)
                     with hub._lock:
                         hub.requests[(self.command, name)] += 1
+                    if hub.on_request is not None:
+                        hub.on_request(self.command, name)
                     return self._file(name, body)
                 return self._error(404, f"no such path {path}")
 
@@ -148,3 +151,32 @@ class FakeHub:
                     pass
 
         return Handler
+
+
+def main() -> None:
+    """``python tests/fakehub.py DIR --port N``: serve DIR as the hub on 127.0.0.1 until
+    stopped, one line per request on stdout (the container test reads them)."""
+    import argparse
+    import signal
+    import sys
+
+    parser = argparse.ArgumentParser(description=main.__doc__)
+    parser.add_argument("root", type=Path)
+    parser.add_argument("--port", type=int, default=0)
+    args = parser.parse_args()
+    hub = FakeHub(args.root)
+    if args.port:
+        hub.server.server_close()
+        hub.server = ThreadingHTTPServer(("127.0.0.1", args.port), hub._handler())
+        hub.server.daemon_threads = True
+        hub.url = f"http://127.0.0.1:{args.port}"
+        hub._thread = threading.Thread(target=hub.server.serve_forever, daemon=True)
+    hub.on_request = lambda method, path: print(f"{method} {path}", flush=True)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    with hub:
+        print(f"serving {args.root} at {hub.url}", flush=True)
+        signal.pause()
+
+
+if __name__ == "__main__":
+    main()

