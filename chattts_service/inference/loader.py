@@ -9,7 +9,6 @@ anything else is loaded. Loaded state dicts are assigned, not copied.
 
 from __future__ import annotations
 
-import gc
 import logging
 import os
 import time
@@ -128,8 +127,7 @@ def _load_modules(settings: Settings, paths: model_files.ModelPaths, architectur
             f"the model expects {config.gpt.num_text_tokens}"
         )
 
-    gc.collect()
-    heap.release()
+    heap.release()  # what loading freed goes back to the OS (nothing is cyclic: no gc pass)
     kv_positions = settings.kv_cache_mb * 2**20 // transformer.bytes_per_position()
     batch = Batch(transformer, heads, settings.max_batch, on_empty=heap.release)
     return LoadedModel(
