@@ -1,33 +1,41 @@
 # ChatTTS speech service for CPU boxes.
 #   docker compose up -d --build
 # Build arguments:
-#   BASE_IMAGE       Python 3.11 base image (default python:3.11-slim)
-#   TORCH_INDEX_URL  where the CPU builds of torch/torchaudio come from (override where only
-#                    PyPI is reachable: https://pypi.org/simple gives the larger CUDA builds)
+#   BASE_IMAGE       Debian base image (default debian:trixie-slim: Python 3.13, and Debian's
+#                    CPU builds of torch and torchaudio)
+#   TORCH_INDEX_URL  empty (default): torch and torchaudio are Debian's CPU builds (python3-torch,
+#                    python3-torchaudio 2.6; a ~2.4 GB image). Set: the versions requirements.txt
+#                    pins, from that index (https://download.pytorch.org/whl/cpu: PyTorch's CPU
+#                    builds; https://pypi.org/simple: the CUDA builds, a ~6.5 GB image)
 #   DOWNLOAD_MODEL   1 = bake the real weights into the image at build time (needs the hub)
 #   HF_ENDPOINT      hub mirror for DOWNLOAD_MODEL=1
-ARG BASE_IMAGE=python:3.11-slim
+ARG BASE_IMAGE=debian:trixie-slim
 
 FROM ${BASE_IMAGE} AS build
-ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu
+ARG TORCH_INDEX_URL=""
 ARG DOWNLOAD_MODEL=0
 ARG HF_ENDPOINT=https://huggingface.co
 ENV PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1 PYTHONDONTWRITEBYTECODE=1
-# A venv works the same on the official image and on a Debian python3 (PEP 668) base.
-RUN python3 -m venv /opt/venv
-WORKDIR /app
-COPY requirements.txt ./
-# torch and torchaudio first, from TORCH_INDEX_URL; the rest from PyPI as pinned
-# (pip's bytecode of every module, ~300 MB, goes: the runtime stage writes what a start uses)
-RUN grep -E '^(torch|torchaudio)==' requirements.txt > torch-requirements.txt \
- && /opt/venv/bin/pip install --index-url "${TORCH_INDEX_URL}" -r torch-requirements.txt \
- && /opt/venv/bin/pip install -r requirements.txt \
- && find /opt/venv -name '__pycache__' -prune -exec rm -rf {} +
 # g++ builds the decode loop's C++ kernels here only; the runtime image carries the library
 # hadolint ignore=DL3008
 RUN apt-get update \
- && apt-get install -y --no-install-recommends g++ \
+ && apt-get install -y --no-install-recommends python3 python3-venv g++ \
+ && if [ -z "${TORCH_INDEX_URL}" ]; then \
+        apt-get install -y --no-install-recommends python3-torch python3-torchaudio ; \
+    fi \
  && rm -rf /var/lib/apt/lists/*
+# the venv sees Debian's torch (system site packages) unless TORCH_INDEX_URL installs its own
+RUN python3 -m venv --system-site-packages /opt/venv
+WORKDIR /app
+COPY requirements.txt ./
+# (pip's bytecode of every module, ~300 MB, goes: the runtime stage writes what a start uses)
+RUN grep -E '^(torch|torchaudio)==' requirements.txt > torch-requirements.txt \
+ && grep -v -E '^(torch|torchaudio)==' requirements.txt > rest-requirements.txt \
+ && if [ -n "${TORCH_INDEX_URL}" ]; then \
+        /opt/venv/bin/pip install --index-url "${TORCH_INDEX_URL}" -r torch-requirements.txt ; \
+    fi \
+ && /opt/venv/bin/pip install -r rest-requirements.txt \
+ && find /opt/venv -name '__pycache__' -prune -exec rm -rf {} +
 COPY chattts_service ./chattts_service
 ENV CHATTTS_KERNEL_DIR=/opt/chattts-kernels
 RUN /opt/venv/bin/python -m chattts_service.kernels.build
@@ -38,10 +46,14 @@ RUN mkdir -p /models/chattts \
     fi
 
 FROM ${BASE_IMAGE} AS runtime
+ARG TORCH_INDEX_URL=""
 # libgomp1: OpenMP runtime torch uses on CPU; numactl: CPU/memory node pinning.
 # hadolint ignore=DL3008
 RUN apt-get update \
- && apt-get install -y --no-install-recommends libgomp1 numactl \
+ && apt-get install -y --no-install-recommends python3 libgomp1 numactl \
+ && if [ -z "${TORCH_INDEX_URL}" ]; then \
+        apt-get install -y --no-install-recommends python3-torch python3-torchaudio ; \
+    fi \
  && rm -rf /var/lib/apt/lists/* \
  && groupadd --system --gid 10001 chattts \
  && useradd --system --uid 10001 --gid 10001 --create-home --home-dir /home/chattts chattts \

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import atexit
 import logging
 import os
 import statistics
@@ -106,6 +107,9 @@ class ServiceState:
             target=self._load_and_warm, args=(exit_on_failure,), name="model-loader", daemon=True
         )
         thread.start()
+        # the model thread stops (between two steps) before the interpreter finalises: a
+        # thread left inside torch's OpenMP code at exit aborts the process (Debian's torch)
+        atexit.register(self.engine.close)
         return thread
 
     def _fetch_model(self) -> None:

@@ -52,9 +52,12 @@ def warm_in_process(model_dir: Path, verify: bool) -> dict[str, float]:
     from chattts_service.inference.engine import Engine
 
     engine = Engine(Settings.from_env(model_dir=model_dir, verify_model=verify))
-    engine.load()
-    warm = engine.warm_up()
-    return {"load_seconds": engine.load_seconds or 0.0, "warmup_seconds": warm}
+    try:
+        engine.load()
+        warm = engine.warm_up()
+        return {"load_seconds": engine.load_seconds or 0.0, "warmup_seconds": warm}
+    finally:
+        engine.close()  # the model thread stops before the interpreter does
 
 
 def main(argv: list[str] | None = None) -> int:

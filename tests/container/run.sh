@@ -6,13 +6,14 @@
 # model) and becomes ready; then a restart must be ready without the hub. Checks over HTTP and
 # from inside; everything it started is removed, whatever happened. Exits non-zero on failure.
 #
-# No base image can be pulled here, so a stand-in for python:3.11-slim is made once with
-# debootstrap (Debian bookworm + python3) and imported under that name. The PyTorch CPU index is
-# not reachable either: TORCH_INDEX_URL points the build at PyPI instead.
+# No base image can be pulled here, so a stand-in for debian:trixie-slim is made once with
+# debootstrap and imported under that name. The image is built as users build it by default:
+# torch and torchaudio are Debian's CPU builds (TORCH_INDEX_URL empty).
 #
 # Environment: CT_WORK (cache directory kept between local runs, default /var/tmp/chattts-ct),
 # CT_PORT (loopback port, default 18090), CT_HUB_PORT (the stand-in hub's, default 18091),
-# CT_TORCH_INDEX_URL (default https://pypi.org/simple).
+# CT_TORCH_INDEX_URL (default empty: Debian's torch; https://pypi.org/simple builds the image
+# with PyPI's CUDA builds instead).
 set -euo pipefail
 
 REPO="$(cd "$(dirname "$0")/../.." && pwd)"
@@ -20,8 +21,8 @@ HERE="$REPO/tests/container"
 WORK="${CT_WORK:-/var/tmp/chattts-ct}"
 PORT="${CT_PORT:-18090}"
 HUB_PORT="${CT_HUB_PORT:-18091}"
-TORCH_INDEX="${CT_TORCH_INDEX_URL:-https://pypi.org/simple}"
-BASE_IMAGE="docker.io/library/python:3.11-slim"
+TORCH_INDEX="${CT_TORCH_INDEX_URL-}"
+BASE_IMAGE="docker.io/library/debian:trixie-slim"
 IMAGE="chattts-service:latest"
 PROJECT="chattts-ct"
 PYTHON="${PYTHON:-$REPO/.venv/bin/python}"
@@ -109,22 +110,28 @@ RUN_CGROUP_PARENT="$(cgroup_parent)"
 # -- 3. the base image stand-in ---------------------------------------------------------------
 if ! podman image exists "$BASE_IMAGE"; then
     started=$(date +%s)
-    if [ ! -f "$WORK/bookworm-python.tar" ]; then
-        log "debootstrap bookworm with python3 (stand-in for $BASE_IMAGE)"
+    if [ ! -f "$WORK/trixie-slim.tar" ]; then
+        log "debootstrap trixie (stand-in for $BASE_IMAGE)"
         rm -rf "$WORK/rootfs"
-        debootstrap --variant=minbase --include=python3,python3-venv,ca-certificates \
-            bookworm "$WORK/rootfs" http://deb.debian.org/debian >/dev/null
+        # what makes the official image "slim": dpkg leaves documentation and locales out
+        mkdir -p "$WORK/rootfs/etc/dpkg/dpkg.cfg.d"
+        printf '%s\n' 'path-exclude /usr/share/doc/*' 'path-include /usr/share/doc/*/copyright' \
+            'path-exclude /usr/share/man/*' 'path-exclude /usr/share/groff/*' \
+            'path-exclude /usr/share/info/*' 'path-exclude /usr/share/lintian/*' \
+            'path-exclude /usr/share/locale/*' > "$WORK/rootfs/etc/dpkg/dpkg.cfg.d/docker"
+        debootstrap --variant=minbase --include=ca-certificates \
+            trixie "$WORK/rootfs" http://deb.debian.org/debian >/dev/null
         rm -rf "$WORK/rootfs/var/cache/apt/archives/"*.deb "$WORK/rootfs/var/lib/apt/lists/"*
-        tar -C "$WORK/rootfs" -cf "$WORK/bookworm-python.tar" .
+        tar -C "$WORK/rootfs" -cf "$WORK/trixie-slim.tar" .
         rm -rf "$WORK/rootfs"
     fi
-    podman import --change 'CMD ["python3"]' "$WORK/bookworm-python.tar" \
-        localhost/bookworm-python:imported >/dev/null
+    podman import --change 'CMD ["bash"]' "$WORK/trixie-slim.tar" \
+        localhost/trixie-slim:imported >/dev/null
     # This sandbox reaches PyPI through a TLS-inspecting proxy whose CA only the host trusts:
     # the stand-in carries the host's CA bundle and tells pip to use it.
     mkdir -p "$WORK/base"
     cp /etc/ssl/certs/ca-certificates.crt "$WORK/base/ca-certificates.crt"
-    printf '%s\n' 'FROM localhost/bookworm-python:imported' \
+    printf '%s\n' 'FROM localhost/trixie-slim:imported' \
         'COPY ca-certificates.crt /etc/ssl/certs/ca-certificates.crt' \
         'ENV PIP_CERT=/etc/ssl/certs/ca-certificates.crt' > "$WORK/base/Containerfile"
     podman build --cgroup-parent "$(cgroup_parent)" -t "$BASE_IMAGE" "$WORK/base" >/dev/null
@@ -132,7 +139,7 @@ if ! podman image exists "$BASE_IMAGE"; then
 fi
 
 # -- 4. build ---------------------------------------------------------------------------------
-log "building the image (TORCH_INDEX_URL=$TORCH_INDEX)"
+log "building the image (TORCH_INDEX_URL=${TORCH_INDEX:-empty, the torch of Debian})"
 started=$(date +%s)
 podman build --format docker --cgroup-parent "$(cgroup_parent)" \
     --build-arg "TORCH_INDEX_URL=$TORCH_INDEX" -t "$IMAGE" "$REPO" > "$WORK/build.log" 2>&1 \
@@ -253,6 +260,8 @@ inside 'ls /models/chattts/.packed/gpt-*.pt >/dev/null' \
     || fail "the first start did not keep the packed GPT in the model volume"
 kill "$HUB_PID"; wait "$HUB_PID" 2>/dev/null || true; HUB_PID=""
 podman stop -t 60 "$CONTAINER" >/dev/null || fail "podman stop"
+code=$(podman inspect --format '{{.State.ExitCode}}' "$CONTAINER")
+[ "$code" = 0 ] || { podman logs "$CONTAINER" | tail -20; fail "the server exited with $code on SIGTERM, not 0"; }
 started_ns=$(date +%s%N)
 podman start "$CONTAINER" >/dev/null || fail "podman start"
 ready=""
