@@ -250,6 +250,10 @@ else  # a CPU without AVX2/FMA runs torch's operators, and the log must say so
     grep -q "C++ kernels unavailable" "$WORK/server.log" \
         || fail "no AVX2/FMA here, and the server does not say it runs without its C++ kernels"
 fi
+if [ -z "$TORCH_INDEX" ]; then  # Debian's torch: its BLAS must be OpenBLAS, not the reference one
+    blas=$(inside 'readlink -f /usr/lib/x86_64-linux-gnu/libblas.so.3')
+    case "$blas" in *openblas*) ;; *) fail "torch's BLAS is $blas, not OpenBLAS" ;; esac
+fi
 inside 'for tool in gcc cc g++ make; do command -v "$tool" && exit 1; done; exit 0' \
     || fail "the runtime image carries a compiler"
 inside 'test ! -d /root/.cache/pip && test ! -d /home/chattts/.cache/pip && test -z "$(ls /var/lib/apt/lists 2>/dev/null | grep -v -e lock -e partial)"' \
