@@ -35,6 +35,15 @@ class GptConfig:
     def read(cls, path: Path) -> GptConfig:
         try:
             raw = json.loads(Path(path).read_text(encoding="utf-8"))
+        except (OSError, ValueError) as error:
+            raise GptFilesError(f"cannot read the GPT's config {path}: {error}") from None
+        return cls.from_dict(raw, str(path))
+
+    @classmethod
+    def from_dict(cls, raw: dict, source: str) -> GptConfig:
+        """The shapes from a transformers Llama config (a file's or a model's ``to_dict()``);
+        refuses what the lean transformer does not run."""
+        try:
             hidden, heads = int(raw["hidden_size"]), int(raw["num_attention_heads"])
             config = cls(
                 hidden_size=hidden,
@@ -45,8 +54,8 @@ class GptConfig:
                 rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
                 rope_theta=float(_rope(raw).get("rope_theta", 10000.0)),
             )
-        except (OSError, ValueError, KeyError, TypeError) as error:
-            raise GptFilesError(f"cannot read the GPT's config {path}: {error}") from None
+        except (ValueError, KeyError, TypeError) as error:
+            raise GptFilesError(f"cannot read the GPT's config {source}: {error}") from None
         if int(raw.get("num_key_value_heads") or heads) != heads:
             raise GptFilesError("grouped-query attention is not used by ChatTTS and not supported")
         if _rope(raw).get("rope_type", "default") != "default":
@@ -105,17 +114,8 @@ class GptWeights:
     @classmethod
     def from_module(cls, llama) -> GptWeights:
         """The same view of a transformers ``LlamaModel`` in memory (tests, benchmarks)."""
-        raw = llama.config.to_dict()
         weights = cls.__new__(cls)
-        weights.config = GptConfig(
-            hidden_size=raw["hidden_size"],
-            num_attention_heads=raw["num_attention_heads"],
-            head_dim=raw.get("head_dim") or raw["hidden_size"] // raw["num_attention_heads"],
-            num_hidden_layers=raw["num_hidden_layers"],
-            max_position_embeddings=raw["max_position_embeddings"],
-            rms_norm_eps=raw.get("rms_norm_eps", 1e-6),
-            rope_theta=float(_rope(raw).get("rope_theta", 10000.0)),
-        )
+        weights.config = GptConfig.from_dict(llama.config.to_dict(), "of the given model")
         state = llama.state_dict()
         weights._file, weights._names, weights._prefix = _StateFile(state), set(state), ""
         return weights
