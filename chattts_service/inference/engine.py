@@ -169,8 +169,7 @@ class Engine:
         cap (degraded mode)."""
         if self.model is None:
             raise EngineError("model is not loaded")
-        sentences = self.prompts.sentences(request)
-        segments = self.prompts.segments(request, sentences)
+        segments, layout = self.prompts.split(request)
         voice = request.voice if request.voice is not None else self.voices.from_seed(request.seed)
         jobs = [
             SynthesisJob(
@@ -187,7 +186,6 @@ class Engine:
             for text in segments
         ]
         self.admission.check(self.scheduler, len(jobs))
-        layout = self.prompts.layout(sentences) if request.sentence_segments else None
         run = Run(jobs, self.settings.segment_pause_ms / 1000.0, layout)
         try:
             for job in jobs:

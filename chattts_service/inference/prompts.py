@@ -71,24 +71,22 @@ class Prompts:
             raise NothingToSay("text has nothing speakable after normalisation")
         return sentences
 
-    def segments(
-        self, request: SynthesisRequest, sentences: list[tuple[str, str]] | None = None
-    ) -> list[str]:
-        """The request's text as the model will read it: normalised sentences packed into
-        segments of at most the configured length; with ``sentence_segments``, every sentence
-        its own segment(s), so each one's place in the audio is known to the sample."""
-        if sentences is None:
-            sentences = self.sentences(request)
-        limit = self.settings.max_segment_chars
-        spoken = [text for _, text in sentences if text]
-        if request.sentence_segments:
-            return [piece for text in spoken for piece in pack([text], limit)]
-        return pack(spoken, limit)
+    def segments(self, request: SynthesisRequest) -> list[str]:
+        """The request's text as the model will read it (see ``split``)."""
+        return self.split(request)[0]
 
-    def layout(self, sentences: list[tuple[str, str]]) -> list[tuple[str, int]]:
-        """How many segments ``segments`` gives each sentence with ``sentence_segments``."""
+    def split(self, request: SynthesisRequest) -> tuple[list[str], list[tuple[str, int]] | None]:
+        """The segments: normalised sentences packed into segments of at most the configured
+        length; with ``sentence_segments``, every sentence its own segment(s), so each one's
+        place in the audio is known to the sample, and then also the layout: each sentence as
+        written with how many of the segments (in order) speak it."""
+        sentences = self.sentences(request)
         limit = self.settings.max_segment_chars
-        return [(text, len(pack([spoken], limit)) if spoken else 0) for text, spoken in sentences]
+        if not request.sentence_segments:
+            return pack([spoken for _, spoken in sentences if spoken], limit), None
+        pieces = [pack([spoken], limit) if spoken else [] for _, spoken in sentences]
+        segments = [piece for group in pieces for piece in group]
+        return segments, [(text, len(group)) for (text, _), group in zip(sentences, pieces)]
 
     def _prompt(self, decorated: str):
         chat = self.chat
