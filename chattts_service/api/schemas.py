@@ -15,7 +15,7 @@ from chattts_service.services.text import INLINE_TOKENS
 from chattts_service.services.voices import MAX_BLEND_PARTS, MAX_SEED, NAME
 
 VOICE_NAME = NAME.pattern
-BLEND_WEIGHT = r"(?:\d{1,4}(?:\.\d{1,6})?|\.\d{1,6})"  # 0-9999.999999; the service caps 1000
+BLEND_WEIGHT = r"(?:\d{1,4}(?:\.\d{1,6})?|\.\d{1,6})"  # 0-9999.999999, as services/voices.py
 
 
 def seed_voice_pattern(maximum: int = MAX_SEED) -> str:
@@ -25,8 +25,7 @@ def seed_voice_pattern(maximum: int = MAX_SEED) -> str:
 
 def blend_pattern(voices: list[str]) -> str:
     """``name(weight)+name(weight)``, each part one of ``voices`` or ``seed:N``, the weight
-    optional. (That the weights add up to more than 0 and none is over 1000 is checked by the
-    service: 422.)"""
+    optional. (That the weights add up to more than 0 is checked by the service: 422.)"""
     names = "|".join(re.escape(name) for name in sorted(voices, key=lambda n: (-len(n), n)))
     voice = f"(?:{names}|{_seed_voice(MAX_SEED)})" if names else _seed_voice(MAX_SEED)
     part = rf"{voice}(?:\({BLEND_WEIGHT}\))?"

@@ -94,9 +94,9 @@ def _captioned(speech: CaptionedSpeech, output: Output) -> Response:
         "captions": [caption.describe() for caption in speech.captions],
     }
     if output.captions == "srt":
-        answer["srt"] = captions.srt(list(speech.captions))
+        answer["srt"] = captions.srt(speech.captions)
     elif output.captions == "vtt":
-        answer["vtt"] = captions.vtt(list(speech.captions))
+        answer["vtt"] = captions.vtt(speech.captions)
     response = Response(json.dumps(answer, ensure_ascii=False), content_type="application/json")
     _headers(response, speech.cache, speech.seconds, speech.segments)
     return response

@@ -9,22 +9,37 @@ alone) has no audio; its text joins the caption before it (or the first one).
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
 
 CAPTION_FORMATS = ("json", "srt", "vtt")
 
 
 @dataclass(frozen=True)
 class Caption:
-    start: float  # seconds into the returned audio
-    end: float
     text: str  # as the user wrote it
     spoken_text: str  # as the model read it (normalised, or refined)
-    start_sample: int
+    start_sample: int  # into the returned audio
     end_sample: int
+    sample_rate: int
+
+    @property
+    def start(self) -> float:
+        return round(self.start_sample / self.sample_rate, 6)
+
+    @property
+    def end(self) -> float:
+        return round(self.end_sample / self.sample_rate, 6)
 
     def describe(self) -> dict:
-        return asdict(self)
+        return {
+            "start": self.start,
+            "end": self.end,
+            "text": self.text,
+            "spoken_text": self.spoken_text,
+            "start_sample": self.start_sample,
+            "end_sample": self.end_sample,
+        }
 
 
 def captions(
@@ -44,38 +59,29 @@ def captions(
         offset += pause_samples if index else 0
         starts.append(offset)
         offset += samples
-    made: list[dict] = []
+    made: list[Caption] = []
     orphans: list[str] = []  # sentences without audio before the first caption
     part = 0
     for text, count in sentences:
         if count == 0:
             if made:
-                made[-1]["text"] = f"{made[-1]['text']} {text}"
+                made[-1] = replace(made[-1], text=f"{made[-1].text} {text}")
             else:
                 orphans.append(text)
             continue
         first, last = part, part + count - 1
         made.append(
-            {
-                "text": " ".join([*orphans, text]),
-                "spoken_text": " ".join(part_texts[first : last + 1]),
-                "start_sample": starts[first],
-                "end_sample": starts[last] + part_samples[last],
-            }
+            Caption(
+                text=" ".join([*orphans, text]),
+                spoken_text=" ".join(part_texts[first : last + 1]),
+                start_sample=starts[first],
+                end_sample=starts[last] + part_samples[last],
+                sample_rate=sample_rate,
+            )
         )
         orphans = []
         part += count
-    return [
-        Caption(
-            start=round(item["start_sample"] / sample_rate, 6),
-            end=round(item["end_sample"] / sample_rate, 6),
-            text=item["text"],
-            spoken_text=item["spoken_text"],
-            start_sample=item["start_sample"],
-            end_sample=item["end_sample"],
-        )
-        for item in made
-    ]
+    return made
 
 
 def _clock(seconds: float, separator: str, up: bool = False) -> str:
@@ -87,7 +93,7 @@ def _clock(seconds: float, separator: str, up: bool = False) -> str:
     return f"{hours:02d}:{minutes:02d}:{whole:02d}{separator}{millis:03d}"
 
 
-def srt(items: list[Caption]) -> str:
+def srt(items: Sequence[Caption]) -> str:
     """SubRip: numbered cues, times as HH:MM:SS,mmm."""
     cues = [
         f"{number}\n{_clock(item.start, ',')} --> {_clock(item.end, ',', up=True)}\n{item.text}\n"
@@ -96,7 +102,7 @@ def srt(items: list[Caption]) -> str:
     return "\n".join(cues)
 
 
-def vtt(items: list[Caption]) -> str:
+def vtt(items: Sequence[Caption]) -> str:
     """WebVTT: times as HH:MM:SS.mmm; the cue text escaped (&, <, >), so a "-->" in it
     cannot end a cue."""
     cues = ["WEBVTT\n"]
