@@ -181,11 +181,10 @@ class Transformer:
         packed=None,
     ):
         weights = source if isinstance(source, GptWeights) else GptWeights.from_module(source)
-        config = self.config = weights.config
+        config = weights.config
         self.hidden_size = config.hidden_size
         self.heads = config.num_attention_heads
         self.head_dim = config.head_dim
-        self.quantization = quantization
         self.kernels = cpp_kernels.load(kernels, int8_product, kernel_dir)
         if kv_cache not in KV_CACHE_DTYPES:
             raise ValueError(f"kv_cache must be one of {KV_CACHE_DTYPES}, not {kv_cache!r}")
