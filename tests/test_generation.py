@@ -13,7 +13,7 @@ from chattts_service.inference.generation import (
     sample_with_kernels,
     shape_logits,
 )
-from chattts_service.inference.transformer import Transformer
+from chattts_service.inference.transformer import KVCache, Transformer
 from chattts_service.inference.types import CODE_SAMPLING, TEXT_SAMPLING, Sampling
 from chattts_service.kernels import bindings as cpp_kernels
 
@@ -187,6 +187,70 @@ def test_int8_rows_are_exactly_independent_of_their_batch(tiny_model_dir, kernel
         torch.stack([step, torch.randn(hidden), torch.randn(hidden)]), caches[1:], [9, 30, 2]
     )[0]
     assert torch.equal(mine, theirs)
+
+
+def _int8_products():
+    return ["avx2", "vnni"] if cpp_kernels.cpu_supports(cpp_kernels.VNNI_CPU_FLAGS) else ["avx2"]
+
+
+@pytest.mark.parametrize("product", _int8_products())
+@pytest.mark.parametrize("kv_cache", ["bf16", "int8"])
+def test_one_call_through_every_layer_gives_the_layer_by_layer_bits(
+    tiny_model_dir, product, kv_cache
+):
+    llama = LlamaModel.from_pretrained(str(tiny_model_dir / "asset/gpt"))
+    torch.manual_seed(2)
+    hidden = llama.config.hidden_size
+    model = Transformer(llama, "int8", "on", product, kv_cache)
+    assert model.decode_layers is not None and model.linear_kernel == product
+    lengths = [9, 30, 0, 4]
+    pairs = []
+    for length in lengths:
+        prompt = torch.randn(length, hidden) * 4
+        caches = (model.new_cache(reserve=40), model.new_cache(reserve=40))
+        if length:
+            for cache in caches:
+                model.prefill(prompt, cache)
+        pairs.append(caches)
+    steps = torch.randn(len(lengths), hidden)
+    gathered = model.decode_layers
+    for position in range(3):  # three steps: each reads what the one before wrote
+        positions = [length + position for length in lengths]
+        model.decode_layers = gathered
+        fused = model.step(steps, [pair[0] for pair in pairs], positions)
+        model.decode_layers = None
+        layered = model.step(steps, [pair[1] for pair in pairs], positions)
+        assert torch.equal(fused, layered)
+        steps = fused
+    for (first, second), length in zip(pairs, lengths):
+        held = length + 3
+        names = ["keys", "values"] + (["key_scales", "value_scales"] if kv_cache == "int8" else [])
+        for name in names:
+            assert torch.equal(
+                getattr(first, name)[:, :, :held], getattr(second, name)[:, :, :held]
+            ), name
+
+
+def test_the_gathered_layers_refuse_what_does_not_fit(tiny_model_dir):
+    llama = LlamaModel.from_pretrained(str(tiny_model_dir / "asset/gpt"))
+    model = Transformer(llama, "int8", "on")
+    hidden = llama.config.hidden_size
+    cache = model.new_cache(reserve=8)
+    rows = cpp_kernels.StepRows([cache], [0])
+    with pytest.raises(ValueError, match="contiguous float32"):
+        model.decode_layers(torch.randn(1, hidden, dtype=torch.float64), rows)
+    with pytest.raises(ValueError, match="one cache per row"):
+        model.decode_layers(torch.randn(2, hidden), rows)
+    other = KVCache(len(model.layers) + 1, model.heads, model.head_dim, 8, torch.bfloat16)
+    with pytest.raises(ValueError, match="another shape"):
+        model.decode_layers(torch.randn(1, hidden), cpp_kernels.StepRows([other], [0]))
+    with pytest.raises(ValueError, match="beyond the rotary"):
+        model.decode_layers(
+            torch.randn(1, hidden), cpp_kernels.StepRows([cache], [model.max_positions])
+        )
+    # without int8 products everywhere there is nothing to gather: one call per layer
+    assert Transformer(llama, "none", "on").decode_layers is None
+    assert Transformer(llama, "int8", "off").decode_layers is None
 
 
 @pytest.mark.parametrize("kernels", [None, CPP], ids=["torch", "kernels"])

@@ -22,6 +22,7 @@ from chattts_service.config import KV_CACHE_DTYPES
 from chattts_service.inference.gpt_weights import GptWeights, rotary_table
 from chattts_service.inference.quantize import KernelInt8Linear, make_linear
 from chattts_service.kernels import bindings as cpp_kernels
+from chattts_service.kernels.layers import DecodeLayers
 
 CAPACITY_CHUNK = 256
 CACHE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "int8": torch.int8}
@@ -202,6 +203,31 @@ class Transformer:
         self.cos, self.sin = rotary_table(config)  # [P, dim]
         self.max_positions = config.max_position_embeddings
         self.scale = 1.0 / math.sqrt(self.head_dim)  # scaled_dot_product_attention's default
+        self.decode_layers = self._gather_layers()
+
+    def _gather_layers(self) -> DecodeLayers | None:
+        """Every layer in one C++ call a decode step, where the kernels multiply every
+        projection in int8 (else None: one call per layer from Python)."""
+        linears = [(layer.qkv, layer.out, layer.gate_up, layer.down) for layer in self.layers]
+        norms = [(layer.attention_norm, layer.mlp_norm) for layer in self.layers]
+        if self.kernels is None or not all(
+            isinstance(linear, KernelInt8Linear) for group in linears for linear in group
+        ):
+            return None
+        if len({norm.eps for pair in norms for norm in pair}) != 1:
+            return None
+        return DecodeLayers(
+            self.kernels,
+            [
+                (*(linear.packing for linear in group), first.weight, second.weight)
+                for group, (first, second) in zip(linears, norms)
+            ],
+            self.heads,
+            self.head_dim,
+            norms[0][0].eps,
+            self.scale,
+            (self.cos, self.sin),
+        )
 
     @property
     def cache_kind(self) -> str:
@@ -301,6 +327,10 @@ class Transformer:
             raise ValueError(f"sequence would exceed {self.max_positions} positions")
         for cache, length in zip(caches, lengths):
             cache.ensure(length + 1)
+        if self.decode_layers is not None:
+            x = embeddings.to(torch.float32, copy=True).contiguous()
+            self.decode_layers(x, cpp_kernels.StepRows(caches, lengths))
+            return self.norm(x)
         x = embeddings.float()[:, None]
         attended = torch.empty(rows, self.heads, 1, self.head_dim)
         if self.kernels is not None:

@@ -9,13 +9,17 @@ from __future__ import annotations
 
 import ctypes
 
-ABI_VERSION = 2
+ABI_VERSION = 3
 
 _i64, _i32, _f32, _ptr = ctypes.c_int64, ctypes.c_int32, ctypes.c_float, ctypes.c_void_p
 
 # ChattsProduct
 PRODUCT_AVX2 = 1
 PRODUCT_VNNI = 2
+
+
+class Tuning(ctypes.Structure):
+    _fields_ = [("prefetch_groups", _i32), ("prefetch_hint", _i32)]
 
 
 class AttentionArgs(ctypes.Structure):
@@ -77,6 +81,56 @@ class Int8LinearArgs(ctypes.Structure):
         ("levels", _i32),
         ("product", _i32),
         ("threads", _i32),
+        ("tuning", Tuning),
+    ]
+
+
+class LinearWeights(ctypes.Structure):
+    _fields_ = [
+        ("packed", _ptr),
+        ("offsets", _ptr),
+        ("weight_scale", _ptr),
+        ("n", _i64),
+        ("k", _i64),
+    ]
+
+
+class LayerWeights(ctypes.Structure):
+    _fields_ = [
+        ("attention_gain", _ptr),
+        ("mlp_gain", _ptr),
+        ("qkv", LinearWeights),
+        ("out", LinearWeights),
+        ("gate_up", LinearWeights),
+        ("down", LinearWeights),
+    ]
+
+
+class DecodeLayersArgs(ctypes.Structure):
+    _fields_ = [
+        ("rows", _i64),
+        ("hidden", _i64),
+        ("heads", _i64),
+        ("dim", _i64),
+        ("intermediate", _i64),
+        ("layer_count", _i64),
+        ("eps", _f32),
+        ("scale", _f32),
+        ("levels", _i32),
+        ("product", _i32),
+        ("threads", _i32),
+        ("tuning", Tuning),
+        ("layers", _ptr),
+        ("x", _ptr),
+        ("scratch", _ptr),
+        ("keys", _ptr),
+        ("values", _ptr),
+        ("key_scales", _ptr),
+        ("value_scales", _ptr),
+        ("capacity", _ptr),
+        ("lengths", _ptr),
+        ("cos", _ptr),
+        ("sin", _ptr),
     ]
 
 
@@ -99,7 +153,14 @@ class SampleArgs(ctypes.Structure):
 
 
 # ChattsArgsKind: the library reports each struct's size by this number
-STRUCTS = {0: AttentionArgs, 1: RmsNormArgs, 2: Int8LinearArgs, 3: SampleArgs}
+STRUCTS = {
+    0: AttentionArgs,
+    1: RmsNormArgs,
+    2: Int8LinearArgs,
+    3: SampleArgs,
+    4: DecodeLayersArgs,
+    5: LayerWeights,
+}
 
 
 class AbiMismatch(RuntimeError):
@@ -119,6 +180,7 @@ def declare(library: ctypes.CDLL) -> None:
         ("chatts_rms_norm_unit_rows", RmsNormArgs, None),
         ("chatts_int8_linear", Int8LinearArgs, _i32),
         ("chatts_sample", SampleArgs, _i32),
+        ("chatts_decode_layers", DecodeLayersArgs, _i32),
     ):
         function = getattr(library, name)
         function.restype = result

@@ -69,6 +69,8 @@ class Kernels:
         if int8_product == "auto":
             int8_product = "vnni" if cpu_supports(VNNI_CPU_FLAGS) else "avx2"
         self.int8_instructions = int8_product
+        # how the int8 product prefetches its weights; kernels/tuning.py sets what suits the CPU
+        self.tuning = abi.Tuning(prefetch_groups=16, prefetch_hint=0)
 
     def _check(self, status: int, product: str = "") -> None:
         """Raise the library's own message for a kernel that refused its arguments."""
@@ -227,6 +229,7 @@ class Kernels:
                         levels=packing.levels,
                         product=product,
                         threads=torch.get_num_threads(),
+                        tuning=self.tuning,
                     )
                 )
             ),

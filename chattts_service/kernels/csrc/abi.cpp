@@ -9,6 +9,8 @@ extern "C" int64_t chatts_args_size(int32_t kind) {
         case CHATTS_ARGS_RMS_NORM: return sizeof(ChattsRmsNormArgs);
         case CHATTS_ARGS_INT8_LINEAR: return sizeof(ChattsInt8LinearArgs);
         case CHATTS_ARGS_SAMPLE: return sizeof(ChattsSampleArgs);
+        case CHATTS_ARGS_DECODE_LAYERS: return sizeof(ChattsDecodeLayersArgs);
+        case CHATTS_ARGS_LAYER_WEIGHTS: return sizeof(ChattsLayerWeights);
         default: return -1;
     }
 }
@@ -24,6 +26,7 @@ extern "C" const char* chatts_status_message(int32_t status) {
             return "too many activation levels for the int8 product's instructions";
         case CHATTS_UNKNOWN_PRODUCT: return "unknown int8 product";
         case CHATTS_BAD_SAMPLING: return "sample needs a vocabulary and min_keep >= 1";
+        case CHATTS_BAD_TUNING: return "prefetch distance must be 0-256 groups, hint 0 or 1";
         default: return "unknown status";
     }
 }

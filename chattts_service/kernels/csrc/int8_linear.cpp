@@ -36,7 +36,13 @@ float quantize_row(const float* x, int64_t width, const float* gain, float eps, 
     return prepared.largest;
 }
 
-constexpr int64_t kPrefetchGroups = 16;  // groups of 64 bytes of weights
+// Prefetching the weights: `prefetch_bytes` ahead of use (0: none, the hardware prefetcher
+// alone), with hint HINT (0: non-temporal, 1: T0). The best of these differs between CPUs
+// (ChattsTuning; kernels/tuning.py measures them). The hint has to be a constant.
+template <int HINT>
+inline void prefetch_weights(uintptr_t address) {
+    _mm_prefetch(reinterpret_cast<const char*>(address), HINT == 0 ? _MM_HINT_NTA : _MM_HINT_T0);
+}
 
 // BLOCKS (1 or 2) neighbouring blocks of 16 channels for ROWS (1..8) rows: each broadcast input
 // serves both blocks, and 2 * ROWS accumulators keep the multiply unit busy. The accumulators
@@ -47,28 +53,26 @@ constexpr int64_t kPrefetchGroups = 16;  // groups of 64 bytes of weights
 // ROWS (with it, GCC regrouped the two products for some row counts, and a row's result
 // changed in its last bit with its batch); without fp-contract the residual is added to the
 // rounded product, as torch adds it, not fused into a multiply-add.
-template <int ROWS, int BLOCKS>
+template <int ROWS, int BLOCKS, int HINT>
 __attribute__((target("avx512f,avx512bw,avx512vnni"),
                optimize("no-associative-math", "signed-zeros", "trapping-math",
                         "fp-contract=off")))
 void gemm_blocks(int64_t k_groups, const uint8_t* xq, int64_t x_stride, const int8_t* blocks,
                  int64_t block_bytes, const int32_t* offsets, const float* weight_scale,
                  const float* row_max, const float* residual, int64_t residual_stride,
-                 float* out, int64_t out_stride, int valid, uintptr_t weights_end) {
+                 float* out, int64_t out_stride, int valid, uintptr_t weights_end,
+                 int64_t prefetch_bytes) {
     __m512i a0 = _mm512_setzero_si512(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0,
             a7 = a0, b0 = a0, b1 = a0, b2 = a0, b3 = a0, b4 = a0, b5 = a0, b6 = a0, b7 = a0;
     const uint8_t* x = xq;
     const int8_t* w = blocks;
     for (int64_t group = 0; group < k_groups; ++group, x += 4, w += 64) {
-        // the weights are read once per call: fetch them 1 KB ahead of use, marked
-        // non-temporal (a decode step at 8 rows 14.6-15.1 -> 12.5-13.2 ms here; the T0 hint
-        // measured the same, and the hardware prefetcher alone falls behind); at a block's end
-        // into the next block, which is read next, but never past the weights
-        const uintptr_t ahead = reinterpret_cast<uintptr_t>(w) + kPrefetchGroups * 64;
-        if (ahead + (BLOCKS - 1) * block_bytes < weights_end) {
-            _mm_prefetch(reinterpret_cast<const char*>(ahead), _MM_HINT_NTA);
-            if constexpr (BLOCKS == 2)
-                _mm_prefetch(reinterpret_cast<const char*>(ahead + block_bytes), _MM_HINT_NTA);
+        // the weights are read once per call: fetch them ahead of use; at a block's end into
+        // the next block, which is read next, but never past the weights
+        const uintptr_t ahead = reinterpret_cast<uintptr_t>(w) + prefetch_bytes;
+        if (prefetch_bytes > 0 && ahead + (BLOCKS - 1) * block_bytes < weights_end) {
+            prefetch_weights<HINT>(ahead);
+            if constexpr (BLOCKS == 2) prefetch_weights<HINT>(ahead + block_bytes);
         }
         const __m512i w0 = _mm512_loadu_si512(w);
         __m512i w1 = w0;
@@ -106,18 +110,24 @@ void gemm_blocks(int64_t k_groups, const uint8_t* xq, int64_t x_stride, const in
 
 using BlockFunction = void (*)(int64_t, const uint8_t*, int64_t, const int8_t*, int64_t,
                                const int32_t*, const float*, const float*, const float*,
-                               int64_t, float*, int64_t, int, uintptr_t);
-template <int BLOCKS>
+                               int64_t, float*, int64_t, int, uintptr_t, int64_t);
+template <int BLOCKS, int HINT>
 constexpr BlockFunction kBlockFunctions[9] = {
-    nullptr, gemm_blocks<1, BLOCKS>, gemm_blocks<2, BLOCKS>, gemm_blocks<3, BLOCKS>,
-    gemm_blocks<4, BLOCKS>, gemm_blocks<5, BLOCKS>, gemm_blocks<6, BLOCKS>,
-    gemm_blocks<7, BLOCKS>, gemm_blocks<8, BLOCKS>};
+    nullptr,
+    gemm_blocks<1, BLOCKS, HINT>,
+    gemm_blocks<2, BLOCKS, HINT>,
+    gemm_blocks<3, BLOCKS, HINT>,
+    gemm_blocks<4, BLOCKS, HINT>,
+    gemm_blocks<5, BLOCKS, HINT>,
+    gemm_blocks<6, BLOCKS, HINT>,
+    gemm_blocks<7, BLOCKS, HINT>,
+    gemm_blocks<8, BLOCKS, HINT>};
 
 __attribute__((target("avx512f,avx512bw,avx512vnni")))
 void gemm(int64_t rows, int64_t n, int64_t k, const uint8_t* xq, const int8_t* packed,
           const int32_t* offsets, const float* weight_scale, const float* row_max,
           const float* residual, int64_t residual_stride, float* out, int64_t out_stride,
-          int threads) {
+          int threads, const ChattsTuning& tuning) {
     // up to 8 rows (a decode step) one block at a time, more two at a time, each broadcast
     // input serving both (the 80 projections of a step here, against pairs throughout: 1 row
     // 4.1-4.5 vs 4.7-5.3 ms, 8 rows 5.5-5.8 vs 6.3-6.6 ms; pairs at 64 rows 18.7-21.3 vs
@@ -125,6 +135,8 @@ void gemm(int64_t rows, int64_t n, int64_t k, const uint8_t* xq, const int8_t* p
     const int64_t blocks = (n + 15) / 16, block_bytes = 16 * k, span = rows > 8 ? 2 : 1;
     const int64_t tasks = (blocks + span - 1) / span;
     const uintptr_t weights_end = reinterpret_cast<uintptr_t>(packed) + blocks * block_bytes;
+    const int64_t prefetch_bytes = static_cast<int64_t>(tuning.prefetch_groups) * 64;
+    const bool t0 = tuning.prefetch_hint == 1;
 #pragma omp parallel for num_threads(threads) schedule(static)
     for (int64_t task = 0; task < tasks; ++task) {
         const int64_t block = task * span;
@@ -133,12 +145,15 @@ void gemm(int64_t rows, int64_t n, int64_t k, const uint8_t* xq, const int8_t* p
         const int valid = static_cast<int>(n - last * 16 < 16 ? n - last * 16 : 16);
         for (int64_t first = 0; first < rows; first += 8) {
             const int64_t count = rows - first < 8 ? rows - first : 8;
-            (both ? kBlockFunctions<2> : kBlockFunctions<1>)[count](
+            const BlockFunction* functions =
+                both ? (t0 ? kBlockFunctions<2, 1> : kBlockFunctions<2, 0>)
+                     : (t0 ? kBlockFunctions<1, 1> : kBlockFunctions<1, 0>);
+            functions[count](
                 k / 4, xq + first * k, k, packed + block * block_bytes, block_bytes,
                 offsets + block * 16, weight_scale + block * 16, row_max + first,
                 residual == nullptr ? nullptr : residual + first * residual_stride + block * 16,
                 residual_stride, out + first * out_stride + block * 16, out_stride, valid,
-                weights_end);
+                weights_end, prefetch_bytes);
         }
     }
 }
@@ -150,22 +165,23 @@ void gemm(int64_t rows, int64_t n, int64_t k, const uint8_t* xq, const int8_t* p
 // lanes, so each group of four inputs adds to its channel exactly what vpdpbusd adds. 256-bit
 // registers hold 8 channels: a block's 16 take two, and ROWS (1..4) rows keep 2 * ROWS
 // accumulators (16 ymm registers in all). More rows pass over the block again, from cache.
-template <int ROWS>
+template <int ROWS, int HINT>
 __attribute__((target("avx2,fma"),
                optimize("no-associative-math", "signed-zeros", "trapping-math",
                         "fp-contract=off")))
 void gemm_block_avx2(int64_t k_groups, const uint8_t* xq, int64_t x_stride,
                      const int8_t* block, const int32_t* offsets, const float* weight_scale,
                      const float* row_max, const float* residual, int64_t residual_stride,
-                     float* out, int64_t out_stride, int valid, uintptr_t weights_end) {
+                     float* out, int64_t out_stride, int valid, uintptr_t weights_end,
+                     int64_t prefetch_bytes) {
     __m256i a0 = _mm256_setzero_si256(), a1 = a0, a2 = a0, a3 = a0, b0 = a0, b1 = a0, b2 = a0,
             b3 = a0;
     const __m256i ones = _mm256_set1_epi16(1);
     const uint8_t* x = xq;
     const int8_t* w = block;
     for (int64_t group = 0; group < k_groups; ++group, x += 4, w += 64) {
-        const uintptr_t ahead = reinterpret_cast<uintptr_t>(w) + kPrefetchGroups * 64;
-        if (ahead < weights_end) _mm_prefetch(reinterpret_cast<const char*>(ahead), _MM_HINT_NTA);
+        const uintptr_t ahead = reinterpret_cast<uintptr_t>(w) + prefetch_bytes;
+        if (prefetch_bytes > 0 && ahead < weights_end) prefetch_weights<HINT>(ahead);
         const __m256i w0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w));
         const __m256i w1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + 32));
 #define CHATTS_ROW(R)                                                                     \
@@ -205,28 +221,33 @@ void gemm_block_avx2(int64_t k_groups, const uint8_t* xq, int64_t x_stride,
 
 using Avx2BlockFunction = void (*)(int64_t, const uint8_t*, int64_t, const int8_t*,
                                    const int32_t*, const float*, const float*, const float*,
-                                   int64_t, float*, int64_t, int, uintptr_t);
+                                   int64_t, float*, int64_t, int, uintptr_t, int64_t);
+template <int HINT>
 constexpr Avx2BlockFunction kAvx2BlockFunctions[5] = {
-    nullptr, gemm_block_avx2<1>, gemm_block_avx2<2>, gemm_block_avx2<3>, gemm_block_avx2<4>};
+    nullptr, gemm_block_avx2<1, HINT>, gemm_block_avx2<2, HINT>, gemm_block_avx2<3, HINT>,
+    gemm_block_avx2<4, HINT>};
 
 __attribute__((target("avx2,fma")))
 void gemm_avx2(int64_t rows, int64_t n, int64_t k, const uint8_t* xq, const int8_t* packed,
                const int32_t* offsets, const float* weight_scale, const float* row_max,
                const float* residual, int64_t residual_stride, float* out, int64_t out_stride,
-               int threads) {
+               int threads, const ChattsTuning& tuning) {
     const int64_t blocks = (n + 15) / 16, block_bytes = 16 * k;
     const uintptr_t weights_end = reinterpret_cast<uintptr_t>(packed) + blocks * block_bytes;
+    const int64_t prefetch_bytes = static_cast<int64_t>(tuning.prefetch_groups) * 64;
+    const Avx2BlockFunction* functions =
+        tuning.prefetch_hint == 1 ? kAvx2BlockFunctions<1> : kAvx2BlockFunctions<0>;
 #pragma omp parallel for num_threads(threads) schedule(static)
     for (int64_t block = 0; block < blocks; ++block) {
         const int valid = static_cast<int>(n - block * 16 < 16 ? n - block * 16 : 16);
         for (int64_t first = 0; first < rows; first += 4) {
             const int64_t count = rows - first < 4 ? rows - first : 4;
-            kAvx2BlockFunctions[count](
+            functions[count](
                 k / 4, xq + first * k, k, packed + block * block_bytes, offsets + block * 16,
                 weight_scale + block * 16, row_max + first,
                 residual == nullptr ? nullptr : residual + first * residual_stride + block * 16,
                 residual_stride, out + first * out_stride + block * 16, out_stride, valid,
-                weights_end);
+                weights_end, prefetch_bytes);
         }
     }
 }
@@ -257,8 +278,11 @@ static int32_t int8_linear(
     int64_t rows, int64_t n, int64_t k, const float* x, int64_t x_row_stride, const float* gain,
     float eps, int swiglu, const int8_t* packed, const int32_t* offsets,
     const float* weight_scale, const float* residual, int64_t residual_stride, float* out,
-    int64_t out_stride, int levels, int instructions, int threads) {
+    int64_t out_stride, int levels, int instructions, int threads, const ChattsTuning& tuning) {
     if (k % 4 != 0) return CHATTS_WIDTH_NOT_MULTIPLE_OF_4;
+    if (tuning.prefetch_groups < 0 || tuning.prefetch_groups > 256 || tuning.prefetch_hint < 0 ||
+        tuning.prefetch_hint > 1)
+        return CHATTS_BAD_TUNING;
     if (instructions == CHATTS_PRODUCT_VNNI) {
         if (!__builtin_cpu_supports("avx512vnni") || !__builtin_cpu_supports("avx512bw"))
             return CHATTS_CPU_LACKS_PRODUCT;
@@ -281,14 +305,14 @@ static int32_t int8_linear(
         }
         row_max[row] = quantize_row(values, k, gain, eps, levels, xq.get() + row * k);
     }
-    (instructions == CHATTS_PRODUCT_VNNI ? gemm : gemm_avx2)(rows, n, k, xq.get(), packed, offsets, weight_scale,
-                                           row_max.get(), residual, residual_stride, out,
-                                           out_stride, threads);
+    (instructions == CHATTS_PRODUCT_VNNI ? gemm : gemm_avx2)(
+        rows, n, k, xq.get(), packed, offsets, weight_scale, row_max.get(), residual,
+        residual_stride, out, out_stride, threads, tuning);
     return CHATTS_OK;
 }
 
 extern "C" int32_t chatts_int8_linear(const ChattsInt8LinearArgs* a) {
     return int8_linear(a->rows, a->n, a->k, a->x, a->x_row_stride, a->gain, a->eps, a->swiglu,
                        a->packed, a->offsets, a->weight_scale, a->residual, a->residual_stride,
-                       a->out, a->out_stride, a->levels, a->product, a->threads);
+                       a->out, a->out_stride, a->levels, a->product, a->threads, a->tuning);
 }

@@ -11,4 +11,5 @@
 #include "rms_norm.cpp"
 #include "int8_linear.cpp"
 #include "sample.cpp"
+#include "decode_layers.cpp"
 #include "abi.cpp"

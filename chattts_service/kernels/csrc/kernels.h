@@ -8,7 +8,7 @@
 #include <cstdint>
 
 #ifndef CHATTS_ABI_VERSION  // a test builds a library of another version to see it refused
-#define CHATTS_ABI_VERSION 2
+#define CHATTS_ABI_VERSION 3
 #endif
 
 // What a kernel returns. chatts_status_message() gives each one's text.
@@ -21,12 +21,19 @@ enum ChattsStatus : int32_t {
     CHATTS_TOO_MANY_LEVELS = 5,        // int8 linear: activation levels beyond the product's
     CHATTS_UNKNOWN_PRODUCT = 6,        // int8 linear: not one of ChattsProduct
     CHATTS_BAD_SAMPLING = 7,           // sample: empty vocabulary or min_keep < 1
+    CHATTS_BAD_TUNING = 8,             // int8 linear: prefetch distance or hint out of range
 };
 
 // The int8 product's instructions.
 enum ChattsProduct : int32_t {
     CHATTS_PRODUCT_AVX2 = 1,  // 7-bit activations (levels up to 63)
     CHATTS_PRODUCT_VNNI = 2,  // AVX512-VNNI, 8-bit activations (levels up to 127)
+};
+
+// How the int8 product streams its weights: chosen per CPU (kernels/tuning.py), never baked in.
+struct ChattsTuning {
+    int32_t prefetch_groups;         // prefetch this many 64-byte groups of weights ahead, 0..256
+    int32_t prefetch_hint;           // 0: non-temporal (NTA), 1: into every cache level (T0)
 };
 
 struct ChattsAttentionArgs {
@@ -77,6 +84,44 @@ struct ChattsInt8LinearArgs {
     int32_t levels;                  // the activations' levels either side of zero
     int32_t product;                 // a ChattsProduct
     int32_t threads;
+    ChattsTuning tuning;
+};
+
+// One GPT layer's weights for chatts_decode_layers: its two RMSNorm gains and its four int8
+// projections as Int8Packing lays them out (q/k/v fused; gate/up fused).
+struct ChattsLinearWeights {
+    const int8_t* packed;
+    const int32_t* offsets;
+    const float* weight_scale;
+    int64_t n, k;                    // out_features, in_features
+};
+
+struct ChattsLayerWeights {
+    const float* attention_gain;
+    const float* mlp_gain;
+    ChattsLinearWeights qkv, out, gate_up, down;
+};
+
+// A decode step through every layer: per layer, the q/k/v projection of the RMSNorm-ed rows,
+// attention (as chatts_decode_attention), the output projection plus the residual, and the
+// MLP (RMSNorm, gate/up, SwiGLU, down plus the residual). The same kernels, in the same order,
+// as the calls one layer at a time: the same bits.
+struct ChattsDecodeLayersArgs {
+    int64_t rows, hidden, heads, dim, intermediate, layer_count;
+    float eps, scale;
+    int32_t levels, product, threads;
+    ChattsTuning tuning;
+    const ChattsLayerWeights* layers;  // [layer_count]
+    float* x;                        // [rows, hidden]: the new tokens in, the last layer's out
+    float* scratch;                  // rows * (5 * hidden + 2 * intermediate) floats
+    void* const* keys;               // as ChattsAttentionArgs
+    void* const* values;
+    float* const* key_scales;
+    float* const* value_scales;
+    const int64_t* capacity;
+    const int64_t* lengths;
+    const float* cos;
+    const float* sin;
 };
 
 struct ChattsSampleArgs {
@@ -99,6 +144,8 @@ enum ChattsArgsKind : int32_t {
     CHATTS_ARGS_RMS_NORM = 1,
     CHATTS_ARGS_INT8_LINEAR = 2,
     CHATTS_ARGS_SAMPLE = 3,
+    CHATTS_ARGS_DECODE_LAYERS = 4,
+    CHATTS_ARGS_LAYER_WEIGHTS = 5,
 };
 
 extern "C" {
@@ -109,4 +156,5 @@ int32_t chatts_decode_attention(const ChattsAttentionArgs* args);
 void chatts_rms_norm_unit_rows(const ChattsRmsNormArgs* args);
 int32_t chatts_int8_linear(const ChattsInt8LinearArgs* args);
 int32_t chatts_sample(const ChattsSampleArgs* args);
+int32_t chatts_decode_layers(const ChattsDecodeLayersArgs* args);
 }

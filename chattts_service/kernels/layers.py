@@ -1,0 +1,149 @@
+"""A decode step through every GPT layer in one C++ call (``csrc/decode_layers.cpp``).
+
+Layer by layer from Python, a step made 100 kernel calls (20 layers of four projections and an
+attention), each ~10 us of argument checks, ctypes and allocation: about a millisecond, a
+sixth of a batch-1 step. ``DecodeLayers`` checks the layers' weights and gathers their
+pointers once, when the model loads; a step then passes only the rows, their caches and one
+scratch buffer. The C side calls the same kernels in the same order, so the bits are those of
+the calls one layer at a time (a test holds the two equal).
+"""
+
+from __future__ import annotations
+
+import ctypes
+
+import torch
+
+from chattts_service.kernels import abi
+from chattts_service.kernels.bindings import INT8_INSTRUCTIONS, Int8Packing, Kernels, StepRows
+
+
+def _linear(packing: Int8Packing) -> abi.LinearWeights:
+    packed, offsets, weight_scale = packing.pointers
+    return abi.LinearWeights(
+        packed=packed,
+        offsets=offsets,
+        weight_scale=weight_scale,
+        n=packing.out_features,
+        k=packing.in_features,
+    )
+
+
+def _gain(gain: torch.Tensor, width: int) -> torch.Tensor:
+    if gain.dtype != torch.float32 or not gain.is_contiguous() or gain.numel() != width:
+        raise ValueError("a layer's norm gain must be a contiguous float32 vector")
+    return gain
+
+
+class DecodeLayers:
+    """The layers' int8 packings and norm gains, checked and gathered for one call a step.
+
+    ``layers``: per layer (qkv, out, gate_up, down packings, attention gain, mlp gain), all
+    packed for the same product; ``rotary``: the (cos, sin) tables [positions, head_dim]."""
+
+    def __init__(
+        self,
+        kernels: Kernels,
+        layers: list[
+            tuple[Int8Packing, Int8Packing, Int8Packing, Int8Packing, torch.Tensor, torch.Tensor]
+        ],
+        heads: int,
+        head_dim: int,
+        eps: float,
+        scale: float,
+        rotary: tuple[torch.Tensor, torch.Tensor],
+    ):
+        if not layers:
+            raise ValueError("no layers to gather")
+        self.kernels = kernels
+        self.heads, self.head_dim = heads, head_dim
+        self.hidden = heads * head_dim
+        qkv, _, gate_up, _, _, _ = layers[0]
+        self.intermediate = gate_up.out_features // 2
+        instructions = {packing.instructions for layer in layers for packing in layer[:4]}
+        if len(instructions) != 1:
+            raise ValueError("the layers' int8 packings are for different products")
+        self.instructions = instructions.pop()
+        self.product, self.levels = INT8_INSTRUCTIONS[self.instructions]
+        hidden, intermediate = self.hidden, self.intermediate
+        shapes = (
+            (3 * hidden, hidden),
+            (hidden, hidden),
+            (2 * intermediate, hidden),
+            (hidden, intermediate),
+        )
+        self.weights = (abi.LayerWeights * len(layers))()
+        self._held = []  # what the pointers point into, alive as long as this
+        for index, (*packings, attention_gain, mlp_gain) in enumerate(layers):
+            for packing, shape in zip(packings, shapes):
+                if (packing.out_features, packing.in_features) != shape:
+                    raise ValueError(
+                        f"layer {index}: a projection of {packing.out_features}x"
+                        f"{packing.in_features}, not {shape[0]}x{shape[1]}"
+                    )
+            gains = (_gain(attention_gain, hidden), _gain(mlp_gain, hidden))
+            self._held.append((packings, gains))
+            self.weights[index] = abi.LayerWeights(
+                gains[0].data_ptr(), gains[1].data_ptr(), *(_linear(p) for p in packings)
+            )
+        self.eps, self.scale = eps, scale
+        cos, sin = rotary
+        for table in rotary:
+            if table.dtype != torch.float32 or not table.is_contiguous() or table.dim() != 2:
+                raise ValueError("rotary tables must be contiguous float32 [positions, dim]")
+            if table.shape[1] != head_dim:
+                raise ValueError("rotary tables must be as wide as a head")
+        self.cos, self.sin = cos, sin
+        self.positions = min(cos.shape[0], sin.shape[0])
+
+    def __len__(self) -> int:
+        return len(self.weights)
+
+    def scratch_floats(self, rows: int) -> int:
+        return rows * (5 * self.hidden + 2 * self.intermediate)
+
+    def __call__(self, x: torch.Tensor, rows: StepRows) -> torch.Tensor:
+        """Run the new tokens ``x`` [rows, hidden] float32 through every layer, writing each
+        row's key and value into its cache at position ``rows.lengths[i]``; returns the last
+        layer's output (``x`` itself, overwritten)."""
+        count = x.shape[0]
+        if x.dtype != torch.float32 or not x.is_contiguous() or x.shape != (count, self.hidden):
+            raise ValueError(f"x must be a contiguous float32 [rows, {self.hidden}] tensor")
+        if len(rows.lengths) != count:
+            raise ValueError("one cache per row")
+        if rows.longest >= self.positions:
+            raise ValueError("a position beyond the rotary tables")
+        shapes = {tuple(cache.keys.shape[:2]) + (cache.keys.shape[3],) for cache in rows.caches}
+        if shapes != {(len(self), self.heads, self.head_dim)}:
+            raise ValueError("a cache of another shape than the layers'")
+        scratch = torch.empty(self.scratch_floats(count))
+        kernels = self.kernels
+        arguments = abi.DecodeLayersArgs(
+            rows=count,
+            hidden=self.hidden,
+            heads=self.heads,
+            dim=self.head_dim,
+            intermediate=self.intermediate,
+            layer_count=len(self),
+            eps=self.eps,
+            scale=self.scale,
+            levels=self.levels,
+            product=self.product,
+            threads=torch.get_num_threads(),
+            tuning=kernels.tuning,
+            layers=ctypes.addressof(self.weights),
+            x=x.data_ptr(),
+            scratch=scratch.data_ptr(),
+            keys=rows.keys.data_ptr(),
+            values=rows.values.data_ptr(),
+            key_scales=None if rows.key_scales is None else rows.key_scales.data_ptr(),
+            value_scales=None if rows.value_scales is None else rows.value_scales.data_ptr(),
+            capacity=rows.capacity.data_ptr(),
+            lengths=rows.lengths.data_ptr(),
+            cos=self.cos.data_ptr(),
+            sin=self.sin.data_ptr(),
+        )
+        kernels._check(
+            kernels.library.chatts_decode_layers(ctypes.byref(arguments)), self.instructions
+        )
+        return x
