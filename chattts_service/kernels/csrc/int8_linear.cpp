@@ -296,7 +296,7 @@ static int32_t int8_linear(
     std::unique_ptr<uint8_t[]> xq(new uint8_t[rows * k]);
     std::unique_ptr<float[]> row_max(new float[rows]);
     std::unique_ptr<float[]> products(swiglu ? new float[rows * k] : nullptr);
-#pragma omp parallel for num_threads(threads) schedule(static) if (rows > 16)
+#pragma omp parallel for num_threads(threads) schedule(static) if (rows > 1)
     for (int64_t row = 0; row < rows; ++row) {
         const float* values = x + row * x_row_stride;
         if (swiglu) {
