@@ -228,6 +228,7 @@ def phase_ours(
         "decoder_dtype": engine.settings.resolved_decoder_dtype,
         "kernels": engine.kernels,
         "linear_kernel": engine.gpt_linear_kernel,
+        "kernel_tuning": engine.kernel_tuning,
         "kv_cache_dtype": engine.kv_cache_dtype,
         "ready_seconds": ready_seconds,
         "load_seconds": engine.load_seconds,
@@ -392,14 +393,15 @@ def report(data: dict) -> str:
     speedup = base["real_time_factor"] / one["real_time_factor"]
     throughput = eight["audio_per_wall_second"] / base["audio_per_wall_second"]
     floor_ratio = one["ms_per_step"] / floor_ms if one["ms_per_step"] else float("nan")
+    eight_ratio = eight["ms_per_step"] / floor_ms if eight["ms_per_step"] else float("nan")
     lines += [
         "",
         f"ours: {ours['quantize']} GPT on {ours['linear_kernel']}, C++ kernels {ours['kernels']}, "
         f"{ours['kv_cache_dtype']} KV cache, "
-        f"{ours['decoder_dtype']} decoder",
+        f"{ours['decoder_dtype']} decoder; int8 product: {ours.get('kernel_tuning') or '-'}",
         f"memory bandwidth {ours['bandwidth_gb_per_s']:.1f} GB/s; GPT linears "
         f"{ours['gpt_linear_mb']:.0f} MB ({ours['quantize']}) -> floor {floor_ms:.1f} ms/step; "
-        f"batch-1 step is {floor_ratio:.2f}x the floor",
+        f"batch-1 step is {floor_ratio:.2f}x the floor, 8-row step {eight_ratio:.2f}x",
         f"peak RSS: baseline {base['peak_rss_mb']:.0f} MB, ours {ours['peak_rss_mb']:.0f} MB "
         f"(after ready {ours['rss_after_ready_mb']:.0f} MB); ours ready in "
         f"{ours['ready_seconds']:.1f} s (load {ours['load_seconds']:.1f} s)",
@@ -411,8 +413,10 @@ def report(data: dict) -> str:
         f"{'ok' if one['real_time_factor'] <= 1.0 else 'MISSED'}",
         f"  8 concurrent aggregate >= 15x baseline         : {throughput:.1f}x  "
         f"{'ok' if throughput >= 15 else 'MISSED'}",
-        f"  batch-1 step within 2.5x of bandwidth floor    : {floor_ratio:.2f}x  "
-        f"{'ok' if floor_ratio <= 2.5 else 'MISSED'}",
+        f"  batch-1 step within 1.3x of bandwidth floor    : {floor_ratio:.2f}x  "
+        f"{'ok' if floor_ratio <= 1.3 else 'MISSED'}",
+        f"  8-row step within 2.5x of bandwidth floor      : {eight_ratio:.2f}x  "
+        f"{'ok' if eight_ratio <= 2.5 else 'MISSED'}",
         f"  peak RSS under 2.5 GB                          : {ours['peak_rss_mb']:.0f} MB  "
         f"{'ok' if ours['peak_rss_mb'] < 2560 else 'MISSED'}",
     ]

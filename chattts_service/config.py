@@ -28,6 +28,7 @@ class SettingsError(ValueError):
 QUANTIZATIONS = ("int8", "none")
 KERNEL_MODES = ("auto", "on", "off")
 INT8_PRODUCTS = ("auto", "vnni", "avx2")
+KERNEL_TUNINGS = ("measure", "table", "default")
 KV_CACHE_DTYPES = ("bf16", "int8")
 DECODER_DTYPES = ("auto", "bf16", "fp32")
 DOWNLOAD_MODES = ("auto", "never")
@@ -183,6 +184,13 @@ class Settings:
         "the C++ kernels' int8 product: vnni (AVX512-VNNI, 8-bit activations), avx2 (7-bit "
         "activations, as on CPUs without VNNI), or auto (vnni where the CPU has it)",
         choices=INT8_PRODUCTS,
+    )
+    kernel_tuning: str = _env_field(
+        "KERNEL_TUNING",
+        "measure",
+        "how the int8 product's prefetching is chosen for the CPU: measure (once per CPU, kept "
+        "in <model dir>/.packed), table (known CPUs), or default",
+        choices=KERNEL_TUNINGS,
     )
     kv_cache_dtype: str = _env_field(
         "KV_CACHE_DTYPE",

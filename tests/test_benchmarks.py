@@ -38,6 +38,12 @@ def test_engine_benchmark_smoke(tiny_model_dir):
     assert set(data["ours"]["concurrency"]) == {"1", "4", "8"}
     assert 0 <= data["fidelity"]["top1_agreement"] <= 1
     assert data["ours"]["bandwidth_gb_per_s"] > 0
+    assert data["ours"]["kernel_tuning"].startswith(("prefetch", "no software prefetch"))
+    from benchmarks.engine import report
+
+    text = report(data)
+    assert "batch-1 step within 1.3x" in text and "8-row step within 2.5x" in text
+    assert data["ours"]["kernel_tuning"] in text and data["cpu"] in text
 
 
 def test_memory_benchmark_smoke(tiny_model_dir):
@@ -106,3 +112,25 @@ def test_cold_start_benchmark_smoke():
     restart = next(line for line in lines if "restart 1" in line)
     assert float(re.search(r"ready +([\d.]+) s", restart).group(1)) > 0
     assert re.search(r"restart median [\d.]+ s \(target <= 3 s\): (ok|MISSED)$", lines[-1])
+
+
+def test_tuning_benchmark_smoke(tiny_model_dir):
+    result = subprocess.run(
+        [
+            sys.executable,
+            "benchmarks/tuning.py",
+            "--model-dir",
+            str(tiny_model_dir),
+            "--rounds",
+            "2",
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    lines = result.stdout.splitlines()
+    assert lines[0].startswith("cpu ") and "family" in lines[0]
+    assert sum(" rows " in line and "GB/s" in line for line in lines) == 8  # every candidate
+    assert any(line.startswith("measure would choose: ") for line in lines)

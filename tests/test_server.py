@@ -99,6 +99,8 @@ def test_status_names_what_multiplies_the_int8_layers(server):
     # the server's CPU decides: the kernels' VNNI product where it has AVX512-VNNI, else AVX2
     vnni = kernels.cpu_supports(kernels.VNNI_CPU_FLAGS)
     assert status["linears"] == ("vnni" if vnni else "avx2")
+    # the prefetching chosen for this CPU: measured at the first start, kept for later ones
+    assert status["kernel_tuning"].endswith(("measured", "kept"))
 
 
 def test_synthesize_returns_a_24khz_mono_16bit_wav(server):

@@ -117,6 +117,12 @@ class Engine:
         return self.model.transformer.linear_kernel if self.model is not None else ""
 
     @property
+    def kernel_tuning(self) -> str:
+        """How the int8 product prefetches, and where that choice came from."""
+        chosen = self.model.transformer.tuning if self.model is not None else None
+        return chosen.describe() if chosen is not None else ""
+
+    @property
     def gpt_linear_bytes(self) -> int:
         return self.model.transformer.linear_bytes if self.model is not None else 0
 

@@ -26,6 +26,7 @@ from chattts_service.inference.generation import Batch, Heads
 from chattts_service.inference.gpt_weights import GptWeights
 from chattts_service.inference.packed_cache import PackedCache
 from chattts_service.inference.transformer import Transformer
+from chattts_service.kernels import tuning
 from chattts_service.runtime import heap
 
 log = logging.getLogger(__name__)
@@ -71,7 +72,7 @@ def load_model(settings: Settings) -> LoadedModel:
     model.seconds = time.perf_counter() - started
     log.info(
         "model %s loaded from %s in %.2fs (%s GPT linears on %s, %.0f MB; "
-        "C++ kernels %s; %s KV cache; %s decoder; %d torch threads)",
+        "C++ kernels %s%s; %s KV cache; %s decoder; %d torch threads)",
         model.name,
         model_dir,
         model.seconds,
@@ -79,6 +80,7 @@ def load_model(settings: Settings) -> LoadedModel:
         model.transformer.linear_kernel,
         model.transformer.linear_bytes / 1e6,
         model.kernels,
+        f" ({model.transformer.tuning.describe()})" if model.transformer.tuning else "",
         model.transformer.cache_kind,
         settings.resolved_decoder_dtype,
         settings.torch_threads,
@@ -163,6 +165,13 @@ def _load_transformer(settings: Settings, paths: model_files.ModelPaths) -> Tran
         saved = cache.save(transformer)
         if saved is not None:
             log.info("packed GPT kept in %s for later starts", saved)
+    if transformer.kernels is not None:
+        transformer.tuning = tuning.choose(
+            transformer.kernels,
+            transformer.int8_packings(),
+            settings.kernel_tuning,
+            cache.directory if cache is not None else None,
+        )
     return transformer
 
 

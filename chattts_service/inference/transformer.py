@@ -204,6 +204,16 @@ class Transformer:
         self.max_positions = config.max_position_embeddings
         self.scale = 1.0 / math.sqrt(self.head_dim)  # scaled_dot_product_attention's default
         self.decode_layers = self._gather_layers()
+        self.tuning = None  # how the int8 product prefetches, once chosen (kernels.tuning)
+
+    def int8_packings(self) -> list:
+        """Every int8 packing the kernels multiply by, layer by layer (empty without them)."""
+        return [
+            linear.packing
+            for layer in self.layers
+            for linear in (layer.qkv, layer.out, layer.gate_up, layer.down)
+            if isinstance(linear, KernelInt8Linear)
+        ]
 
     def _gather_layers(self) -> DecodeLayers | None:
         """Every layer in one C++ call a decode step, where the kernels multiply every

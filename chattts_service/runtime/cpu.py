@@ -33,10 +33,10 @@ def cpu_flags() -> frozenset[str]:
 
 
 @functools.cache
-def cpu_model() -> str:
-    """The CPU as /proc/cpuinfo names it, with its family and model numbers (figures are
-    quoted with it: the same code meets a different memory system on each)."""
-    fields = {}
+def cpu_fields() -> dict[str, str]:
+    """The first processor's fields in /proc/cpuinfo (model name, vendor_id, cpu family, ...);
+    empty where it cannot be read."""
+    fields: dict[str, str] = {}
     try:
         with open("/proc/cpuinfo", encoding="ascii", errors="replace") as handle:
             for line in handle:
@@ -45,6 +45,15 @@ def cpu_model() -> str:
                 if not line.strip():
                     break  # the first processor is enough
     except OSError:
+        pass
+    return fields
+
+
+def cpu_model() -> str:
+    """The CPU as /proc/cpuinfo names it, with its family and model numbers (figures are
+    quoted with it: the same code meets a different memory system on each)."""
+    fields = cpu_fields()
+    if not fields:
         return "unknown CPU"
     name = fields.get("model name", "unknown CPU")
     return f"{name} (family {fields.get('cpu family', '?')} model {fields.get('model', '?')})"

@@ -30,6 +30,7 @@ def status():
         "quantization": settings.quantize,
         "linears": engine.gpt_linear_kernel,  # what multiplies them: vnni, avx2, fbgemm, ...
         "kernels": engine.kernels,
+        "kernel_tuning": engine.kernel_tuning,  # the int8 product's prefetching, and why
         "decoder": settings.resolved_decoder_dtype,
         "degraded": state.degraded,
         "cpu_percent": round(state.pressure.last_percent, 1) if state.pressure else None,

@@ -1,0 +1,233 @@
+"""How the int8 product streams its weights, chosen for the CPU it runs on.
+
+A decode step reads every weight once, so how far ahead the product prefetches and with which
+hint decides how near it gets to the memory's bandwidth, and the best differs from one CPU (and
+memory system) to the next. ``CHATTTS_KERNEL_TUNING`` says how the parameters are chosen:
+
+- ``measure`` (the default): at the first start on a CPU, each candidate in ``CANDIDATES`` is
+  timed on the model's own packed layers at 1 and 8 rows (under a second on the full-size
+  model); the fastest, if clearly faster than the default, is used. The choice is kept beside
+  the packed weights (``<model dir>/.packed/tuning-<key>.json``, keyed by the CPU's model,
+  flags and thread count and by the kernel library) and read on later starts: a restart
+  measures nothing, another CPU measures again.
+- ``table``: the entry of ``TABLE`` for this CPU (vendor, family, model), each measured with
+  ``python benchmarks/tuning.py``; the default for a CPU not in it.
+- ``default``: ``DEFAULT``, whatever the CPU.
+
+Every candidate gives the same bits (prefetching moves no data); only the time differs.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import statistics
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+from chattts_service.kernels import abi
+from chattts_service.runtime.cpu import cpu_fields, cpu_flags
+
+log = logging.getLogger(__name__)
+
+HINTS = {"nta": 0, "t0": 1}
+MODES = ("measure", "table", "default")
+ROWS = (1, 8)  # a step alone, and a full batch
+BETTER_BY = 0.03  # a candidate replaces the default only when this much faster (noise)
+FILE_VERSION = 1
+
+
+@dataclass(frozen=True)
+class KernelTuning:
+    prefetch_groups: int  # 64-byte groups of weights ahead; 0: the hardware prefetcher alone
+    prefetch_hint: str  # "nta" (non-temporal) or "t0"
+
+    def __post_init__(self):
+        if not 0 <= self.prefetch_groups <= 256 or self.prefetch_hint not in HINTS:
+            raise ValueError(f"no such tuning: {self}")
+
+    def to_abi(self) -> abi.Tuning:
+        return abi.Tuning(self.prefetch_groups, HINTS[self.prefetch_hint])
+
+    def describe(self) -> str:
+        if not self.prefetch_groups:
+            return "no software prefetch"
+        return f"prefetch {self.prefetch_groups * 64} B ahead ({self.prefetch_hint})"
+
+
+DEFAULT = KernelTuning(16, "nta")
+CANDIDATES = (
+    DEFAULT,
+    KernelTuning(0, "nta"),
+    KernelTuning(8, "nta"),
+    KernelTuning(32, "nta"),
+    KernelTuning(64, "nta"),
+    KernelTuning(16, "t0"),
+    KernelTuning(32, "t0"),
+    KernelTuning(64, "t0"),
+)
+# (vendor, family, model) -> tuning, each measured with `python benchmarks/tuning.py` on that
+# CPU (full-size model, 2 threads)
+TABLE = {
+    ("AuthenticAMD", 25, 1): KernelTuning(16, "nta"),  # AMD EPYC, Zen 3
+}
+
+
+def cpu_identity() -> dict:
+    """What the choice depends on: the CPU's vendor, family, model and name, and its flags."""
+    fields = cpu_fields()
+
+    def number(name: str) -> int:
+        try:
+            return int(fields.get(name, "-1"))
+        except ValueError:
+            return -1
+
+    return {
+        "vendor": fields.get("vendor_id", "unknown"),
+        "family": number("cpu family"),
+        "model": number("model"),
+        "name": fields.get("model name", "unknown CPU"),
+        "flags": sorted(cpu_flags()),
+    }
+
+
+def from_table(identity: dict) -> KernelTuning:
+    return TABLE.get((identity["vendor"], identity["family"], identity["model"]), DEFAULT)
+
+
+def _pass_seconds(kernels, packings, inputs: dict, tuning: KernelTuning) -> float:
+    kernels.tuning = tuning.to_abi()
+    started = time.perf_counter()
+    for packing in packings:
+        kernels.int8_linear(inputs[packing.in_features], packing)
+    return time.perf_counter() - started
+
+
+def measure(kernels, packings, rounds: int = 5, candidates=CANDIDATES) -> tuple[KernelTuning, dict]:
+    """Time one pass of the int8 product over ``packings`` per candidate, at each of ``ROWS``
+    rows, ``rounds`` times interleaved (so a noisy moment hits every candidate alike); the
+    score is the sum over the row counts of the median pass. Returns the choice and the
+    timings. The kernels' tuning is left as chosen."""
+    generator = torch.Generator().manual_seed(0)
+    widths = {packing.in_features for packing in packings}
+    inputs = {
+        rows: {width: torch.randn(rows, width, generator=generator) for width in widths}
+        for rows in ROWS
+    }
+    times = {candidate: {rows: [] for rows in ROWS} for candidate in candidates}
+    for rows in ROWS:  # once untimed: page the weights in, start the threads
+        _pass_seconds(kernels, packings, inputs[rows], candidates[0])
+    for _ in range(rounds):
+        for candidate in candidates:
+            for rows in ROWS:
+                times[candidate][rows].append(
+                    _pass_seconds(kernels, packings, inputs[rows], candidate)
+                )
+    medians = {
+        candidate: {rows: statistics.median(values) for rows, values in by_rows.items()}
+        for candidate, by_rows in times.items()
+    }
+    scores = {candidate: sum(by_rows.values()) for candidate, by_rows in medians.items()}
+    best = min(scores, key=scores.get)
+    baseline = candidates[0]
+    if scores[best] > scores[baseline] * (1 - BETTER_BY):
+        best = baseline
+    kernels.tuning = best.to_abi()
+    report = {
+        "ms_per_pass": {
+            f"{candidate.prefetch_groups}/{candidate.prefetch_hint}": {
+                str(rows): round(seconds * 1000, 3) for rows, seconds in by_rows.items()
+            }
+            for candidate, by_rows in medians.items()
+        },
+        "rounds": rounds,
+    }
+    return best, report
+
+
+def cache_path(directory: Path, identity: dict, threads: int, library: Path) -> Path:
+    key = json.dumps(
+        {
+            "version": FILE_VERSION,
+            "cpu": identity,
+            "threads": threads,
+            "library": library.name,
+            "candidates": [asdict(c) for c in CANDIDATES],
+        },
+        sort_keys=True,
+    )
+    return Path(directory) / f"tuning-{hashlib.sha256(key.encode()).hexdigest()[:24]}.json"
+
+
+def _read(path: Path) -> KernelTuning | None:
+    try:
+        stored = json.loads(path.read_text())
+        return KernelTuning(**stored["tuning"])
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError, KeyError, TypeError) as error:
+        log.warning("kernel tuning %s is unusable (%s): measuring again", path, error)
+        return None
+
+
+def _write(path: Path, tuning: KernelTuning, identity: dict, report: dict) -> bool:
+    body = {"tuning": asdict(tuning), "cpu": identity["name"], **report}
+    try:
+        path.parent.mkdir(exist_ok=True)
+        handle, temporary = tempfile.mkstemp(dir=path.parent, suffix=".tmp")
+        try:
+            with os.fdopen(handle, "w") as out:
+                json.dump(body, out, indent=1)
+            os.chmod(temporary, 0o644)
+            os.replace(temporary, path)
+        except BaseException:
+            Path(temporary).unlink(missing_ok=True)
+            raise
+    except OSError as error:
+        log.warning("cannot keep the kernel tuning in %s (%s)", path.parent, error)
+        return False
+    return True
+
+
+@dataclass
+class Choice:
+    tuning: KernelTuning
+    source: str  # "measured", "kept" (an earlier start's measurement), "table", "default"
+
+    def describe(self) -> str:
+        return f"{self.tuning.describe()}, {self.source}"
+
+
+def choose(kernels, packings, mode: str, directory: Path | None) -> Choice:
+    """Set ``kernels``' tuning as ``mode`` says (see the module's docstring) and return it.
+    ``directory``: where the measured choice is kept (None: measure on every start)."""
+    if mode not in MODES:
+        raise ValueError(f"kernel tuning must be one of {MODES}, not {mode!r}")
+    identity = cpu_identity()
+    if mode == "default" or not packings:
+        choice = Choice(DEFAULT, "default")
+    elif mode == "table":
+        tuning = from_table(identity)
+        known = (identity["vendor"], identity["family"], identity["model"]) in TABLE
+        choice = Choice(tuning, "table" if known else "default")
+    else:
+        path = None
+        if directory is not None:
+            path = cache_path(directory, identity, torch.get_num_threads(), kernels.path)
+        kept = _read(path) if path is not None else None
+        if kept is not None:
+            choice = Choice(kept, "kept")
+        else:
+            tuning, report = measure(kernels, packings)
+            if path is not None:
+                _write(path, tuning, identity, report)
+            choice = Choice(tuning, "measured")
+    kernels.tuning = choice.tuning.to_abi()
+    return choice
