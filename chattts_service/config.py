@@ -210,8 +210,9 @@ class Settings:
     )
     batch_wait_ms: int = _env_field(
         "BATCH_WAIT_MS",
-        50,
-        "how long an idle scheduler waits for more requests to batch",
+        0,
+        "how long an idle scheduler waits for more requests to batch (later ones join the "
+        "running batch between two steps anyway)",
         low=0,
         high=10_000,
     )
