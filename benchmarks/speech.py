@@ -1,4 +1,5 @@
-"""Speech benchmark: time to first audio (streamed, ours vs upstream's stream mode) and long text.
+"""Speech benchmark: time to first audio (streamed, ours vs upstream's stream mode, and over
+HTTP), a request's fixed costs, and long text.
 
     python benchmarks/speech.py [--model-dir DIR] [--steps N] [--requests N] [--json]
 
@@ -9,6 +10,13 @@ Each side runs in its own child process, one after the other so they never share
   holds audio, and to the end;
 * ours: the engine's stream (``Engine.start(stream=True)``) alone, the same text, voice and
   number of steps; time to the first chunk and to the end;
+* fixed costs: the stages of the three-sentence request one by one, as the engine runs them
+  (normalisation and splitting, prompt, prefill with the first token, one GPT step, decoding
+  the first chunk, encoding it), and a request of 2 steps end to end through the scheduler:
+  what a request costs besides its GPT steps and decoding;
+* http: ``python server.py`` on a loopback port, ``POST /v1/audio/speech`` streamed (``pcm``,
+  whose first byte is audio) with the three-sentence text at its natural length: time to the
+  first audio byte, as ``curl -w '%{time_starttransfer}'`` reports it;
 * long text: a ~2,000-character mixed Chinese/English text with numbers through the engine
   (segmented, normalised, batched), natural lengths: wall time, audio seconds, segments,
   segments stopped by the step cap.
@@ -37,6 +45,10 @@ from benchmarks.engine import (  # noqa: E402
     run_phase,
     upstream_params,
 )
+
+THREE_SENTENCES = "今天天气很好。我们一起去公园散步吧！The park opens at nine."
+FIRST_AUDIO_TARGET = 0.5  # seconds, streamed over HTTP
+FIXED_COST_TARGET = 0.05  # seconds a request costs besides its GPT steps and decoding
 
 LONG_SENTENCES = (
     "第{n}段：今天是2024年3月{day}日，气温{deg}摄氏度，我们在公园里走了{km}公里。",
@@ -110,6 +122,8 @@ def phase_ours(model_dir: Path, steps: int, requests: int, long_chars: int) -> d
         "context_steps": engine.context_steps,
     }
 
+    result["fixed_costs"] = fixed_costs(engine, requests)
+
     if long_chars:
         text = long_text(long_chars)
         request = SynthesisRequest(text, seed=7)
@@ -143,6 +157,143 @@ def phase_ours(model_dir: Path, steps: int, requests: int, long_chars: int) -> d
     return result
 
 
+def _median_seconds(function, repeats: int) -> tuple[float, object]:
+    times, value = [], None
+    for _ in range(repeats):
+        began = time.perf_counter()
+        value = function()
+        times.append(time.perf_counter() - began)
+    return statistics.median(times), value
+
+
+def fixed_costs(engine, requests: int) -> dict:
+    """The three-sentence request's stages one by one, on the scheduler's thread (where the
+    engine runs them: torch's thread pool belongs to it) while it is idle; and a request of 2
+    GPT steps end to end."""
+    import torch
+
+    from chattts_service.inference.types import SynthesisRequest
+
+    repeats = max(5, requests)
+    stages = engine.scheduler.call(lambda: _stages(engine, repeats)).result(timeout=600)
+
+    def two_steps():
+        return engine.synthesize(SynthesisRequest("你好。", seed=9), fixed_steps=2)
+
+    two_steps()
+    two_step_wall, _ = _median_seconds(two_steps, repeats)
+    two_hiddens = torch.randn(2, engine.model.heads.hidden_size)
+    short_decode = engine.scheduler.call(
+        lambda: _median_seconds(lambda: engine.decode(two_hiddens), repeats)[0]
+    ).result(timeout=600)
+    step = stages.pop("step")
+    first_chunk, decode_first_chunk = stages.pop("first_chunk_steps"), stages.pop("decode")
+    return {
+        "stages_seconds": stages,
+        "fixed_seconds": stages["normalise"]
+        + stages["prompt"]
+        + stages["prefill"]
+        + stages["encode_mp3"],
+        "step_seconds": step,
+        "first_chunk_steps": first_chunk,
+        "decode_first_chunk_seconds": decode_first_chunk,
+        "two_step_request_seconds": two_step_wall,
+        "two_step_decode_seconds": short_decode,
+        "two_step_fixed_seconds": two_step_wall - 2 * step - short_decode,
+        "projected_first_audio_seconds": stages["normalise"]
+        + stages["prompt"]
+        + stages["prefill"]
+        + first_chunk * step
+        + decode_first_chunk
+        + stages["encode_pcm"],
+    }
+
+
+def _stages(engine, repeats: int) -> dict:
+    """Medians of each stage of the three-sentence request's first segment, generating the
+    steps of its first streamed chunk (``FIRST_CHUNK_STEPS`` + the decoder's context)."""
+    from chattts_service.inference.generation import Batch
+    from chattts_service.inference.job import FIRST_CHUNK_STEPS
+    from chattts_service.inference.types import SAMPLE_RATE, SAMPLES_PER_STEP, SynthesisRequest
+    from chattts_service.services.audio import encode
+
+    request = SynthesisRequest(THREE_SENTENCES, seed=5)
+    model, prompts = engine.model, engine.prompts
+    voice = engine.voices.from_seed(request.seed).embedding
+    first_chunk = FIRST_CHUNK_STEPS + engine.context_steps
+    stages = {"first_chunk_steps": first_chunk}
+    stages["normalise"], (segments, _) = _median_seconds(lambda: prompts.split(request), repeats)
+    text = segments[0]
+    stages["prompt"], _ = _median_seconds(
+        lambda: prompts.code_sequence(text, request, voice, first_chunk), repeats
+    )
+    batch = Batch(model.transformer, model.heads, 1)
+    timings = {name: [] for name in ("prefill", "step", "decode", "encode_mp3", "encode_pcm")}
+    for _ in range(repeats):
+        sequence = prompts.code_sequence(text, request, voice, first_chunk)
+        began = time.perf_counter()
+        batch.add(sequence)  # the prompt through every layer, and the first token drawn
+        timings["prefill"].append(time.perf_counter() - began)
+        while batch.active:
+            began = time.perf_counter()
+            batch.step()
+            timings["step"].append(time.perf_counter() - began)
+        began = time.perf_counter()
+        audio = engine.decode(sequence.hiddens[: sequence.steps])
+        timings["decode"].append(time.perf_counter() - began)
+        chunk = audio[: FIRST_CHUNK_STEPS * SAMPLES_PER_STEP]
+        for audio_format in ("mp3", "pcm"):
+            began = time.perf_counter()
+            encode(chunk, SAMPLE_RATE, audio_format)
+            timings[f"encode_{audio_format}"].append(time.perf_counter() - began)
+    stages.update({name: statistics.median(values) for name, values in timings.items()})
+    return stages
+
+
+def phase_http(model_dir: Path, requests: int) -> dict:
+    """First audio byte of a streamed request over HTTP from a real server on loopback."""
+    import tempfile
+
+    import requests as http
+
+    from benchmarks.serverproc import Server
+
+    with tempfile.TemporaryDirectory() as scratch:
+        server = Server(model_dir, Path(scratch) / "server.log", CHATTTS_CACHE_SIZE="0")
+        try:
+            server.wait_ready(timeout=600)
+            firsts, totals, seconds_of_audio = [], [], []
+            for index in range(requests + 1):  # the first one is not counted
+                body = {
+                    "model": "chattts",
+                    "input": THREE_SENTENCES,
+                    "voice": f"seed:{100 + index}",
+                    "response_format": "pcm",
+                    "stream": True,
+                    "seed": 100 + index,
+                }
+                began, first, size = time.perf_counter(), None, 0
+                with http.post(
+                    server.url + "/v1/audio/speech", json=body, stream=True, timeout=600
+                ) as response:
+                    response.raise_for_status()
+                    for piece in response.iter_content(chunk_size=None):
+                        if piece and first is None:
+                            first = time.perf_counter() - began
+                        size += len(piece)
+                if index:
+                    firsts.append(first)
+                    totals.append(time.perf_counter() - began)
+                    seconds_of_audio.append(size / 2 / 24_000)
+        finally:
+            server.stop()
+    return {
+        "first_audio_seconds": firsts,
+        "total_seconds": totals,
+        "audio_seconds": seconds_of_audio,
+    }
+
+
 def run_child(phase: str, args, extra: list[str]) -> dict:
     return run_phase(
         __file__,
@@ -167,6 +318,7 @@ def report(data: dict) -> str:
     up_first = statistics.median(up["first_audio_seconds"])
     our_first = statistics.median(ours["first_audio_seconds"])
     lines = [
+        f"cpu {data.get('cpu', 'unknown')}",
         f"streamed, {data['steps']} steps ({audio_seconds(data['steps']):.2f} s of audio), "
         f"median of {data['requests']}:",
         "                      first audio    whole",
@@ -176,6 +328,48 @@ def report(data: dict) -> str:
         f"   ({ours['chunks']} chunks, {ours['context_steps']} steps of decoder context)",
         f"first audio {up_first / our_first:.1f}x sooner than upstream",
     ]
+    costs = ours.get("fixed_costs")
+    if costs:
+        stages = costs["stages_seconds"]
+        lines += [
+            "",
+            f"fixed costs of the three-sentence request (medians; one GPT step "
+            f"{costs['step_seconds'] * 1000:.1f} ms):",
+            *(f"  {name:<14}{seconds * 1000:8.1f} ms" for name, seconds in stages.items()),
+            f"  first chunk: {costs['first_chunk_steps']} steps, decoded in "
+            f"{costs['decode_first_chunk_seconds'] * 1000:.1f} ms",
+            f"  a 2-step request end to end: {costs['two_step_request_seconds'] * 1000:.1f} ms, "
+            f"of which {costs['two_step_fixed_seconds'] * 1000:.1f} ms besides its steps and "
+            f"decoding",
+            f"  projected first audio in the engine: "
+            f"{costs['projected_first_audio_seconds']:.3f} s",
+        ]
+    http_run = data.get("http")
+    if http_run:
+        first = statistics.median(http_run["first_audio_seconds"])
+        lines += [
+            "",
+            f"over HTTP (server.py on loopback, streamed pcm, the three-sentence text at its "
+            f"natural length, median of {len(http_run['first_audio_seconds'])}): first audio "
+            f"{first:.3f} s, whole {statistics.median(http_run['total_seconds']):.2f} s for "
+            f"{statistics.median(http_run['audio_seconds']):.2f} s of audio",
+        ]
+    if costs or http_run:
+        lines.append("targets:")
+    if http_run:
+        lines.append(
+            f"  first audio over HTTP <= {FIRST_AUDIO_TARGET} s        : {first:.3f} s  "
+            f"{'ok' if first <= FIRST_AUDIO_TARGET else 'MISSED'}"
+        )
+    if costs:
+        for label, seconds in (
+            ("stages besides steps and decoding", costs["fixed_seconds"]),
+            ("2-step request besides steps/decode", costs["two_step_fixed_seconds"]),
+        ):
+            lines.append(
+                f"  {label} <= {FIXED_COST_TARGET * 1000:.0f} ms: {seconds * 1000:.1f} ms  "
+                f"{'ok' if seconds <= FIXED_COST_TARGET else 'MISSED'}"
+            )
     long = ours.get("long_text")
     if long:
         lines += [
@@ -199,7 +393,8 @@ def main() -> int:
     parser.add_argument("--long-chars", type=int, default=2000, help="0 skips the long text")
     parser.add_argument("--max-seconds", type=int, default=1800)
     parser.add_argument("--json", action="store_true")
-    parser.add_argument("--phase", choices=["upstream", "ours"], help=argparse.SUPPRESS)
+    parser.add_argument("--no-http", action="store_true", help="skip the HTTP first-audio run")
+    parser.add_argument("--phase", choices=["upstream", "ours", "http"], help=argparse.SUPPRESS)
     args = parser.parse_args()
 
     if args.phase == "upstream":
@@ -207,6 +402,9 @@ def main() -> int:
         return 0
     if args.phase == "ours":
         print(json.dumps(phase_ours(args.model_dir, args.steps, args.requests, args.long_chars)))
+        return 0
+    if args.phase == "http":
+        print(json.dumps(phase_http(args.model_dir, args.requests)))
         return 0
 
     if args.model_dir is None:
@@ -217,6 +415,11 @@ def main() -> int:
         "upstream": run_child("upstream", args, []),
         "ours": run_child("ours", args, ["--long-chars", str(args.long_chars)]),
     }
+    if not args.no_http:
+        data["http"] = run_child("http", args, [])
+    from chattts_service.runtime.cpu import cpu_model
+
+    data["cpu"] = cpu_model()
     print(json.dumps(data, indent=1) if args.json else report(data))
     return 0
 

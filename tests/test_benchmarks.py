@@ -94,6 +94,25 @@ def test_speech_benchmark_smoke(tiny_model_dir):
     assert data["upstream"]["first_audio_seconds"][0] > 0
     assert data["ours"]["first_audio_seconds"][0] > 0 and data["ours"]["chunks"] >= 2
     assert data["ours"]["long_text"]["segments"] >= 3
+    costs = data["ours"]["fixed_costs"]
+    assert set(costs["stages_seconds"]) == {
+        "normalise",
+        "prompt",
+        "prefill",
+        "encode_mp3",
+        "encode_pcm",
+    }
+    assert all(seconds > 0 for seconds in costs["stages_seconds"].values())
+    assert costs["step_seconds"] > 0 and costs["decode_first_chunk_seconds"] > 0
+    assert costs["two_step_request_seconds"] > costs["two_step_decode_seconds"] > 0
+    http = data["http"]  # a real server on loopback, a streamed request over HTTP
+    assert len(http["first_audio_seconds"]) == 1
+    assert 0 < http["first_audio_seconds"][0] <= http["total_seconds"][0]
+    assert http["audio_seconds"][0] > 0
+    from benchmarks.speech import report
+
+    text = report(data)
+    assert "first audio over HTTP <= 0.5 s" in text and "2-step request" in text
 
 
 def test_cold_start_benchmark_smoke():
