@@ -246,8 +246,10 @@ def phase_fidelity(
     seeds: int,
     int8_product: str = "auto",
     kv_cache_dtype: str = "bf16",
+    quantize: str = "int8",
 ) -> dict:
-    """fp32 generates; int8 is teacher-forced along the same tokens and compared step by step."""
+    """fp32 generates; the ``quantize`` GPT (int8 or int4, with the service's int8 heads) is
+    teacher-forced along the same tokens and compared step by step."""
     import numpy as np
     import torch
     from transformers import LlamaModel
@@ -266,10 +268,10 @@ def phase_fidelity(
     engine.close()
     llama = LlamaModel.from_pretrained(str(model_dir / "asset" / "gpt"))
     reference = Transformer(llama, "none")
-    quantized = Transformer(llama, "int8", int8_product=int8_product, kv_cache=kv_cache_dtype)
+    quantized = Transformer(llama, quantize, int8_product=int8_product, kv_cache=kv_cache_dtype)
     del llama
     heads = engine.model.heads
-    # the service's int8 code head, on the same product as its transformer
+    # the service's int8 code head (int4 too keeps its heads int8), on the transformer's kernels
     int8_head = make_linear(heads.code_head.weight, "int8", quantized.kernels)
 
     agreements, distances, snrs, decoder_errors = [], [], [], []
@@ -312,6 +314,7 @@ def phase_fidelity(
         decoder_errors.append(float(np.linalg.norm(wave_bf16_decoder - wave_fp32) / scale))
     return {
         "seeds": seeds,
+        "quantize": quantize,
         "top1_agreement": statistics.mean(agreements),
         "waveform_relative_l2": statistics.mean(distances),
         "waveform_snr_db": statistics.mean(snrs),
@@ -398,7 +401,7 @@ def report(data: dict) -> str:
         "",
         f"ours: {ours['quantize']} GPT on {ours['linear_kernel']}, C++ kernels {ours['kernels']}, "
         f"{ours['kv_cache_dtype']} KV cache, "
-        f"{ours['decoder_dtype']} decoder; int8 product: {ours.get('kernel_tuning') or '-'}",
+        f"{ours['decoder_dtype']} decoder; weight prefetch: {ours.get('kernel_tuning') or '-'}",
         f"memory bandwidth {ours['bandwidth_gb_per_s']:.1f} GB/s; GPT linears "
         f"{ours['gpt_linear_mb']:.0f} MB ({ours['quantize']}) -> floor {floor_ms:.1f} ms/step; "
         f"batch-1 step is {floor_ratio:.2f}x the floor, 8-row step {eight_ratio:.2f}x",
@@ -423,7 +426,8 @@ def report(data: dict) -> str:
     if fidelity:
         lines += [
             "",
-            f"fidelity fp32 vs int8 (teacher forcing, {fidelity['seeds']} seeds): top-1 "
+            f"fidelity fp32 vs {fidelity.get('quantize', 'int8')} (teacher forcing, "
+            f"{fidelity['seeds']} seeds): top-1 "
             f"agreement {fidelity['top1_agreement'] * 100:.1f}%, waveform relative L2 "
             f"{fidelity['waveform_relative_l2']:.3f} (SNR {fidelity['waveform_snr_db']:.1f} dB)",
             f"fidelity fp32 vs bf16 decoder (same hidden states): waveform relative L2 "
@@ -444,7 +448,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--requests", type=int, default=3, help="baseline requests (median)")
     parser.add_argument("--rounds", type=int, default=2, help="rounds per concurrency level")
     parser.add_argument("--seeds", type=int, default=3, help="fidelity: sequences compared")
-    parser.add_argument("--quantize", default="int8", choices=("int8", "none"))
+    parser.add_argument("--quantize", default="int8", choices=("int8", "int4", "none"))
     parser.add_argument(
         "--int8-product",
         default="auto",
@@ -478,7 +482,12 @@ def main(argv: list[str] | None = None) -> int:
             )
         else:
             result = phase_fidelity(
-                args.model_dir, args.steps, args.seeds, args.int8_product, args.kv_cache_dtype
+                args.model_dir,
+                args.steps,
+                args.seeds,
+                args.int8_product,
+                args.kv_cache_dtype,
+                "int8" if args.quantize == "none" else args.quantize,
             )
         print(json.dumps(result))
         return 0
@@ -498,7 +507,11 @@ def main(argv: list[str] | None = None) -> int:
         "ours", args, ["--quantize", args.quantize, "--rounds", str(args.rounds), *product]
     )
     if not args.no_fidelity:
-        data["fidelity"] = run_child("fidelity", args, ["--seeds", str(args.seeds), *product])
+        data["fidelity"] = run_child(
+            "fidelity",
+            args,
+            ["--seeds", str(args.seeds), "--quantize", args.quantize, *product],
+        )
     print(json.dumps(data, indent=1) if args.json else report(data))
     return 0
 

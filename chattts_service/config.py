@@ -25,7 +25,7 @@ class SettingsError(ValueError):
 
 # the values of CHATTTS_QUANTIZE, CHATTTS_KERNELS and CHATTTS_INT8_PRODUCT; quantize.py and
 # kernels.py take them from here (this module must not import torch)
-QUANTIZATIONS = ("int8", "none")
+QUANTIZATIONS = ("int8", "int4", "none")
 KERNEL_MODES = ("auto", "on", "off")
 INT8_PRODUCTS = ("auto", "vnni", "avx2")
 KERNEL_TUNINGS = ("measure", "table", "default")
@@ -162,7 +162,8 @@ class Settings:
     quantize: str = _env_field(
         "QUANTIZE",
         "int8",
-        "GPT linear layers: int8 (per-row activation scales) or none (fp32)",
+        "GPT linear layers: int8 (per-row activation scales), int4 (4-bit weights, a scale per "
+        "64 inputs; needs the C++ kernels; opt-in, check its fidelity first) or none (fp32)",
         choices=QUANTIZATIONS,
     )
     kernels: str = _env_field(

@@ -179,13 +179,16 @@ def test_fp32_mode_runs_and_is_deterministic(tiny_model_dir):
         fp32.close()
 
 
-@pytest.mark.parametrize("int8_product,kv_cache_dtype", [("avx2", "bf16"), ("auto", "int8")])
+@pytest.mark.parametrize(
+    "int8_product,kv_cache_dtype,quantize",
+    [("avx2", "bf16", "int8"), ("auto", "int8", "int8"), ("auto", "bf16", "int4")],
+)
 def test_other_kernel_settings_serve_and_keep_rows_independent(
-    tiny_model_dir, int8_product, kv_cache_dtype
+    tiny_model_dir, int8_product, kv_cache_dtype, quantize
 ):
     """CHATTTS_INT8_PRODUCT=avx2 (what CPUs without AVX512-VNNI run, on any CPU with the
-    kernels) and CHATTTS_KV_CACHE_DTYPE=int8: a request gives the same audio alone and batched
-    with others."""
+    kernels), CHATTTS_KV_CACHE_DTYPE=int8 and CHATTTS_QUANTIZE=int4: a request gives the same
+    audio alone and batched with others."""
     avx2 = Engine(
         Settings.from_env(
             {},
@@ -196,12 +199,17 @@ def test_other_kernel_settings_serve_and_keep_rows_independent(
             kernels="on",
             int8_product=int8_product,
             kv_cache_dtype=kv_cache_dtype,
+            quantize=quantize,
         )
     )
     avx2.load()
     try:
         if int8_product == "avx2":
             assert avx2.gpt_linear_kernel == "avx2"
+        if quantize == "int4":  # 4-bit layers, gathered into one call a step; int8 heads
+            assert avx2.gpt_linear_kernel == "int4" and "/gpt-int4/" in avx2.identity
+            assert avx2.model.transformer.decode_layers is not None
+            assert avx2.model.heads.code_head.kernel in ("avx2", "vnni")
         assert avx2.kv_cache_dtype == kv_cache_dtype and f"/kv-{kv_cache_dtype}" in avx2.identity
         requests = [
             SynthesisRequest("第一句话", 41),

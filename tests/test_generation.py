@@ -145,8 +145,10 @@ def test_heads_give_each_row_the_same_logits_whatever_the_batch(quantization):
         assert torch.equal(heads.logits(hiddens[row : row + 1], "code")[0], together[row])
 
 
-@pytest.mark.parametrize("kernels", ["on", "off"])
-@pytest.mark.parametrize("quantization", ["none", "int8"])
+@pytest.mark.parametrize(
+    "quantization, kernels",
+    [("none", "on"), ("none", "off"), ("int8", "on"), ("int8", "off"), ("int4", "on")],
+)
 def test_lean_transformer_matches_transformers_llama(tiny_model_dir, quantization, kernels):
     llama = LlamaModel.from_pretrained(str(tiny_model_dir / "asset/gpt"))
     torch.manual_seed(0)
@@ -162,19 +164,21 @@ def test_lean_transformer_matches_transformers_llama(tiny_model_dir, quantizatio
     for index in range(4):
         outputs.append(lean.step(steps[index : index + 1], [cache], [12 + index])[0])
     # fp32 throughout: rounding only; the kernels keep the KV cache in bf16 (full-size model:
-    # ~6e-4 relative); int8 products: quantisation error
-    tolerance = 0.05 if quantization == "int8" else 1e-3 if kernels == "on" else 1e-5
+    # ~6e-4 relative); int8 and int4 products: quantisation error
+    tolerance = {"int8": 0.05, "int4": 0.05}.get(quantization, 1e-3 if kernels == "on" else 1e-5)
     for position, output in zip(range(11, 16), outputs):
         error = (output - reference[position]).norm() / reference[position].norm()
         assert error < tolerance, (position, float(error))
 
 
-@pytest.mark.parametrize("kernels", ["on", "off"])
-def test_int8_rows_are_exactly_independent_of_their_batch(tiny_model_dir, kernels):
+@pytest.mark.parametrize("quantization, kernels", [("int8", "on"), ("int8", "off"), ("int4", "on")])
+def test_quantized_rows_are_exactly_independent_of_their_batch(
+    tiny_model_dir, quantization, kernels
+):
     llama = LlamaModel.from_pretrained(str(tiny_model_dir / "asset/gpt"))
     torch.manual_seed(1)
     hidden = llama.config.hidden_size
-    model = Transformer(llama, "int8", kernels)
+    model = Transformer(llama, quantization, kernels)
     prompt = torch.randn(9, hidden)
     caches = [model.new_cache() for _ in range(4)]
     model.prefill(prompt, caches[0])
@@ -193,16 +197,19 @@ def _int8_products():
     return ["avx2", "vnni"] if cpp_kernels.cpu_supports(cpp_kernels.VNNI_CPU_FLAGS) else ["avx2"]
 
 
-@pytest.mark.parametrize("product", _int8_products())
+@pytest.mark.parametrize(
+    "quantization, product", [("int8", p) for p in _int8_products()] + [("int4", "auto")]
+)
 @pytest.mark.parametrize("kv_cache", ["bf16", "int8"])
 def test_one_call_through_every_layer_gives_the_layer_by_layer_bits(
-    tiny_model_dir, product, kv_cache
+    tiny_model_dir, quantization, product, kv_cache
 ):
     llama = LlamaModel.from_pretrained(str(tiny_model_dir / "asset/gpt"))
     torch.manual_seed(2)
     hidden = llama.config.hidden_size
-    model = Transformer(llama, "int8", "on", product, kv_cache)
-    assert model.decode_layers is not None and model.linear_kernel == product
+    model = Transformer(llama, quantization, "on", product, kv_cache)
+    expected = "int4" if quantization == "int4" else product
+    assert model.decode_layers is not None and model.linear_kernel == expected
     lengths = [9, 30, 0, 4]
     pairs = []
     for length in lengths:
@@ -248,9 +255,11 @@ def test_the_gathered_layers_refuse_what_does_not_fit(tiny_model_dir):
         model.decode_layers(
             torch.randn(1, hidden), cpp_kernels.StepRows([cache], [model.max_positions])
         )
-    # without int8 products everywhere there is nothing to gather: one call per layer
+    # without the kernels' products everywhere there is nothing to gather: one call per layer
     assert Transformer(llama, "none", "on").decode_layers is None
     assert Transformer(llama, "int8", "off").decode_layers is None
+    with pytest.raises(ValueError, match="int4 needs the C"):
+        Transformer(llama, "int4", "off")
 
 
 @pytest.mark.parametrize("kernels", [None, CPP], ids=["torch", "kernels"])

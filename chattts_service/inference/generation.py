@@ -48,6 +48,8 @@ class Heads:
             )  # [4, 626, D]
             self.text_embeddings = embed.emb_text.weight.detach().float()
             # weight_norm recomputes g * v / |v| on every call upstream; here it is done once
+            # int4 is for the GPT's layers: the heads (1% of the weights) stay int8
+            quantization = "int8" if quantization == "int4" else quantization
             self.code_head = make_linear(
                 torch.cat([head.weight.detach().float() for head in embed.head_code]),
                 quantization,

@@ -31,6 +31,7 @@ import warnings
 import torch
 
 from chattts_service.config import QUANTIZATIONS
+from chattts_service.kernels import int4
 from chattts_service.kernels.bindings import Int8Packing
 from chattts_service.runtime.cpu import cpu_flags
 
@@ -158,6 +159,39 @@ class KernelInt8Linear:
         ).reshape(*gate_up.shape[:-1], self.out_features)
 
 
+class KernelInt4Linear:
+    """``y = x @ W.T`` with the C++ kernels' int4 product (``kernels/int4.py``, opt-in): the
+    same calls as ``KernelInt8Linear`` (norm, SwiGLU and residual fused), on 4-bit weights
+    with a scale per group of inputs."""
+
+    kernel = "int4"
+    rows_independent = True
+
+    def __init__(self, weight: torch.Tensor, kernels):
+        group = next((g for g in (int4.GROUP, 32, 16, 8) if weight.shape[1] % g == 0), None)
+        if group is None:
+            raise ValueError(f"int4 needs in_features divisible by 8, not {weight.shape[1]}")
+        self.packing = int4.Int4Packing(weight, group)
+        self.out_features, self.in_features = self.packing.out_features, self.packing.in_features
+        self.kernels = kernels
+
+    @property
+    def nbytes(self) -> int:
+        return self.packing.nbytes
+
+    def __call__(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        out = int4.int4_linear(self.kernels, x, self.packing, residual=residual)
+        return out.reshape(*x.shape[:-1], self.out_features)
+
+    def normed(self, x: torch.Tensor, gain: torch.Tensor, eps: float) -> torch.Tensor:
+        out = int4.int4_linear(self.kernels, x, self.packing, gain, eps)
+        return out.reshape(*x.shape[:-1], self.out_features)
+
+    def swiglu(self, gate_up: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        out = int4.int4_linear(self.kernels, gate_up, self.packing, residual=residual, swiglu=True)
+        return out.reshape(*gate_up.shape[:-1], self.out_features)
+
+
 class MatmulInt8Linear:
     """``y = x @ W.T`` with ``torch._int_mm``: W as int8 rows plus per-row scales."""
 
@@ -206,11 +240,15 @@ class FloatLinear:
 
 def make_linear(weight: torch.Tensor, quantization: str, kernels=None):
     """The linear layer for ``quantization``. int8: the C++ ``kernels``' product where they
-    are loaded, else fbgemm, else ``_int_mm`` (no fbgemm: ARM)."""
+    are loaded, else fbgemm, else ``_int_mm`` (no fbgemm: ARM). int4: the kernels' only."""
     if quantization == "int8":
         if kernels is not None and weight.shape[1] % 4 == 0:
             return KernelInt8Linear(weight, kernels)
         return PackedInt8Linear(weight, kernels) if fbgemm_available() else MatmulInt8Linear(weight)
+    if quantization == "int4":
+        if kernels is None:
+            raise ValueError("CHATTTS_QUANTIZE=int4 needs the C++ kernels (CHATTTS_KERNELS)")
+        return KernelInt4Linear(weight, kernels)
     if quantization == "none":
         return FloatLinear(weight)
     raise ValueError(f"quantization must be one of {QUANTIZATIONS}, not {quantization!r}")

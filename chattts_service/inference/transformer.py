@@ -20,12 +20,13 @@ import torch.nn.functional as F
 
 from chattts_service.config import KV_CACHE_DTYPES
 from chattts_service.inference.gpt_weights import GptWeights, rotary_table
-from chattts_service.inference.quantize import KernelInt8Linear, make_linear
+from chattts_service.inference.quantize import KernelInt4Linear, KernelInt8Linear, make_linear
 from chattts_service.kernels import bindings as cpp_kernels
 from chattts_service.kernels.layers import DecodeLayers
 
 CAPACITY_CHUNK = 256
 CACHE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "int8": torch.int8}
+KERNEL_LINEARS = (KernelInt8Linear, KernelInt4Linear)  # the C++ kernels' own products
 
 
 class RMSNorm:
@@ -44,7 +45,7 @@ class Layer:
         self.qkv, self.out, self.gate_up, self.down = qkv, out, gate_up, down
         # the C++ int8 layers add the residual and do SwiGLU in their own call
         self.fused_epilogue = all(
-            isinstance(linear, KernelInt8Linear) for linear in (self.out, self.down)
+            isinstance(linear, KERNEL_LINEARS) for linear in (self.out, self.down)
         )
         self.attention_norm, self.mlp_norm = attention_norm, mlp_norm
 
@@ -217,11 +218,11 @@ class Transformer:
 
     def _gather_layers(self) -> DecodeLayers | None:
         """Every layer in one C++ call a decode step, where the kernels multiply every
-        projection in int8 (else None: one call per layer from Python)."""
+        projection (int8 or int4; else None: one call per layer from Python)."""
         linears = [(layer.qkv, layer.out, layer.gate_up, layer.down) for layer in self.layers]
         norms = [(layer.attention_norm, layer.mlp_norm) for layer in self.layers]
         if self.kernels is None or not all(
-            isinstance(linear, KernelInt8Linear) for group in linears for linear in group
+            isinstance(linear, KERNEL_LINEARS) for group in linears for linear in group
         ):
             return None
         if len({norm.eps for pair in norms for norm in pair}) != 1:
@@ -264,7 +265,7 @@ class Transformer:
 
     @property
     def linear_kernel(self) -> str:
-        """What multiplies the linear layers: vnni, avx2, fbgemm, int_mm or fp32."""
+        """What multiplies the linear layers: vnni, avx2, int4, fbgemm, int_mm or fp32."""
         return self.layers[0].qkv.kernel
 
     def _normed(self, norm: RMSNorm, linear, x: torch.Tensor) -> torch.Tensor:

@@ -92,6 +92,10 @@ class LinearWeights(ctypes.Structure):
         ("weight_scale", _ptr),
         ("n", _i64),
         ("k", _i64),
+        ("group", _i64),
+        ("bits", _i32),
+        ("levels", _i32),
+        ("product", _i32),
     ]
 
 
@@ -116,8 +120,6 @@ class DecodeLayersArgs(ctypes.Structure):
         ("layer_count", _i64),
         ("eps", _f32),
         ("scale", _f32),
-        ("levels", _i32),
-        ("product", _i32),
         ("threads", _i32),
         ("tuning", Tuning),
         ("layers", _ptr),
@@ -131,6 +133,29 @@ class DecodeLayersArgs(ctypes.Structure):
         ("lengths", _ptr),
         ("cos", _ptr),
         ("sin", _ptr),
+    ]
+
+
+class Int4LinearArgs(ctypes.Structure):
+    _fields_ = [
+        ("rows", _i64),
+        ("n", _i64),
+        ("k", _i64),
+        ("group", _i64),
+        ("x", _ptr),
+        ("x_row_stride", _i64),
+        ("gain", _ptr),
+        ("eps", _f32),
+        ("swiglu", _i32),
+        ("packed", _ptr),
+        ("scales", _ptr),
+        ("residual", _ptr),
+        ("residual_stride", _i64),
+        ("out", _ptr),
+        ("out_stride", _i64),
+        ("levels", _i32),
+        ("threads", _i32),
+        ("tuning", Tuning),
     ]
 
 
@@ -160,6 +185,7 @@ STRUCTS = {
     3: SampleArgs,
     4: DecodeLayersArgs,
     5: LayerWeights,
+    6: Int4LinearArgs,
 }
 
 
@@ -181,6 +207,7 @@ def declare(library: ctypes.CDLL) -> None:
         ("chatts_int8_linear", Int8LinearArgs, _i32),
         ("chatts_sample", SampleArgs, _i32),
         ("chatts_decode_layers", DecodeLayersArgs, _i32),
+        ("chatts_int4_linear", Int4LinearArgs, _i32),
     ):
         function = getattr(library, name)
         function.restype = result

@@ -15,17 +15,36 @@ import ctypes
 import torch
 
 from chattts_service.kernels import abi
-from chattts_service.kernels.bindings import INT8_INSTRUCTIONS, Int8Packing, Kernels, StepRows
+from chattts_service.kernels.bindings import INT8_INSTRUCTIONS, Kernels, StepRows
+from chattts_service.kernels.int4 import Int4Packing
 
 
-def _linear(packing: Int8Packing) -> abi.LinearWeights:
+def _linear(packing) -> abi.LinearWeights:
+    """An ``Int8Packing`` or an ``Int4Packing`` as the C step reads it."""
+    if isinstance(packing, Int4Packing):
+        return abi.LinearWeights(
+            packed=packing.packed.data_ptr(),
+            offsets=None,
+            weight_scale=packing.scales.data_ptr(),
+            n=packing.out_features,
+            k=packing.in_features,
+            group=packing.group,
+            bits=4,
+            levels=packing.levels,
+            product=0,
+        )
     packed, offsets, weight_scale = packing.pointers
+    product, levels = INT8_INSTRUCTIONS[packing.instructions]
     return abi.LinearWeights(
         packed=packed,
         offsets=offsets,
         weight_scale=weight_scale,
         n=packing.out_features,
         k=packing.in_features,
+        group=0,
+        bits=8,
+        levels=levels,
+        product=product,
     )
 
 
@@ -36,17 +55,16 @@ def _gain(gain: torch.Tensor, width: int) -> torch.Tensor:
 
 
 class DecodeLayers:
-    """The layers' int8 packings and norm gains, checked and gathered for one call a step.
+    """The layers' packings and norm gains, checked and gathered for one call a step.
 
-    ``layers``: per layer (qkv, out, gate_up, down packings, attention gain, mlp gain), all
-    packed for the same product; ``rotary``: the (cos, sin) tables [positions, head_dim]."""
+    ``layers``: per layer (qkv, out, gate_up, down packings: ``Int8Packing`` or
+    ``Int4Packing``, attention gain, mlp gain); ``rotary``: the (cos, sin) tables
+    [positions, head_dim]."""
 
     def __init__(
         self,
         kernels: Kernels,
-        layers: list[
-            tuple[Int8Packing, Int8Packing, Int8Packing, Int8Packing, torch.Tensor, torch.Tensor]
-        ],
+        layers: list[tuple],
         heads: int,
         head_dim: int,
         eps: float,
@@ -61,10 +79,7 @@ class DecodeLayers:
         qkv, _, gate_up, _, _, _ = layers[0]
         self.intermediate = gate_up.out_features // 2
         instructions = {packing.instructions for layer in layers for packing in layer[:4]}
-        if len(instructions) != 1:
-            raise ValueError("the layers' int8 packings are for different products")
-        self.instructions = instructions.pop()
-        self.product, self.levels = INT8_INSTRUCTIONS[self.instructions]
+        self.instructions = "/".join(sorted(instructions))
         hidden, intermediate = self.hidden, self.intermediate
         shapes = (
             (3 * hidden, hidden),
@@ -127,8 +142,6 @@ class DecodeLayers:
             layer_count=len(self),
             eps=self.eps,
             scale=self.scale,
-            levels=self.levels,
-            product=self.product,
             threads=torch.get_num_threads(),
             tuning=kernels.tuning,
             layers=ctypes.addressof(self.weights),

@@ -27,9 +27,33 @@ struct StepScratch {
 int32_t project(const ChattsDecodeLayersArgs& a, const ChattsLinearWeights& w, const float* x,
                 int64_t x_stride, const float* gain, int swiglu, const float* residual,
                 float* out) {
-    return int8_linear(a.rows, w.n, w.k, x, x_stride, gain, a.eps, swiglu, w.packed, w.offsets,
-                       w.weight_scale, residual, residual == nullptr ? 0 : w.n, out, w.n,
-                       a.levels, a.product, a.threads, a.tuning);
+    const int64_t residual_stride = residual == nullptr ? 0 : w.n;
+    if (w.bits == 4) {
+        ChattsInt4LinearArgs args{};
+        args.rows = a.rows;
+        args.n = w.n;
+        args.k = w.k;
+        args.group = w.group;
+        args.x = x;
+        args.x_row_stride = x_stride;
+        args.gain = gain;
+        args.eps = a.eps;
+        args.swiglu = swiglu;
+        args.packed = static_cast<const uint8_t*>(w.packed);
+        args.scales = w.weight_scale;
+        args.residual = residual;
+        args.residual_stride = residual_stride;
+        args.out = out;
+        args.out_stride = w.n;
+        args.levels = w.levels;
+        args.threads = a.threads;
+        args.tuning = a.tuning;
+        return int4_linear(args);
+    }
+    if (w.bits != 8) return CHATTS_UNKNOWN_PRODUCT;
+    return int8_linear(a.rows, w.n, w.k, x, x_stride, gain, a.eps, swiglu,
+                       static_cast<const int8_t*>(w.packed), w.offsets, w.weight_scale, residual,
+                       residual_stride, out, w.n, w.levels, w.product, a.threads, a.tuning);
 }
 
 }  // namespace

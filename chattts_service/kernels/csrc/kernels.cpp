@@ -10,6 +10,7 @@
 #include "attention.cpp"
 #include "rms_norm.cpp"
 #include "int8_linear.cpp"
+#include "int4_linear.cpp"
 #include "sample.cpp"
 #include "decode_layers.cpp"
 #include "abi.cpp"

@@ -22,6 +22,7 @@ enum ChattsStatus : int32_t {
     CHATTS_UNKNOWN_PRODUCT = 6,        // int8 linear: not one of ChattsProduct
     CHATTS_BAD_SAMPLING = 7,           // sample: empty vocabulary or min_keep < 1
     CHATTS_BAD_TUNING = 8,             // int8 linear: prefetch distance or hint out of range
+    CHATTS_BAD_GROUP = 9,              // int4 linear: group not 8..64 in 8s, or not dividing k
 };
 
 // The int8 product's instructions.
@@ -90,10 +91,14 @@ struct ChattsInt8LinearArgs {
 // One GPT layer's weights for chatts_decode_layers: its two RMSNorm gains and its four int8
 // projections as Int8Packing lays them out (q/k/v fused; gate/up fused).
 struct ChattsLinearWeights {
-    const int8_t* packed;
-    const int32_t* offsets;
-    const float* weight_scale;
+    const void* packed;              // int8 (Int8Packing) or nibbles (Int4Packing)
+    const int32_t* offsets;          // int8: as chatts_int8_linear takes them; int4: NULL
+    const float* weight_scale;       // int8: per channel; int4: per group ([blocks, groups, 16])
     int64_t n, k;                    // out_features, in_features
+    int64_t group;                   // int4: inputs a scale covers; int8: 0
+    int32_t bits;                    // 8 or 4
+    int32_t levels;                  // the activations' levels either side of zero
+    int32_t product;                 // int8: a ChattsProduct (int4 is AVX2 only)
 };
 
 struct ChattsLayerWeights {
@@ -109,7 +114,7 @@ struct ChattsLayerWeights {
 struct ChattsDecodeLayersArgs {
     int64_t rows, hidden, heads, dim, intermediate, layer_count;
     float eps, scale;
-    int32_t levels, product, threads;
+    int32_t threads;
     ChattsTuning tuning;
     const ChattsLayerWeights* layers;  // [layer_count]
     float* x;                        // [rows, hidden]: the new tokens in, the last layer's out
@@ -122,6 +127,25 @@ struct ChattsDecodeLayersArgs {
     const int64_t* lengths;
     const float* cos;
     const float* sin;
+};
+
+// The int4 product (csrc/int4_linear.cpp): x as chatts_int8_linear takes it.
+struct ChattsInt4LinearArgs {
+    int64_t rows, n, k, group;
+    const float* x;
+    int64_t x_row_stride;
+    const float* gain;
+    float eps;
+    int32_t swiglu;
+    const uint8_t* packed;           // the weights as Int4Packing lays them out
+    const float* scales;             // [blocks, k / group, 16]: each group's scale / levels
+    const float* residual;
+    int64_t residual_stride;
+    float* out;
+    int64_t out_stride;
+    int32_t levels;                  // the activations' levels either side of zero (<= 63)
+    int32_t threads;
+    ChattsTuning tuning;
 };
 
 struct ChattsSampleArgs {
@@ -146,6 +170,7 @@ enum ChattsArgsKind : int32_t {
     CHATTS_ARGS_SAMPLE = 3,
     CHATTS_ARGS_DECODE_LAYERS = 4,
     CHATTS_ARGS_LAYER_WEIGHTS = 5,
+    CHATTS_ARGS_INT4_LINEAR = 6,
 };
 
 extern "C" {
@@ -157,4 +182,5 @@ void chatts_rms_norm_unit_rows(const ChattsRmsNormArgs* args);
 int32_t chatts_int8_linear(const ChattsInt8LinearArgs* args);
 int32_t chatts_sample(const ChattsSampleArgs* args);
 int32_t chatts_decode_layers(const ChattsDecodeLayersArgs* args);
+int32_t chatts_int4_linear(const ChattsInt4LinearArgs* args);
 }

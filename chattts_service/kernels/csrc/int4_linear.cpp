@@ -1,0 +1,164 @@
+// chatts_int4_linear: the int8 linear's product on 4-bit weights with a scale per group of
+// input features (CHATTTS_QUANTIZE=int4, opt-in): half the bytes a decode step reads.
+//
+// Weights: each output channel's inputs in groups of `group` (a multiple of 8, at most 64),
+// each group symmetric in [-7, 7] with its own float scale; kept as nibbles q + 8 in blocks of
+// 16 channels: packed[block][k / 8][channel][4], the low nibble of byte [c][j] the weight of
+// input 8p + j, the high nibble that of input 8p + 4 + j. Activations: quantized per row as the
+// AVX2 int8 product quantizes them (63 levels a side), kept signed. vpmaddubsw multiplies the
+// unsigned nibbles by the signed levels and adds pairs into int16: (q + 8) * a, at most
+// 2 * 15 * 63 = 1890 a pair, so a whole group of 64 adds up in int16 without saturating
+// (30240); one vpmaddwd by ones a group widens it, and 8 * (the group's sum of levels, once
+// per row) takes the + 8 off again. Each group's exact integer sum, converted to float, is
+// multiplied by the group's scale (which holds 1/levels) and added to the row's float sum in
+// group order; the row's largest magnitude multiplies the total. The order depends on nothing
+// but k: a row's result never depends on its batch, and a plain float reference (tests) gives
+// the same bits.
+//
+// AVX2 only: CPUs with AVX512-VNNI run it too (a VNNI variant is not written yet).
+
+namespace {
+
+constexpr int kInt4Zero = 8;  // nibble = q + 8
+constexpr int64_t kInt4MaxGroup = 64;
+
+// ROWS (1 or 2) rows of one block of 16 channels: 2 * ROWS int16 sums within a group and
+// 2 * ROWS float sums across groups stay in registers.
+template <int ROWS, int HINT>
+__attribute__((target("avx2,fma"),
+               optimize("no-associative-math", "signed-zeros", "trapping-math",
+                        "fp-contract=off")))
+void int4_block_avx2(int64_t k, int64_t group, const int8_t* xs, int64_t x_stride,
+                     const int32_t* level_sums, int64_t sums_stride, const uint8_t* block,
+                     const float* scales, const float* row_max, const float* residual,
+                     int64_t residual_stride, float* out, int64_t out_stride, int valid,
+                     uintptr_t weights_end, int64_t prefetch_bytes) {
+    const __m256i ones = _mm256_set1_epi16(1), nibble = _mm256_set1_epi8(0x0F);
+    __m256 f0 = _mm256_setzero_ps(), f1 = f0, g0 = f0, g1 = f0;  // rows 0, 1: channels 0-7, 8-15
+    const uint8_t* w = block;
+    for (int64_t start = 0, index = 0; start < k; start += group, ++index) {
+        __m256i s0 = _mm256_setzero_si256(), s1 = s0, t0 = s0, t1 = s0;
+        for (int64_t i = start; i < start + group; i += 8, w += 64) {
+            const uintptr_t ahead = reinterpret_cast<uintptr_t>(w) + prefetch_bytes;
+            if (prefetch_bytes > 0 && ahead < weights_end) prefetch_weights<HINT>(ahead);
+            const __m256i low = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w));
+            const __m256i high = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + 32));
+            // channels 0-7 and 8-15 of inputs i..i+3 (low nibbles), then of i+4..i+7 (high)
+            const __m256i w0 = _mm256_and_si256(low, nibble);
+            const __m256i w1 = _mm256_and_si256(high, nibble);
+            const __m256i w2 = _mm256_and_si256(_mm256_srli_epi16(low, 4), nibble);
+            const __m256i w3 = _mm256_and_si256(_mm256_srli_epi16(high, 4), nibble);
+#define CHATTS_ROW(R, S, T)                                                               \
+            if constexpr (ROWS > R) {                                                     \
+                int32_t first, second;                                                    \
+                std::memcpy(&first, xs + R * x_stride + i, 4);                            \
+                std::memcpy(&second, xs + R * x_stride + i + 4, 4);                      \
+                const __m256i x0 = _mm256_set1_epi32(first), x1 = _mm256_set1_epi32(second); \
+                S = _mm256_add_epi16(S, _mm256_add_epi16(_mm256_maddubs_epi16(w0, x0),    \
+                                                         _mm256_maddubs_epi16(w2, x1)));  \
+                T = _mm256_add_epi16(T, _mm256_add_epi16(_mm256_maddubs_epi16(w1, x0),    \
+                                                         _mm256_maddubs_epi16(w3, x1)));  \
+            }
+            CHATTS_ROW(0, s0, t0) CHATTS_ROW(1, s1, t1)
+#undef CHATTS_ROW
+        }
+        const __m256 scale_low = _mm256_loadu_ps(scales + index * 16);
+        const __m256 scale_high = _mm256_loadu_ps(scales + index * 16 + 8);
+#define CHATTS_GROUP(R, S, T, F, G)                                                       \
+        if constexpr (ROWS > R) {                                                         \
+            const __m256i shift = _mm256_set1_epi32(kInt4Zero * level_sums[R * sums_stride + index]); \
+            const __m256i low_sum = _mm256_sub_epi32(_mm256_madd_epi16(S, ones), shift);  \
+            const __m256i high_sum = _mm256_sub_epi32(_mm256_madd_epi16(T, ones), shift); \
+            F = _mm256_add_ps(F, _mm256_mul_ps(_mm256_cvtepi32_ps(low_sum), scale_low));  \
+            G = _mm256_add_ps(G, _mm256_mul_ps(_mm256_cvtepi32_ps(high_sum), scale_high)); \
+        }
+        CHATTS_GROUP(0, s0, t0, f0, g0) CHATTS_GROUP(1, s1, t1, f1, g1)
+#undef CHATTS_GROUP
+    }
+    const __m256 sums[2][2] = {{f0, g0}, {f1, g1}};
+    const __m256i lanes = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+    for (int half = 0; half < 2; ++half) {
+        const int channels = valid - 8 * half;
+        if (channels <= 0) break;
+        const __m256i mask = _mm256_cmpgt_epi32(_mm256_set1_epi32(channels), lanes);
+        for (int r = 0; r < ROWS; ++r) {
+            __m256 result = _mm256_mul_ps(sums[r][half], _mm256_set1_ps(row_max[r]));
+            if (residual != nullptr)  // added after the product is rounded, as torch adds
+                result = _mm256_add_ps(
+                    _mm256_maskload_ps(residual + r * residual_stride + 8 * half, mask), result);
+            _mm256_maskstore_ps(out + r * out_stride + 8 * half, mask, result);
+        }
+    }
+}
+
+using Int4BlockFunction = void (*)(int64_t, int64_t, const int8_t*, int64_t, const int32_t*,
+                                   int64_t, const uint8_t*, const float*, const float*,
+                                   const float*, int64_t, float*, int64_t, int, uintptr_t,
+                                   int64_t);
+template <int HINT>
+constexpr Int4BlockFunction kInt4BlockFunctions[3] = {nullptr, int4_block_avx2<1, HINT>,
+                                                      int4_block_avx2<2, HINT>};
+
+}  // namespace
+
+// out[rows, n] = the rows of x (RMSNorm-ed with `gain`, or silu(gate) * up with `swiglu`, as
+// chatts_int8_linear takes them) times the int4 weights, plus `residual`. `scales`:
+// [blocks, k / group, 16] floats, each group's scale divided by `levels`.
+static int32_t int4_linear(const ChattsInt4LinearArgs& a) {
+    const int64_t rows = a.rows, n = a.n, k = a.k, group = a.group;
+    if (group < 8 || group > kInt4MaxGroup || group % 8 != 0 || k % group != 0)
+        return CHATTS_BAD_GROUP;
+    if (!__builtin_cpu_supports("avx2")) return CHATTS_CPU_LACKS_PRODUCT;
+    if (a.levels < 1 || a.levels > 63) return CHATTS_TOO_MANY_LEVELS;
+    const ChattsTuning& tuning = a.tuning;
+    if (tuning.prefetch_groups < 0 || tuning.prefetch_groups > 256 || tuning.prefetch_hint < 0 ||
+        tuning.prefetch_hint > 1)
+        return CHATTS_BAD_TUNING;
+    const int64_t groups = k / group;
+    std::unique_ptr<uint8_t[]> xq(new uint8_t[rows * k]);
+    std::unique_ptr<int8_t[]> xs(new int8_t[rows * k]);
+    std::unique_ptr<int32_t[]> level_sums(new int32_t[rows * groups]);
+    std::unique_ptr<float[]> row_max(new float[rows]);
+    std::unique_ptr<float[]> products(a.swiglu ? new float[rows * k] : nullptr);
+#pragma omp parallel for num_threads(a.threads) schedule(static) if (rows > 1)
+    for (int64_t row = 0; row < rows; ++row) {
+        const float* values = a.x + row * a.x_row_stride;
+        if (a.swiglu) {
+            silu_times(values, values + k, k, products.get() + row * k);
+            values = products.get() + row * k;
+        }
+        uint8_t* quantized = xq.get() + row * k;
+        row_max[row] = quantize_row(values, k, a.gain, a.eps, a.levels, quantized);
+        int8_t* levels = xs.get() + row * k;
+        for (int64_t g = 0; g < groups; ++g) {
+            int32_t sum = 0;
+            for (int64_t i = g * group; i < (g + 1) * group; ++i) {
+                levels[i] = static_cast<int8_t>(static_cast<int32_t>(quantized[i]) - a.levels - 1);
+                sum += levels[i];
+            }
+            level_sums[row * groups + g] = sum;
+        }
+    }
+    const int64_t blocks = (n + 15) / 16, block_bytes = 8 * k;
+    const uintptr_t weights_end = reinterpret_cast<uintptr_t>(a.packed) + blocks * block_bytes;
+    const int64_t prefetch_bytes = static_cast<int64_t>(tuning.prefetch_groups) * 64;
+    const Int4BlockFunction* functions =
+        tuning.prefetch_hint == 1 ? kInt4BlockFunctions<1> : kInt4BlockFunctions<0>;
+#pragma omp parallel for num_threads(a.threads) schedule(static)
+    for (int64_t block = 0; block < blocks; ++block) {
+        const int valid = static_cast<int>(n - block * 16 < 16 ? n - block * 16 : 16);
+        for (int64_t first = 0; first < rows; first += 2) {
+            const int64_t count = rows - first < 2 ? rows - first : 2;
+            functions[count](
+                k, group, xs.get() + first * k, k, level_sums.get() + first * groups, groups,
+                a.packed + block * block_bytes, a.scales + block * groups * 16,
+                row_max.get() + first,
+                a.residual == nullptr ? nullptr : a.residual + first * a.residual_stride + block * 16,
+                a.residual_stride, a.out + first * a.out_stride + block * 16, a.out_stride, valid,
+                weights_end, prefetch_bytes);
+        }
+    }
+    return CHATTS_OK;
+}
+
+extern "C" int32_t chatts_int4_linear(const ChattsInt4LinearArgs* a) { return int4_linear(*a); }

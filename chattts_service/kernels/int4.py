@@ -1,0 +1,123 @@
+"""4-bit weights with a scale per group of inputs, for the C++ int4 product (opt-in).
+
+``CHATTTS_QUANTIZE=int4`` halves the bytes a decode step reads (a step at batch 1 is bound by
+reading the weights): each output channel's inputs in groups of ``GROUP``, each group rounded
+to [-7, 7] times its own scale (its largest magnitude / 7). The activations are quantized per
+row as the AVX2 int8 product quantizes them (63 levels a side); see ``csrc/int4_linear.cpp``
+for the product and why its integer sums are exact. Fidelity against fp32 is measured by
+``benchmarks/engine.py --quantize int4``; the default stays int8.
+"""
+
+from __future__ import annotations
+
+import ctypes
+
+import torch
+
+from chattts_service.kernels import abi
+from chattts_service.kernels.bindings import Kernels, _check_gain, _float_rows
+
+GROUP = 64  # inputs a scale covers (the kernel takes 8..64 in steps of 8)
+LEVELS = 63  # the activations' levels either side of zero, as the AVX2 int8 product's
+MAX_Q = 7
+
+
+class Int4Packing:
+    """``weight`` [out, in] float quantized to 4 bits per group of ``group`` inputs, laid out
+    as ``chatts_int4_linear`` reads it: blocks of 16 output channels (zero channels pad the
+    last), per 8 inputs 64 bytes of nibbles q + 8 (the low nibble of byte [channel][j] for
+    input j, the high one for input 4 + j); the scales [blocks, in / group, 16] divided by the
+    activations' levels."""
+
+    instructions = "avx2"
+    levels = LEVELS
+
+    def __init__(self, weight: torch.Tensor, group: int = GROUP):
+        weight = weight.detach().float()
+        self.out_features, self.in_features = weight.shape
+        if group % 8 or not 8 <= group <= 64 or self.in_features % group:
+            raise ValueError(
+                f"int4 groups of {group} inputs: need 8..64 in steps of 8, dividing "
+                f"in_features ({self.in_features})"
+            )
+        self.group = group
+        padded = -self.out_features % 16
+        weight = torch.cat([weight, weight.new_zeros(padded, self.in_features)])
+        rows, groups = weight.shape[0], self.in_features // group
+        grouped = weight.view(rows, groups, group)
+        largest = grouped.abs().amax(dim=2)
+        scale = largest / MAX_Q
+        safe = torch.where(scale > 0, scale, torch.ones_like(scale))
+        self.q = torch.round(grouped / safe[..., None]).clamp(-MAX_Q, MAX_Q).to(torch.int8)
+        self.q = self.q.view(rows, self.in_features)  # [rows, in]: tests and fidelity read it
+        self.scale = scale  # [rows, groups]
+        blocks = rows // 16
+        nibbles = (self.q + 8).to(torch.uint8).view(blocks, 16, self.in_features // 8, 2, 4)
+        self.packed = (
+            (nibbles[:, :, :, 0] | (nibbles[:, :, :, 1] << 4)).transpose(1, 2).contiguous()
+        )  # [blocks, in / 8, 16, 4]
+        # each group's scale times the activations' scale (1/levels), as the kernel multiplies
+        self.scales = (
+            (torch.tensor(1 / LEVELS, dtype=torch.float32) * scale)
+            .view(blocks, 16, groups)
+            .transpose(1, 2)
+            .contiguous()
+        )  # [blocks, groups, 16]
+
+    @property
+    def nbytes(self) -> int:
+        return self.packed.numel() + self.scales.numel() * 4
+
+    def dequantized(self) -> torch.Tensor:
+        """The weights the packing stands for, [out, in] float32."""
+        rows = self.q.shape[0]
+        values = self.q.view(rows, -1, self.group).float() * self.scale[..., None]
+        return values.view(rows, self.in_features)[: self.out_features]
+
+
+def int4_linear(
+    kernels: Kernels,
+    x: torch.Tensor,
+    packing: Int4Packing,
+    gain: torch.Tensor | None = None,
+    eps: float = 0.0,
+    residual: torch.Tensor | None = None,
+    swiglu: bool = False,
+) -> torch.Tensor:
+    """``Kernels.int8_linear``'s contract on an ``Int4Packing``: [count, out_features]."""
+    rows = _float_rows(x)
+    if gain is not None:
+        _check_gain(gain, rows.shape[1])
+    count, width = rows.shape
+    k = packing.in_features
+    if width != (2 * k if swiglu else k):
+        raise ValueError(f"rows of {width} values for a layer of {k} inputs")
+    residual_pointer, residual_stride = None, 0
+    if residual is not None:
+        residual = _float_rows(residual)
+        if residual.shape != (count, packing.out_features):
+            raise ValueError("residual must be [rows, out_features]")
+        residual_pointer, residual_stride = residual.data_ptr(), residual.stride(0)
+    out = torch.empty(count, packing.out_features)
+    arguments = abi.Int4LinearArgs(
+        rows=count,
+        n=packing.out_features,
+        k=k,
+        group=packing.group,
+        x=rows.data_ptr(),
+        x_row_stride=rows.stride(0),
+        gain=None if gain is None else gain.data_ptr(),
+        eps=eps,
+        swiglu=int(swiglu),
+        packed=packing.packed.data_ptr(),
+        scales=packing.scales.data_ptr(),
+        residual=residual_pointer,
+        residual_stride=residual_stride,
+        out=out.data_ptr(),
+        out_stride=packing.out_features,
+        levels=packing.levels,
+        threads=torch.get_num_threads(),
+        tuning=kernels.tuning,
+    )
+    kernels._check(kernels.library.chatts_int4_linear(ctypes.byref(arguments)), "int4")
+    return out
