@@ -165,4 +165,6 @@ def test_make_linear_picks_the_fastest_int8_kernel_present():
         assert make_linear(torch.randn(8, 6), "int8", CPP).kernel == linear.kernel
     assert make_linear(torch.randn(8, 8), "none").kernel == "fp32"
     with pytest.raises(ValueError, match="quantization must be one of"):
+        make_linear(torch.randn(8, 8), "int2")
+    with pytest.raises(ValueError, match="int4 needs the C"):  # int4 is the kernels' alone
         make_linear(torch.randn(8, 8), "int4")

@@ -15,7 +15,12 @@ import ctypes
 import torch
 
 from chattts_service.kernels import abi
-from chattts_service.kernels.bindings import INT8_INSTRUCTIONS, Kernels, StepRows
+from chattts_service.kernels.bindings import (
+    INT8_INSTRUCTIONS,
+    Kernels,
+    StepRows,
+    _check_gain,
+)
 from chattts_service.kernels.int4 import Int4Packing
 
 
@@ -48,12 +53,6 @@ def _linear(packing) -> abi.LinearWeights:
     )
 
 
-def _gain(gain: torch.Tensor, width: int) -> torch.Tensor:
-    if gain.dtype != torch.float32 or not gain.is_contiguous() or gain.numel() != width:
-        raise ValueError("a layer's norm gain must be a contiguous float32 vector")
-    return gain
-
-
 class DecodeLayers:
     """The layers' packings and norm gains, checked and gathered for one call a step.
 
@@ -76,8 +75,7 @@ class DecodeLayers:
         self.kernels = kernels
         self.heads, self.head_dim = heads, head_dim
         self.hidden = heads * head_dim
-        qkv, _, gate_up, _, _, _ = layers[0]
-        self.intermediate = gate_up.out_features // 2
+        self.intermediate = layers[0][2].out_features // 2  # gate_up: twice the MLP's width
         instructions = {packing.instructions for layer in layers for packing in layer[:4]}
         self.instructions = "/".join(sorted(instructions))
         hidden, intermediate = self.hidden, self.intermediate
@@ -96,7 +94,9 @@ class DecodeLayers:
                         f"layer {index}: a projection of {packing.out_features}x"
                         f"{packing.in_features}, not {shape[0]}x{shape[1]}"
                     )
-            gains = (_gain(attention_gain, hidden), _gain(mlp_gain, hidden))
+            for gain in (attention_gain, mlp_gain):
+                _check_gain(gain, hidden)
+            gains = (attention_gain, mlp_gain)
             self._held.append((packings, gains))
             self.weights[index] = abi.LayerWeights(
                 gains[0].data_ptr(), gains[1].data_ptr(), *(_linear(p) for p in packings)
