@@ -95,12 +95,16 @@ def phase_upstream(model_dir: Path, steps: int, requests: int) -> dict:
     return {"first_audio_seconds": [r[0] for r in runs], "total_seconds": [r[1] for r in runs]}
 
 
-def phase_ours(model_dir: Path, steps: int, requests: int, long_chars: int) -> dict:
+def phase_ours(
+    model_dir: Path, steps: int, requests: int, long_chars: int, quantize: str = "int8"
+) -> dict:
     from chattts_service.config import Settings
     from chattts_service.inference.engine import Engine
     from chattts_service.inference.types import SynthesisRequest
 
-    engine = Engine(Settings.from_env({}, model_dir=model_dir, verify_model=False))
+    engine = Engine(
+        Settings.from_env({}, model_dir=model_dir, verify_model=False, quantize=quantize)
+    )
     engine.load()
     engine.warm_up()
 
@@ -250,7 +254,7 @@ def _stages(engine, repeats: int) -> dict:
     return stages
 
 
-def phase_http(model_dir: Path, requests: int) -> dict:
+def phase_http(model_dir: Path, requests: int, quantize: str = "int8") -> dict:
     """First audio byte of a streamed request over HTTP from a real server on loopback."""
     import tempfile
 
@@ -259,7 +263,12 @@ def phase_http(model_dir: Path, requests: int) -> dict:
     from benchmarks.serverproc import Server
 
     with tempfile.TemporaryDirectory() as scratch:
-        server = Server(model_dir, Path(scratch) / "server.log", CHATTTS_CACHE_SIZE="0")
+        server = Server(
+            model_dir,
+            Path(scratch) / "server.log",
+            CHATTTS_CACHE_SIZE="0",
+            CHATTTS_QUANTIZE=quantize,
+        )
         try:
             server.wait_ready(timeout=600)
             firsts, totals, seconds_of_audio = [], [], []
@@ -394,6 +403,9 @@ def main() -> int:
     parser.add_argument("--max-seconds", type=int, default=1800)
     parser.add_argument("--json", action="store_true")
     parser.add_argument("--no-http", action="store_true", help="skip the HTTP first-audio run")
+    parser.add_argument(
+        "--quantize", default="int8", choices=("int8", "int4"), help="our GPT's quantization"
+    )
     parser.add_argument("--phase", choices=["upstream", "ours", "http"], help=argparse.SUPPRESS)
     args = parser.parse_args()
 
@@ -401,10 +413,16 @@ def main() -> int:
         print(json.dumps(phase_upstream(args.model_dir, args.steps, args.requests)))
         return 0
     if args.phase == "ours":
-        print(json.dumps(phase_ours(args.model_dir, args.steps, args.requests, args.long_chars)))
+        print(
+            json.dumps(
+                phase_ours(
+                    args.model_dir, args.steps, args.requests, args.long_chars, args.quantize
+                )
+            )
+        )
         return 0
     if args.phase == "http":
-        print(json.dumps(phase_http(args.model_dir, args.requests)))
+        print(json.dumps(phase_http(args.model_dir, args.requests, args.quantize)))
         return 0
 
     if args.model_dir is None:
@@ -413,10 +431,12 @@ def main() -> int:
         "steps": args.steps,
         "requests": args.requests,
         "upstream": run_child("upstream", args, []),
-        "ours": run_child("ours", args, ["--long-chars", str(args.long_chars)]),
+        "ours": run_child(
+            "ours", args, ["--long-chars", str(args.long_chars), "--quantize", args.quantize]
+        ),
     }
     if not args.no_http:
-        data["http"] = run_child("http", args, [])
+        data["http"] = run_child("http", args, ["--quantize", args.quantize])
     from chattts_service.runtime.cpu import cpu_model
 
     data["cpu"] = cpu_model()
