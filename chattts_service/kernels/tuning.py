@@ -39,7 +39,8 @@ log = logging.getLogger(__name__)
 HINTS = {"nta": 0, "t0": 1}
 MODES = ("measure", "table", "default")
 ROWS = (1, 8)  # a step alone, and a full batch
-BETTER_BY = 0.03  # a candidate replaces the default only when this much faster (noise)
+BETTER_BY = 0.05  # a candidate replaces the default only when this much faster: runs
+# on a shared 2-core machine differ by 3-5% between candidates that are the same
 FILE_VERSION = 1
 
 
