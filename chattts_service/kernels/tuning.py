@@ -144,7 +144,7 @@ def measure(kernels, packings, rounds: int = 5, candidates=CANDIDATES) -> tuple[
     report = {
         "ms_per_pass": {
             f"{candidate.prefetch_groups}/{candidate.prefetch_hint}": {
-                str(rows): round(seconds * 1000, 3) for rows, seconds in by_rows.items()
+                str(rows): seconds * 1000 for rows, seconds in by_rows.items()
             }
             for candidate, by_rows in medians.items()
         },
@@ -212,7 +212,7 @@ def choose(kernels, packings, mode: str, directory: Path | None) -> Choice:
     if mode not in MODES:
         raise ValueError(f"kernel tuning must be one of {MODES}, not {mode!r}")
     identity = cpu_identity()
-    if mode == "default" or not packings:
+    if mode == "default" or (mode == "measure" and not packings):  # int4: nothing to time
         choice = Choice(DEFAULT, "default")
     elif mode == "table":
         tuning = from_table(identity)
