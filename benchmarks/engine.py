@@ -186,6 +186,9 @@ def phase_ours(
     engine.load()
     engine.warm_up()
     ready_seconds = time.perf_counter() - started
+    # the bandwidth read before the runs and after them (its buffer freed before the peak RSS
+    # is reset): the floor takes the higher, so a slow moment never flatters the ratio
+    bandwidths = [measure_bandwidth()]
     ready_rss = rss_mb()
     reset_peak_rss()
 
@@ -223,7 +226,7 @@ def phase_ours(
             "audio_per_wall_second": concurrency * audio_seconds(steps) / wall,
         }
     engine.close()
-    return {
+    result = {
         "quantize": quantize,
         "decoder_dtype": engine.settings.resolved_decoder_dtype,
         "kernels": engine.kernels,
@@ -236,8 +239,11 @@ def phase_ours(
         "gpt_linear_mb": engine.gpt_linear_bytes / 1e6,
         "peak_rss_mb": rss_mb()["VmHWM"],
         "concurrency": results,
-        "bandwidth_gb_per_s": measure_bandwidth(),
     }
+    bandwidths.append(measure_bandwidth())
+    result["bandwidth_readings_gb_per_s"] = bandwidths
+    result["bandwidth_gb_per_s"] = max(bandwidths)
+    return result
 
 
 def phase_fidelity(
@@ -402,7 +408,9 @@ def report(data: dict) -> str:
         f"ours: {ours['quantize']} GPT on {ours['linear_kernel']}, C++ kernels {ours['kernels']}, "
         f"{ours['kv_cache_dtype']} KV cache, "
         f"{ours['decoder_dtype']} decoder; weight prefetch: {ours.get('kernel_tuning') or '-'}",
-        f"memory bandwidth {ours['bandwidth_gb_per_s']:.1f} GB/s; GPT linears "
+        f"memory bandwidth {ours['bandwidth_gb_per_s']:.1f} GB/s (the higher of "
+        f"{' and '.join(f'{v:.1f}' for v in ours.get('bandwidth_readings_gb_per_s', []))}, "
+        f"before and after the runs); GPT linears "
         f"{ours['gpt_linear_mb']:.0f} MB ({ours['quantize']}) -> floor {floor_ms:.1f} ms/step; "
         f"batch-1 step is {floor_ratio:.2f}x the floor, 8-row step {eight_ratio:.2f}x",
         f"peak RSS: baseline {base['peak_rss_mb']:.0f} MB, ours {ours['peak_rss_mb']:.0f} MB "
