@@ -31,6 +31,7 @@ from chattts_service.inference.types import Sampling
 NUM_VQ = 4
 REPETITION_WINDOW = 16  # ChatTTS's past_window for its repetition penalty
 MIN_TOKENS_TO_KEEP = 3  # what ChatTTS passes to transformers' top-p/top-k warpers
+CODEBOOKS = torch.arange(NUM_VQ)  # made once: an index a step would otherwise build per row
 HOUSEKEEPING_SECONDS = 30
 
 
@@ -111,10 +112,12 @@ class Sequence:
 
     def next_embedding(self) -> torch.Tensor:
         last = self.tokens[self.steps - 1]
-        return self.heads.code_embeddings[torch.arange(NUM_VQ), last].sum(0)
+        return self.heads.code_embeddings[CODEBOOKS, last].sum(0)
 
     def window(self, vocabulary: int) -> torch.Tensor:
         """The last 16 tokens per codebook [width, 16], padded with ``vocabulary`` (no token)."""
+        if self.steps >= REPETITION_WINDOW:  # a full window: a view, no padding to write
+            return self.tokens[self.steps - REPETITION_WINDOW : self.steps].T
         padded = torch.full((self.width, REPETITION_WINDOW), vocabulary, dtype=torch.long)
         start = max(0, self.steps - REPETITION_WINDOW)
         count = self.steps - start
