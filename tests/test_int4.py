@@ -91,3 +91,18 @@ def test_int4_refuses_groups_the_kernel_cannot_take(kernels):
     packing.group = 48  # does not divide 64: the kernel says so rather than read past the row
     with pytest.raises(cpp_kernels.KernelError, match="int4 groups"):
         int4.int4_linear(kernels, torch.randn(1, 64), packing)
+
+
+def test_rows_and_residuals_of_other_layouts_are_converted_not_misread(kernels):
+    generator = torch.Generator().manual_seed(3)
+    packing = int4.Int4Packing(torch.randn(32, 64, generator=generator))
+    x = torch.randn(4, 64, generator=generator)
+    residual = torch.randn(4, 32, generator=generator)
+    expected = int4.int4_linear(kernels, x, packing, residual=residual)
+    wide = torch.randn(32, 4, dtype=torch.float64, generator=generator)
+    wide[:] = residual.T.double()  # float64 and transposed: both need a float32 copy
+    assert torch.equal(int4.int4_linear(kernels, x.double(), packing, residual=wide.T), expected)
+    with pytest.raises(ValueError, match="residual must be"):
+        int4.int4_linear(kernels, x, packing, residual=residual[:, :16])
+    with pytest.raises(ValueError, match="rows of 32 values"):
+        int4.int4_linear(kernels, x[:, :32], packing)

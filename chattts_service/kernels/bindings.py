@@ -188,22 +188,8 @@ class Kernels:
         that ``packing`` holds (``quantize.KernelInt8Linear`` makes it); plus ``residual``
         [..., out_features] if given. With ``swiglu``, rows of ``x`` hold 2 * in_features
         values, gate then up, and ``silu(gate) * up`` is multiplied."""
-        rows = _float_rows(x)
-        if gain is not None:
-            _check_gain(gain, rows.shape[1])
-        count, width = rows.shape
-        k = packing.in_features
-        if width != (2 * k if swiglu else k):
-            raise ValueError(
-                f"rows of {width} values for a layer of {k} inputs"
-                + (" (gate and up: twice that)" if swiglu else "")
-            )
-        residual_pointer, residual_stride = None, 0
-        if residual is not None:
-            residual = _float_rows(residual)
-            if residual.shape != (count, packing.out_features):
-                raise ValueError("residual must be [rows, out_features]")
-            residual_pointer, residual_stride = residual.data_ptr(), residual.stride(0)
+        rows, residual = linear_rows(x, packing, gain, residual, swiglu)
+        count, k = rows.shape[0], packing.in_features
         out = torch.empty(count, packing.out_features)
         packed, offsets, weight_scale = packing.pointers
         product = INT8_INSTRUCTIONS[packing.instructions][0]
@@ -222,8 +208,8 @@ class Kernels:
                         packed=packed,
                         offsets=offsets,
                         weight_scale=weight_scale,
-                        residual=residual_pointer,
-                        residual_stride=residual_stride,
+                        residual=None if residual is None else residual.data_ptr(),
+                        residual_stride=0 if residual is None else residual.stride(0),
                         out=out.data_ptr(),
                         out_stride=packing.out_features,
                         levels=packing.levels,
@@ -289,6 +275,28 @@ class Kernels:
             )
         )
         return tokens
+
+
+def linear_rows(x: torch.Tensor, packing, gain, residual, swiglu: bool):
+    """The checks an int8 or int4 product makes before its C call: ``x`` as float32 rows as
+    wide as ``packing``'s inputs (twice that with ``swiglu``), ``gain`` as wide as the rows,
+    ``residual`` [rows, out_features]. Returns the rows and the residual as float32 rows (or
+    None): the caller keeps both alive through the call."""
+    rows = _float_rows(x)
+    if gain is not None:
+        _check_gain(gain, rows.shape[1])
+    count, width = rows.shape
+    k = packing.in_features
+    if width != (2 * k if swiglu else k):
+        raise ValueError(
+            f"rows of {width} values for a layer of {k} inputs"
+            + (" (gate and up: twice that)" if swiglu else "")
+        )
+    if residual is not None:
+        residual = _float_rows(residual)
+        if residual.shape != (count, packing.out_features):
+            raise ValueError("residual must be [rows, out_features]")
+    return rows, residual
 
 
 def _float_rows(x: torch.Tensor) -> torch.Tensor:

@@ -15,7 +15,7 @@ import ctypes
 import torch
 
 from chattts_service.kernels import abi
-from chattts_service.kernels.bindings import Kernels, _check_gain, _float_rows
+from chattts_service.kernels.bindings import Kernels, linear_rows
 
 GROUP = 64  # inputs a scale covers (the kernel takes 8..64 in steps of 8)
 LEVELS = 63  # the activations' levels either side of zero, as the AVX2 int8 product's
@@ -85,19 +85,8 @@ def int4_linear(
     swiglu: bool = False,
 ) -> torch.Tensor:
     """``Kernels.int8_linear``'s contract on an ``Int4Packing``: [count, out_features]."""
-    rows = _float_rows(x)
-    if gain is not None:
-        _check_gain(gain, rows.shape[1])
-    count, width = rows.shape
-    k = packing.in_features
-    if width != (2 * k if swiglu else k):
-        raise ValueError(f"rows of {width} values for a layer of {k} inputs")
-    residual_pointer, residual_stride = None, 0
-    if residual is not None:
-        residual = _float_rows(residual)
-        if residual.shape != (count, packing.out_features):
-            raise ValueError("residual must be [rows, out_features]")
-        residual_pointer, residual_stride = residual.data_ptr(), residual.stride(0)
+    rows, residual = linear_rows(x, packing, gain, residual, swiglu)
+    count, k = rows.shape[0], packing.in_features
     out = torch.empty(count, packing.out_features)
     arguments = abi.Int4LinearArgs(
         rows=count,
@@ -111,8 +100,8 @@ def int4_linear(
         swiglu=int(swiglu),
         packed=packing.packed.data_ptr(),
         scales=packing.scales.data_ptr(),
-        residual=residual_pointer,
-        residual_stride=residual_stride,
+        residual=None if residual is None else residual.data_ptr(),
+        residual_stride=0 if residual is None else residual.stride(0),
         out=out.data_ptr(),
         out_stride=packing.out_features,
         levels=packing.levels,
