@@ -104,18 +104,8 @@ class Kernels:
             raise ValueError("out must be a contiguous [rows, heads * dim] float32 tensor")
         cos = sin = None
         if rotary is not None:
-            cos, sin = rotary
-            for table in rotary:
-                if (
-                    table.dtype != torch.float32
-                    or not table.is_contiguous()
-                    or table.dim() != 2
-                    or table.shape[1] != dim
-                ):
-                    raise ValueError("rotary tables must be contiguous float32 [positions, dim]")
-            if rows.longest >= min(cos.shape[0], sin.shape[0]):
-                raise ValueError("a position beyond the rotary tables")
-            cos, sin = cos.data_ptr(), sin.data_ptr()
+            rows.check_positions(check_rotary(rotary, dim))
+            cos, sin = (table.data_ptr() for table in rotary)
         self._check(
             self.library.chatts_decode_attention(
                 ctypes.byref(
@@ -132,14 +122,7 @@ class Kernels:
                         k_row_stride=k.stride(0),
                         v_new=v.data_ptr(),
                         v_row_stride=v.stride(0),
-                        keys=rows.keys.data_ptr(),
-                        values=rows.values.data_ptr(),
-                        key_scales=None if rows.key_scales is None else rows.key_scales.data_ptr(),
-                        value_scales=None
-                        if rows.value_scales is None
-                        else rows.value_scales.data_ptr(),
-                        capacity=rows.capacity.data_ptr(),
-                        lengths=rows.lengths.data_ptr(),
+                        **rows.pointers(),
                         cos=cos,
                         sin=sin,
                         out=out.data_ptr(),
@@ -406,6 +389,41 @@ class StepRows:
         self.capacity = torch.tensor([cache.capacity for cache in caches], dtype=torch.int64)
         self.lengths = torch.tensor(lengths, dtype=torch.int64)
         self.longest = max(lengths)
+
+    def pointers(self) -> dict:
+        """The kernels' arguments for these rows' caches (ChattsAttentionArgs and
+        ChattsDecodeLayersArgs name them alike)."""
+
+        def address(tensor):
+            return None if tensor is None else tensor.data_ptr()
+
+        return {
+            "keys": address(self.keys),
+            "values": address(self.values),
+            "key_scales": address(self.key_scales),
+            "value_scales": address(self.value_scales),
+            "capacity": address(self.capacity),
+            "lengths": address(self.lengths),
+        }
+
+    def check_positions(self, positions: int) -> None:
+        """Refuse a row whose new token lies beyond rotary tables of ``positions``."""
+        if self.longest >= positions:
+            raise ValueError("a position beyond the rotary tables")
+
+
+def check_rotary(rotary: tuple[torch.Tensor, torch.Tensor], dim: int) -> int:
+    """Check (cos, sin) tables as the kernels read them, contiguous float32 [positions, dim];
+    returns the positions they cover."""
+    for table in rotary:
+        if (
+            table.dtype != torch.float32
+            or not table.is_contiguous()
+            or table.dim() != 2
+            or table.shape[1] != dim
+        ):
+            raise ValueError("rotary tables must be contiguous float32 [positions, dim]")
+    return min(table.shape[0] for table in rotary)
 
 
 def load(mode: str = "auto", int8_product: str = "auto", directory: str = "") -> Kernels | None:

@@ -20,6 +20,7 @@ from chattts_service.kernels.bindings import (
     Kernels,
     StepRows,
     _check_gain,
+    check_rotary,
 )
 from chattts_service.kernels.int4 import Int4Packing
 
@@ -102,14 +103,8 @@ class DecodeLayers:
                 gains[0].data_ptr(), gains[1].data_ptr(), *(_linear(p) for p in packings)
             )
         self.eps, self.scale = eps, scale
-        cos, sin = rotary
-        for table in rotary:
-            if table.dtype != torch.float32 or not table.is_contiguous() or table.dim() != 2:
-                raise ValueError("rotary tables must be contiguous float32 [positions, dim]")
-            if table.shape[1] != head_dim:
-                raise ValueError("rotary tables must be as wide as a head")
-        self.cos, self.sin = cos, sin
-        self.positions = min(cos.shape[0], sin.shape[0])
+        self.positions = check_rotary(rotary, head_dim)
+        self.cos, self.sin = rotary
 
     def __len__(self) -> int:
         return len(self.weights)
@@ -126,8 +121,7 @@ class DecodeLayers:
             raise ValueError(f"x must be a contiguous float32 [rows, {self.hidden}] tensor")
         if len(rows.lengths) != count:
             raise ValueError("one cache per row")
-        if rows.longest >= self.positions:
-            raise ValueError("a position beyond the rotary tables")
+        rows.check_positions(self.positions)
         shapes = {tuple(cache.keys.shape[:2]) + (cache.keys.shape[3],) for cache in rows.caches}
         if shapes != {(len(self), self.heads, self.head_dim)}:
             raise ValueError("a cache of another shape than the layers'")
@@ -147,12 +141,7 @@ class DecodeLayers:
             layers=ctypes.addressof(self.weights),
             x=x.data_ptr(),
             scratch=scratch.data_ptr(),
-            keys=rows.keys.data_ptr(),
-            values=rows.values.data_ptr(),
-            key_scales=None if rows.key_scales is None else rows.key_scales.data_ptr(),
-            value_scales=None if rows.value_scales is None else rows.value_scales.data_ptr(),
-            capacity=rows.capacity.data_ptr(),
-            lengths=rows.lengths.data_ptr(),
+            **rows.pointers(),
             cos=self.cos.data_ptr(),
             sin=self.sin.data_ptr(),
         )
