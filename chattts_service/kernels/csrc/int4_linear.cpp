@@ -111,24 +111,16 @@ static int32_t int4_linear(const ChattsInt4LinearArgs& a) {
     if (!__builtin_cpu_supports("avx2")) return CHATTS_CPU_LACKS_PRODUCT;
     if (a.levels < 1 || a.levels > 63) return CHATTS_TOO_MANY_LEVELS;
     const ChattsTuning& tuning = a.tuning;
-    if (tuning.prefetch_groups < 0 || tuning.prefetch_groups > 256 || tuning.prefetch_hint < 0 ||
-        tuning.prefetch_hint > 1)
-        return CHATTS_BAD_TUNING;
+    if (!valid_tuning(tuning)) return CHATTS_BAD_TUNING;
     const int64_t groups = k / group;
-    std::unique_ptr<uint8_t[]> xq(new uint8_t[rows * k]);
+    const QuantizedRows prepared(rows, k, a.x, a.x_row_stride, a.gain, a.eps, a.swiglu, a.levels,
+                                 a.threads);
+    // the levels signed (without the u8 offset), and each group's sum of them per row
     std::unique_ptr<int8_t[]> xs(new int8_t[rows * k]);
     std::unique_ptr<int32_t[]> level_sums(new int32_t[rows * groups]);
-    std::unique_ptr<float[]> row_max(new float[rows]);
-    std::unique_ptr<float[]> products(a.swiglu ? new float[rows * k] : nullptr);
 #pragma omp parallel for num_threads(a.threads) schedule(static) if (rows > 1)
     for (int64_t row = 0; row < rows; ++row) {
-        const float* values = a.x + row * a.x_row_stride;
-        if (a.swiglu) {
-            silu_times(values, values + k, k, products.get() + row * k);
-            values = products.get() + row * k;
-        }
-        uint8_t* quantized = xq.get() + row * k;
-        row_max[row] = quantize_row(values, k, a.gain, a.eps, a.levels, quantized);
+        const uint8_t* quantized = prepared.quantized.get() + row * k;
         int8_t* levels = xs.get() + row * k;
         for (int64_t g = 0; g < groups; ++g) {
             int32_t sum = 0;
@@ -152,7 +144,7 @@ static int32_t int4_linear(const ChattsInt4LinearArgs& a) {
             functions[count](
                 k, group, xs.get() + first * k, k, level_sums.get() + first * groups, groups,
                 a.packed + block * block_bytes, a.scales + block * groups * 16,
-                row_max.get() + first,
+                prepared.row_max.get() + first,
                 a.residual == nullptr ? nullptr : a.residual + first * a.residual_stride + block * 16,
                 a.residual_stride, a.out + first * a.out_stride + block * 16, a.out_stride, valid,
                 weights_end, prefetch_bytes);

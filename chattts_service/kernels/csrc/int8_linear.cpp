@@ -264,6 +264,33 @@ void silu_times(const float* gate, const float* up, int64_t width, float* out) {
     }
 }
 
+bool valid_tuning(const ChattsTuning& tuning) {
+    return tuning.prefetch_groups >= 0 && tuning.prefetch_groups <= 256 &&
+           tuning.prefetch_hint >= 0 && tuning.prefetch_hint <= 1;
+}
+
+// Each row of x (RMSNorm-ed with `gain`, or silu(gate) * up with `swiglu`) quantized as
+// quantize_row does: `quantized` [rows, k] and each row's largest magnitude, `row_max`.
+struct QuantizedRows {
+    std::unique_ptr<uint8_t[]> quantized;
+    std::unique_ptr<float[]> row_max;
+
+    QuantizedRows(int64_t rows, int64_t k, const float* x, int64_t x_row_stride,
+                  const float* gain, float eps, int swiglu, int levels, int threads)
+        : quantized(new uint8_t[rows * k]), row_max(new float[rows]) {
+        std::unique_ptr<float[]> products(swiglu ? new float[rows * k] : nullptr);
+#pragma omp parallel for num_threads(threads) schedule(static) if (rows > 1)
+        for (int64_t row = 0; row < rows; ++row) {
+            const float* values = x + row * x_row_stride;
+            if (swiglu) {
+                silu_times(values, values + k, k, products.get() + row * k);
+                values = products.get() + row * k;
+            }
+            row_max[row] = quantize_row(values, k, gain, eps, levels, quantized.get() + row * k);
+        }
+    }
+};
+
 }  // namespace
 
 // out[rows, n] (rows `out_stride` floats apart) = the rows of x (`x_row_stride` floats apart)
@@ -280,9 +307,7 @@ static int32_t int8_linear(
     const float* weight_scale, const float* residual, int64_t residual_stride, float* out,
     int64_t out_stride, int levels, int instructions, int threads, const ChattsTuning& tuning) {
     if (k % 4 != 0) return CHATTS_WIDTH_NOT_MULTIPLE_OF_4;
-    if (tuning.prefetch_groups < 0 || tuning.prefetch_groups > 256 || tuning.prefetch_hint < 0 ||
-        tuning.prefetch_hint > 1)
-        return CHATTS_BAD_TUNING;
+    if (!valid_tuning(tuning)) return CHATTS_BAD_TUNING;
     if (instructions == CHATTS_PRODUCT_VNNI) {
         if (!__builtin_cpu_supports("avx512vnni") || !__builtin_cpu_supports("avx512bw"))
             return CHATTS_CPU_LACKS_PRODUCT;
@@ -293,21 +318,10 @@ static int32_t int8_linear(
     } else {
         return CHATTS_UNKNOWN_PRODUCT;
     }
-    std::unique_ptr<uint8_t[]> xq(new uint8_t[rows * k]);
-    std::unique_ptr<float[]> row_max(new float[rows]);
-    std::unique_ptr<float[]> products(swiglu ? new float[rows * k] : nullptr);
-#pragma omp parallel for num_threads(threads) schedule(static) if (rows > 1)
-    for (int64_t row = 0; row < rows; ++row) {
-        const float* values = x + row * x_row_stride;
-        if (swiglu) {
-            silu_times(values, values + k, k, products.get() + row * k);
-            values = products.get() + row * k;
-        }
-        row_max[row] = quantize_row(values, k, gain, eps, levels, xq.get() + row * k);
-    }
+    const QuantizedRows prepared(rows, k, x, x_row_stride, gain, eps, swiglu, levels, threads);
     (instructions == CHATTS_PRODUCT_VNNI ? gemm : gemm_avx2)(
-        rows, n, k, xq.get(), packed, offsets, weight_scale, row_max.get(), residual,
-        residual_stride, out, out_stride, threads, tuning);
+        rows, n, k, prepared.quantized.get(), packed, offsets, weight_scale,
+        prepared.row_max.get(), residual, residual_stride, out, out_stride, threads, tuning);
     return CHATTS_OK;
 }
 
