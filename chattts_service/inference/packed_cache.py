@@ -18,8 +18,6 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import os
-import tempfile
 from pathlib import Path
 
 import torch
@@ -27,6 +25,7 @@ import torch
 from chattts_service.inference.quantize import KernelInt8Linear
 from chattts_service.kernels.abi import ABI_VERSION
 from chattts_service.kernels.bindings import Int8Packing
+from chattts_service.runtime.files import replace_atomically
 
 log = logging.getLogger(__name__)
 
@@ -126,15 +125,7 @@ class PackedCache:
         path = self.path(instructions)
         try:
             self.directory.mkdir(exist_ok=True)
-            handle, temporary = tempfile.mkstemp(dir=self.directory, suffix=".tmp")
-            try:
-                with os.fdopen(handle, "wb") as out:
-                    torch.save(stored, out)
-                os.chmod(temporary, 0o644)  # replicas may run as other users
-                os.replace(temporary, path)
-            except BaseException:
-                Path(temporary).unlink(missing_ok=True)
-                raise
+            replace_atomically(path, lambda out: torch.save(stored, out))
         except OSError as error:
             log.warning(
                 "cannot keep the packed GPT in %s (%s): later starts pack again",

@@ -22,9 +22,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import os
 import statistics
-import tempfile
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -33,6 +31,7 @@ import torch
 
 from chattts_service.kernels import abi
 from chattts_service.runtime.cpu import cpu_fields, cpu_flags
+from chattts_service.runtime.files import replace_atomically
 
 log = logging.getLogger(__name__)
 
@@ -182,15 +181,7 @@ def _write(path: Path, tuning: KernelTuning, identity: dict, report: dict) -> bo
     body = {"tuning": asdict(tuning), "cpu": identity["name"], **report}
     try:
         path.parent.mkdir(exist_ok=True)
-        handle, temporary = tempfile.mkstemp(dir=path.parent, suffix=".tmp")
-        try:
-            with os.fdopen(handle, "w") as out:
-                json.dump(body, out, indent=1)
-            os.chmod(temporary, 0o644)
-            os.replace(temporary, path)
-        except BaseException:
-            Path(temporary).unlink(missing_ok=True)
-            raise
+        replace_atomically(path, lambda out: json.dump(body, out, indent=1), binary=False)
     except OSError as error:
         log.warning("cannot keep the kernel tuning in %s (%s)", path.parent, error)
         return False

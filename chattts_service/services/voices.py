@@ -18,14 +18,14 @@ from __future__ import annotations
 import hashlib
 import json
 import lzma
-import os
 import re
-import tempfile
 import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
+
+from chattts_service.runtime.files import replace_atomically
 
 NAME = re.compile(r"^[a-z0-9][a-z0-9_-]{0,63}$")
 SEED_VOICE = re.compile(r"^seed:(\d+)$")
@@ -241,14 +241,7 @@ class VoiceStore:
             if path.exists() and not replace:
                 raise VoiceExists(f'voice {name!r} exists; send "replace": true to overwrite it')
             record = {"name": name, "embedding": encode_embedding(embedding)}
-            handle, temporary = tempfile.mkstemp(dir=self.directory, suffix=".tmp")
-            try:
-                with os.fdopen(handle, "w", encoding="utf-8") as out:
-                    json.dump(record, out)
-                os.replace(temporary, path)
-            except BaseException:
-                Path(temporary).unlink(missing_ok=True)
-                raise
+            replace_atomically(path, lambda out: json.dump(record, out), binary=False, shared=False)
             self._memo.pop(name, None)
         return self.get(name)
 

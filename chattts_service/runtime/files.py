@@ -1,0 +1,29 @@
+"""Files written whole or not at all."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+from typing import IO
+
+
+def replace_atomically(
+    path: Path, write: Callable[[IO], None], binary: bool = True, shared: bool = True
+) -> None:
+    """Write ``path`` through ``write(out)`` into a temporary file beside it, renamed over it
+    when whole: a killed process never leaves half a file under the real name. ``shared``
+    makes it readable by every user (replicas may run as other users). Raises OSError."""
+    path = Path(path)
+    handle, temporary = tempfile.mkstemp(dir=path.parent, suffix=".tmp")
+    try:
+        opened = os.fdopen(handle, "wb") if binary else os.fdopen(handle, "w", encoding="utf-8")
+        with opened as out:
+            write(out)
+        if shared:
+            os.chmod(temporary, 0o644)
+        os.replace(temporary, path)
+    except BaseException:
+        Path(temporary).unlink(missing_ok=True)
+        raise
