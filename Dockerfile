@@ -71,19 +71,15 @@ COPY docker/entrypoint.sh /usr/local/bin/chattts-entrypoint
 ENV PATH=/opt/venv/bin:$PATH \
     PYTHONUNBUFFERED=1 \
     PYTHONDONTWRITEBYTECODE=1 \
-    NUMBA_CACHE_DIR=/tmp/numba_cache \
     HF_HUB_DISABLE_TELEMETRY=1 \
     CHATTTS_KERNEL_DIR=/opt/chattts-kernels \
     CHATTTS_MODEL_DIR=/models/chattts \
     CHATTTS_VOICES_DIR=/voices \
     CHATTTS_PORT=8090
-# Compiled once, here: ChatTTS's Numba functions (the entrypoint copies them into the empty
-# NUMBA_CACHE_DIR tmpfs, so even a container's first start skips their JIT, ~2.3 s), and the
-# bytecode of every module a start imports, written by a start of a tiny random-weight model
-# (without it each container start compiles torch, transformers and ChatTTS again: ~10 s)
-RUN NUMBA_CACHE_DIR=/opt/numba-cache PYTHONDONTWRITEBYTECODE='' sh -c '\
-    python -m chattts_service.tools.warmup --jit-cache \
- && python -m chattts_service.tools.testmodel /tmp/bytecode-model --size tiny >/dev/null 2>&1 \
+# Written once, here: the bytecode of every module a start imports, by a start of a tiny
+# random-weight model (without it each container start compiles torch and ChatTTS again: ~10 s)
+RUN PYTHONDONTWRITEBYTECODE='' sh -c '\
+    python -m chattts_service.tools.testmodel /tmp/bytecode-model --size tiny >/dev/null 2>&1 \
  && python -m chattts_service.tools.warmup --model-dir /tmp/bytecode-model --no-verify \
  && python -c "import chattts_service.serve, chattts_service.app, gunicorn.workers.gthread" \
  && rm -rf /tmp/bytecode-model'

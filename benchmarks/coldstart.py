@@ -1,5 +1,6 @@
-"""Time from ``python server.py`` to a ready service: the first start (nothing cached: no packed
-GPT, an empty Numba cache) and restarts, on the tiny and the full-size random-weight models.
+"""Time from ``python server.py`` to a ready service: the first start (nothing kept: no packed
+GPT, no tokenizer snapshot, no kernel tuning) and restarts, on the tiny and the full-size
+random-weight models.
 
 Each run is a real server process on loopback, timed from its spawn to the first 200 from
 ``/readyz`` (polled every 20 ms); the phases come from its log (model load, warm-up). The
@@ -35,9 +36,9 @@ WARMED = re.compile(r"warm-up of \d+ texts? took ([\d.]+)s")
 PACKED = re.compile(r"packed GPT kept in")
 
 
-def one_start(model_dir: Path, numba_cache: Path, log_path: Path) -> dict:
+def one_start(model_dir: Path, log_path: Path) -> dict:
     started = time.monotonic()
-    server = Server(model_dir, log_path, NUMBA_CACHE_DIR=str(numba_cache))
+    server = Server(model_dir, log_path)
     try:
         while True:
             if server.process.poll() is not None:
@@ -67,10 +68,9 @@ def one_start(model_dir: Path, numba_cache: Path, log_path: Path) -> dict:
 
 def bench(size: str, restarts: int, work: Path) -> list[str]:
     model_dir = build(work / size, size=size, seed=0)  # a fresh copy: nothing cached yet
-    numba_cache = work / f"numba-{size}"
     runs = []
     for index in range(restarts + 1):
-        runs.append(one_start(model_dir, numba_cache, work / f"{size}-{index}.log"))
+        runs.append(one_start(model_dir, work / f"{size}-{index}.log"))
     first, later = runs[0], runs[1:]
     median = statistics.median(run["ready"] for run in later)
     target = TARGETS[size]

@@ -4,13 +4,6 @@
 # Binding needs set_mempolicy, which a container only gets with CAP_SYS_NICE (compose adds it);
 # without it the service still starts, unpinned, and says so.
 set -e
-# ChatTTS's Numba functions as the image compiled them, into an empty NUMBA_CACHE_DIR (the
-# compose file's tmpfs): the service then loads them instead of compiling them at start
-if [ -n "${NUMBA_CACHE_DIR:-}" ] && [ -d /opt/numba-cache ] \
-        && [ -z "$(ls -A "$NUMBA_CACHE_DIR" 2>/dev/null)" ]; then
-    mkdir -p "$NUMBA_CACHE_DIR" && cp -R /opt/numba-cache/. "$NUMBA_CACHE_DIR/" \
-        || echo "chattts-entrypoint: could not copy the image's Numba cache; compiling at start" >&2
-fi
 if [ "$#" -eq 0 ]; then
     set -- python server.py
 fi

@@ -287,44 +287,6 @@ def test_warmup_script_against_the_server(server):
     assert result.stdout.startswith("warmed " + server.url)
 
 
-def test_warmup_script_compiles_the_numba_cache_the_image_ships(tmp_path):
-    """``warmup.py --jit-cache`` (run at image build) compiles all four of ChatTTS's Numba
-    functions into NUMBA_CACHE_DIR; a process given a copy of that directory loads them instead
-    of compiling them again (what the entrypoint's copy into the tmpfs relies on)."""
-    import os
-    import shutil
-
-    def run(cache, **extra):
-        env = {**os.environ, **extra}
-        env.pop("NUMBA_CACHE_DIR", None)
-        if cache is not None:
-            env["NUMBA_CACHE_DIR"] = str(cache)
-        return subprocess.run(
-            [sys.executable, "warmup.py", "--jit-cache"],
-            cwd=REPO,
-            env=env,
-            capture_output=True,
-            text=True,
-            timeout=180,
-        )
-
-    built = run(tmp_path / "built")
-    assert built.returncode == 0, built.stderr
-    names = {path.name.split("-")[0] for path in (tmp_path / "built").rglob("*.nbi")}
-    assert names == {
-        "norm._find_index",
-        "norm._fast_replace",
-        "norm._split_tags",
-        "norm._combine_tags",
-    }
-    shutil.copytree(tmp_path / "built", tmp_path / "copy")
-    again = run(tmp_path / "copy", NUMBA_DEBUG_CACHE="1")
-    assert again.returncode == 0, again.stderr
-    assert "data loaded from" in again.stdout and "data saved to" not in again.stdout
-    unset = run(None)
-    assert unset.returncode == 1 and "NUMBA_CACHE_DIR must name" in unset.stderr
-
-
 def test_bad_model_stops_the_server_with_the_file_named(start_server):
     # the tiny model does not match ChatTTS's checksums: with verification on and downloads
     # off, start-up fails naming the files

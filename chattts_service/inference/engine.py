@@ -226,7 +226,7 @@ class Engine:
         return self.model.decoder(hiddens, decoder_dtype)
 
     def warm_up(self, texts=WARMUP_TEXTS, max_steps: int = WARMUP_MAX_STEPS) -> float:
-        """Run short texts through the whole pipeline (Numba JIT, allocator, kernels)."""
+        """Run short texts through the whole pipeline (normalisers, allocator, kernels)."""
         started = time.perf_counter()
         if self._normaliser_ready is not None:
             self._normaliser_ready.join()

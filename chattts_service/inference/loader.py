@@ -10,7 +10,6 @@ anything else is loaded. Loaded state dicts are assigned, not copied.
 from __future__ import annotations
 
 import logging
-import os
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -20,19 +19,19 @@ import torch
 from chattts_service.config import Settings
 from chattts_service.inference import model_files, upstream
 from chattts_service.inference.architecture import config_from_architecture, read_architecture
+from chattts_service.inference.chattts_norm import chattts_normaliser
 from chattts_service.inference.decoding import AudioDecoder
 from chattts_service.inference.download import ensure_model
 from chattts_service.inference.generation import Batch, Heads
 from chattts_service.inference.gpt_weights import GptWeights
+from chattts_service.inference.packed_cache import DIRECTORY as PACKED_DIRECTORY
 from chattts_service.inference.packed_cache import PackedCache
+from chattts_service.inference.tokenizer import load_tokenizer
 from chattts_service.inference.transformer import Transformer
 from chattts_service.kernels import tuning
 from chattts_service.runtime import heap
 
 log = logging.getLogger(__name__)
-
-# ChatTTS's Numba functions (ChatTTS/norm.py), compiled on first use in every process
-NUMBA_FUNCTIONS = ("_find_index", "_fast_replace", "_split_tags", "_combine_tags")
 
 
 @dataclass
@@ -55,7 +54,6 @@ def load_model(settings: Settings) -> LoadedModel:
     """Verify (unless disabled) and load the model files; raise ModelFilesError when bad.
     Call it on the thread that will run the model."""
     quiet_library_chatter()
-    cache_normaliser_jit()
     started = time.perf_counter()
     model_dir = Path(settings.model_dir)
     ensure_model(settings)  # present and verified (fetched first where allowed)
@@ -102,19 +100,9 @@ class ChatParts:
     vocos: object = None
 
 
-def chattts_normaliser():
-    """ChatTTS's text normaliser, with its homophone map, as ``Chat`` makes it."""
-    upstream.install()
-    import ChatTTS
-    from ChatTTS.norm import Normalizer
-
-    homophones = Path(ChatTTS.__file__).parent / "res" / "homophones_map.json"
-    return Normalizer(str(homophones), logging.getLogger("ChatTTS"))
-
-
 def _load_modules(settings: Settings, paths: model_files.ModelPaths, architecture) -> LoadedModel:
     upstream.install()
-    from ChatTTS.model import Speaker, Tokenizer
+    from ChatTTS.model import Speaker
 
     config = config_from_architecture(architecture)
     chat = ChatParts(config=config, normalizer=chattts_normaliser())
@@ -122,7 +110,8 @@ def _load_modules(settings: Settings, paths: model_files.ModelPaths, architectur
     chat.embed, heads = _load_embeddings(settings, paths, config, transformer)
     chat.decoder, chat.vocos = _load_audio_modules(paths, config)
     chat.speaker = Speaker(config.gpt.hidden_size, config.spk_stat)
-    chat.tokenizer = Tokenizer(str(paths.tokenizer))
+    kept = paths.base / PACKED_DIRECTORY if settings.packed_cache else None
+    chat.tokenizer = load_tokenizer(paths.tokenizer, kept)
     if chat.tokenizer.len != config.gpt.num_text_tokens:
         raise model_files.ModelFilesError(
             f"tokenizer in {paths.tokenizer} has {chat.tokenizer.len} tokens, "
@@ -215,51 +204,10 @@ def _load_audio_modules(paths, config):
     return decoder.eval().requires_grad_(False), vocos.eval().requires_grad_(False)
 
 
-def cache_normaliser_jit() -> None:
-    """Let ChatTTS's Numba functions use NUMBA_CACHE_DIR.
-
-    They are declared without ``cache=True``, so every process compiles them again on first use
-    (seconds of the time to ready). Re-declared with caching, a restarted worker finds them
-    compiled in the cache directory (a tmpfs in the container)."""
-    if not os.environ.get("NUMBA_CACHE_DIR"):
-        return
-    import numba
-
-    upstream.install()
-    from ChatTTS import norm
-
-    for name in NUMBA_FUNCTIONS:
-        function = getattr(norm, name)
-        if getattr(function, "_chattts_service_cached", False):
-            continue
-        cached = numba.jit(nopython=True, cache=True)(function.py_func)
-        cached._chattts_service_cached = True
-        setattr(norm, name, cached)
-
-
-def compile_normaliser_jit(texts: tuple[str, ...]) -> float:
-    """Compile ChatTTS's Numba functions into ``NUMBA_CACHE_DIR`` (which must be set) by running
-    its normaliser over ``texts`` and a tagged one; returns the seconds it took. The image does
-    this at build time and its entrypoint copies the result into the cache tmpfs, so that a
-    container's first start finds them compiled too."""
-    if not os.environ.get("NUMBA_CACHE_DIR"):
-        raise RuntimeError("NUMBA_CACHE_DIR must name the directory to compile into")
-    started = time.perf_counter()
-    cache_normaliser_jit()
-    normalizer = chattts_normaliser()
-    # a tag beside a character ChatTTS rejects ("-") takes it through all four functions
-    for text in (*texts, "你好 [uv_break] hello-world [laugh]"):
-        normalizer(text, do_text_normalization=True, do_homophone_replacement=True)
-    return time.perf_counter() - started
-
-
 def quiet_library_chatter() -> None:
-    """transformers warns on every forward pass about ChatTTS's use of ``past_key_values`` and
-    draws progress bars while loading; neither tells an operator anything."""
+    """No warning about ChatTTS's use of ``past_key_values`` (transformers issues one on every
+    forward pass of ChatTTS's GPT); transformers itself is quietened where it is imported."""
     import warnings
 
-    from transformers.utils import logging as transformers_logging
-
     warnings.filterwarnings("ignore", message=".*past_key_values.*", category=FutureWarning)
-    transformers_logging.set_verbosity_error()
-    transformers_logging.disable_progress_bar()
+    upstream.quiet_transformers()

@@ -12,7 +12,9 @@ submodules import as usual, and what their ``__init__`` would export (read from 
 use. ``import ChatTTS; ChatTTS.Chat`` still works; it just costs its imports when asked for.
 The DVAE module's quantizer class is bound to a deferred constructor that imports
 ``vector_quantize_pytorch`` when a DVAE with a quantizer (the encoder the service does not use)
-is built.
+is built; the tokenizer module's ``BertTokenizerFast`` to a deferred class that imports
+transformers (~0.7 s) when a tokenizer is built through it (see ``tokenizer``: a start that
+finds the tokenizer's snapshot never does).
 """
 
 from __future__ import annotations
@@ -51,13 +53,21 @@ class _LazyPackage(types.ModuleType):
 
 
 class _Deferred:
-    """A class of another module, imported when first called."""
+    """A class of another module, imported when first called or asked for an attribute."""
 
     def __init__(self, module: str, name: str):
         self.module, self.name = module, name
 
+    def resolve(self):
+        return getattr(importlib.import_module(self.module), self.name)
+
     def __call__(self, *args, **kwargs):
-        return getattr(importlib.import_module(self.module), self.name)(*args, **kwargs)
+        return self.resolve()(*args, **kwargs)
+
+    def __getattr__(self, attribute: str):
+        if attribute.startswith("__"):
+            raise AttributeError(attribute)
+        return getattr(self.resolve(), attribute)
 
 
 class _DeferredModule(types.ModuleType):
@@ -96,7 +106,8 @@ def install() -> bool:
         for package in packages:
             sys.modules[package.__name__] = package
         sys.modules["ChatTTS"].model = sys.modules["ChatTTS.model"]
-        _import_dvae()
+        _import_deferring("ChatTTS.model.dvae", "vector_quantize_pytorch")
+        _import_deferring("ChatTTS.model.tokenizer", "transformers")
         return True
 
 
@@ -107,12 +118,27 @@ def _subspec(name: str):
     return importlib.machinery.PathFinder.find_spec(name, list(locations)) if locations else None
 
 
-def _import_dvae() -> None:
-    if "vector_quantize_pytorch" in sys.modules:
-        importlib.import_module("ChatTTS.model.dvae")
+def _import_deferring(module: str, dependency: str) -> None:
+    """Import ``module`` with the names it takes from ``dependency`` bound to deferred ones
+    (unless ``dependency`` is imported already)."""
+    if dependency in sys.modules:
+        importlib.import_module(module)
         return
-    sys.modules["vector_quantize_pytorch"] = _DeferredModule("vector_quantize_pytorch")
+    sys.modules[dependency] = _DeferredModule(dependency)
     try:
-        importlib.import_module("ChatTTS.model.dvae")
+        importlib.import_module(module)
     finally:
-        del sys.modules["vector_quantize_pytorch"]
+        del sys.modules[dependency]
+
+
+def quiet_transformers() -> None:
+    """transformers warns on every forward pass about ChatTTS's use of ``past_key_values`` and
+    draws progress bars while loading; neither tells an operator anything. Applied where
+    transformers has been imported (the service itself imports it only to build a tokenizer
+    it has no snapshot of)."""
+    if "transformers" not in sys.modules:
+        return
+    from transformers.utils import logging as transformers_logging
+
+    transformers_logging.set_verbosity_error()
+    transformers_logging.disable_progress_bar()

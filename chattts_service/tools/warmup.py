@@ -1,15 +1,12 @@
 """Warm the model: the server runs this before it reports ready; ``warmup.py`` runs it by hand.
 
 Either against a running server (``--url``: waits for readiness, then sends the warm-up texts)
-or in-process (``--model-dir``: loads the engine and runs the same texts, timing each stage);
-or, with ``--jit-cache`` and no model, compile ChatTTS's Numba functions into NUMBA_CACHE_DIR
-(the image does this at build time).
+or in-process (``--model-dir``: loads the engine and runs the same texts, timing each stage).
 """
 
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 import time
 from pathlib import Path
@@ -65,11 +62,6 @@ def main(argv: list[str] | None = None) -> int:
     target = parser.add_mutually_exclusive_group(required=True)
     target.add_argument("--url", help="a running server, e.g. http://127.0.0.1:8090")
     target.add_argument("--model-dir", type=Path, help="load the engine here instead")
-    target.add_argument(
-        "--jit-cache",
-        action="store_true",
-        help="only compile ChatTTS's Numba functions into NUMBA_CACHE_DIR",
-    )
     parser.add_argument("--no-verify", action="store_true", help="skip checksums (test models)")
     parser.add_argument("--timeout", type=float, default=600.0)
     args = parser.parse_args(argv)
@@ -77,14 +69,6 @@ def main(argv: list[str] | None = None) -> int:
         if args.url:
             durations = warm_server(args.url, args.timeout)
             print("warmed " + args.url + ": " + ", ".join(f"{d:.2f}s" for d in durations))
-        elif args.jit_cache:
-            from chattts_service.inference.loader import compile_normaliser_jit
-
-            seconds = compile_normaliser_jit(WARMUP_TEXTS)
-            print(
-                f"ChatTTS's Numba functions are compiled in {os.environ['NUMBA_CACHE_DIR']} "
-                f"({seconds:.2f}s)"
-            )
         else:
             timings = warm_in_process(args.model_dir, verify=not args.no_verify)
             print(", ".join(f"{k} {v:.2f}" for k, v in timings.items()))
