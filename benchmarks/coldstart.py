@@ -2,9 +2,12 @@
 GPT, no tokenizer snapshot, no kernel tuning) and restarts, on the tiny and the full-size
 random-weight models.
 
-Each run is a real server process on loopback, timed from its spawn to the first 200 from
-``/readyz`` (polled every 20 ms); the phases come from its log (model load, warm-up). The
-targets: ready within 3 s (tiny) and 5 s (full) of process start, as the median of restarts.
+Each run is a real server process on loopback, timed from its spawn to the instant its log says
+it is ready (the line written as readiness turns on; ``/readyz`` is polled every 100 ms to
+confirm it, gently: a tight poll takes the starting worker's interpreter away from the start);
+the phases come from the same log (model load, warm-up). Python writes bytecode as it would for
+any user (the restarts read it). The targets: ready within 3 s (tiny) and 5 s (full) of
+process start, as the median of restarts.
 
     .venv/bin/python benchmarks/coldstart.py [--restarts 5] [--sizes tiny,full]
 
@@ -20,6 +23,7 @@ import statistics
 import sys
 import tempfile
 import time
+from datetime import datetime
 from pathlib import Path
 
 import requests
@@ -34,11 +38,22 @@ TARGETS = {"tiny": 3.0, "full": 5.0}
 LOADED = re.compile(r"loaded from .* in ([\d.]+)s")
 WARMED = re.compile(r"warm-up of \d+ texts? took ([\d.]+)s")
 PACKED = re.compile(r"packed GPT kept in")
+READY = re.compile(
+    r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) INFO \S+: ready [\d.]+s after start", re.M
+)
+
+
+def ready_instant(log: str) -> float:
+    """The wall-clock time of the server's "ready" line."""
+    found = READY.search(log)
+    if found is None:
+        raise RuntimeError(f"no ready line in the log:\n{log[-4000:]}")
+    return datetime.strptime(found.group(1), "%Y-%m-%d %H:%M:%S,%f").timestamp()
 
 
 def one_start(model_dir: Path, log_path: Path) -> dict:
-    started = time.monotonic()
-    server = Server(model_dir, log_path)
+    started, spawned = time.monotonic(), time.time()
+    server = Server(model_dir, log_path, PYTHONDONTWRITEBYTECODE="")
     try:
         while True:
             if server.process.poll() is not None:
@@ -50,8 +65,8 @@ def one_start(model_dir: Path, log_path: Path) -> dict:
                 pass
             if time.monotonic() - started > 300:
                 raise TimeoutError(f"not ready in 300 s:\n{server.log()[-4000:]}")
-            time.sleep(0.02)
-        ready = time.monotonic() - started
+            time.sleep(0.1)
+        ready = ready_instant(log_path.read_text(errors="replace")) - spawned
         answer = requests.post(server.url + "/synthesize", json={"text": "Hello."}, timeout=120)
         answer.raise_for_status()
     finally:
