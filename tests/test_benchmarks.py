@@ -8,31 +8,40 @@ import sys
 from conftest import REPO
 
 
-def test_engine_benchmark_smoke(tiny_model_dir):
+def run_benchmark(
+    script: str, *args: str, timeout: int, env: dict | None = None
+) -> subprocess.CompletedProcess:
+    """``python <script> <args>`` from the repository; it must succeed."""
     result = subprocess.run(
-        [
-            sys.executable,
-            "benchmarks/engine.py",
-            "--model-dir",
-            str(tiny_model_dir),
-            "--steps",
-            "12",
-            "--requests",
-            "1",
-            "--rounds",
-            "1",
-            "--seeds",
-            "1",
-            "--json",
-            "--max-seconds",
-            "300",
-        ],
+        [sys.executable, script, *args],
         cwd=REPO,
         capture_output=True,
         text=True,
-        timeout=600,
+        timeout=timeout,
+        env=env,
     )
     assert result.returncode == 0, result.stderr[-3000:]
+    return result
+
+
+def test_engine_benchmark_smoke(tiny_model_dir):
+    result = run_benchmark(
+        "benchmarks/engine.py",
+        "--model-dir",
+        str(tiny_model_dir),
+        "--steps",
+        "12",
+        "--requests",
+        "1",
+        "--rounds",
+        "1",
+        "--seeds",
+        "1",
+        "--json",
+        "--max-seconds",
+        "300",
+        timeout=600,
+    )
     data = json.loads(result.stdout)
     assert data["baseline"]["ms_per_step"] > 0
     assert set(data["ours"]["concurrency"]) == {"1", "4", "8"}
@@ -48,49 +57,35 @@ def test_engine_benchmark_smoke(tiny_model_dir):
 
 
 def test_memory_benchmark_smoke(tiny_model_dir):
-    result = subprocess.run(
-        [
-            sys.executable,
-            "benchmarks/memory.py",
-            "--model-dir",
-            str(tiny_model_dir),
-            "--steps",
-            "10",
-            "--json",
-        ],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
+    result = run_benchmark(
+        "benchmarks/memory.py",
+        "--model-dir",
+        str(tiny_model_dir),
+        "--steps",
+        "10",
+        "--json",
         timeout=300,
         env={"PATH": "/usr/bin:/bin", "CHATTTS_MAX_BATCH": "3", "CHATTTS_MAX_CHARS": "40"},
     )
-    assert result.returncode == 0, result.stderr[-3000:]
     report = json.loads(result.stdout)
     assert report["max_batch"] == 3 and report["steps_per_request"] == 10
     assert report["peak_rss_mb"] >= report["rss_after_ready_mb"] > 0
 
 
 def test_speech_benchmark_smoke(tiny_model_dir):
-    result = subprocess.run(
-        [
-            sys.executable,
-            "benchmarks/speech.py",
-            "--model-dir",
-            str(tiny_model_dir),
-            "--steps",
-            "40",
-            "--requests",
-            "1",
-            "--long-chars",
-            "300",
-            "--json",
-        ],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
+    result = run_benchmark(
+        "benchmarks/speech.py",
+        "--model-dir",
+        str(tiny_model_dir),
+        "--steps",
+        "40",
+        "--requests",
+        "1",
+        "--long-chars",
+        "300",
+        "--json",
         timeout=600,
     )
-    assert result.returncode == 0, result.stderr[-3000:]
     data = json.loads(result.stdout)
     assert data["upstream"]["first_audio_seconds"][0] > 0
     assert data["ours"]["first_audio_seconds"][0] > 0 and data["ours"]["chunks"] >= 2
@@ -117,14 +112,9 @@ def test_speech_benchmark_smoke(tiny_model_dir):
 
 
 def test_cold_start_benchmark_smoke():
-    result = subprocess.run(
-        [sys.executable, "benchmarks/coldstart.py", "--sizes", "tiny", "--restarts", "1"],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=600,
+    result = run_benchmark(
+        "benchmarks/coldstart.py", "--sizes", "tiny", "--restarts", "1", timeout=600
     )
-    assert result.returncode == 0, result.stderr[-3000:]
     lines = result.stdout.splitlines()
     assert lines[0].startswith("CPU: ")
     first = next(line for line in lines if "first start" in line)
@@ -135,21 +125,14 @@ def test_cold_start_benchmark_smoke():
 
 
 def test_tuning_benchmark_smoke(tiny_model_dir):
-    result = subprocess.run(
-        [
-            sys.executable,
-            "benchmarks/tuning.py",
-            "--model-dir",
-            str(tiny_model_dir),
-            "--rounds",
-            "2",
-        ],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
+    result = run_benchmark(
+        "benchmarks/tuning.py",
+        "--model-dir",
+        str(tiny_model_dir),
+        "--rounds",
+        "2",
         timeout=300,
     )
-    assert result.returncode == 0, result.stderr[-3000:]
     lines = result.stdout.splitlines()
     assert lines[0].startswith("cpu ") and "family" in lines[0]
     assert sum(" rows " in line and "GB/s" in line for line in lines) == 8  # every candidate
