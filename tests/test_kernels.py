@@ -11,6 +11,7 @@ from chattts_service.inference.transformer import KVCache, _rotate_half, quantiz
 from chattts_service.kernels import abi
 from chattts_service.kernels import bindings as cpp_kernels
 from chattts_service.kernels import build as kernel_build
+from chattts_service.kernels.int8 import Int8Packing
 
 HEADS, DIM, LAYERS = 4, 64, 3
 
@@ -241,7 +242,7 @@ def test_a_library_of_another_interface_is_refused_at_load(tmp_path):
 
 
 def test_kernel_errors_carry_the_library_message(kernel):
-    packing = cpp_kernels.Int8Packing(torch.ones(16, 8, dtype=torch.int8), torch.ones(16), "avx2")
+    packing = Int8Packing(torch.ones(16, 8, dtype=torch.int8), torch.ones(16), "avx2")
     packing.levels = 200  # more than any product takes
     with pytest.raises(cpp_kernels.KernelError, match="too many activation levels"):
         kernel.int8_linear(torch.randn(1, 8), packing)
@@ -293,7 +294,6 @@ def test_int8_linear_sums_exactly(kernel, instructions):
     if instructions == "vnni" and kernel.int8_instructions != "vnni":
         pytest.skip("this CPU lacks AVX512-VNNI")
     from chattts_service.inference.quantize import _quantized_tensor
-    from chattts_service.kernels.bindings import Int8Packing
 
     torch.manual_seed(7)
     weight = torch.randn(40, 64)  # 40 channels: the last block of 16 is padded

@@ -13,7 +13,7 @@ from chattts_service.inference.quantize import (
     make_linear,
 )
 from chattts_service.kernels import bindings as cpp_kernels
-from chattts_service.kernels.bindings import INT8_INSTRUCTIONS
+from chattts_service.kernels.int8 import INT8_INSTRUCTIONS
 
 needs_fbgemm = pytest.mark.skipif(
     not fbgemm_available(), reason="fbgemm is not built into this torch"

@@ -8,6 +8,7 @@ import torch
 
 from chattts_service.kernels import abi, tuning
 from chattts_service.kernels import bindings as cpp_kernels
+from chattts_service.kernels.int8 import Int8Packing
 
 
 @pytest.fixture()
@@ -19,7 +20,7 @@ def _packings(kernels, seed=0):
     generator = torch.Generator().manual_seed(seed)
     shapes = [(192, 64), (64, 64), (256, 64), (64, 128)]
     return [
-        cpp_kernels.Int8Packing(
+        Int8Packing(
             torch.randint(-127, 128, shape, dtype=torch.int8, generator=generator),
             torch.rand(shape[0], generator=generator) / 100,
             kernels.int8_instructions,

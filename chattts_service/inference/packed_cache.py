@@ -24,7 +24,7 @@ import torch
 
 from chattts_service.inference.quantize import KernelInt8Linear
 from chattts_service.kernels.abi import ABI_VERSION
-from chattts_service.kernels.bindings import Int8Packing
+from chattts_service.kernels.int8 import Int8Packing
 from chattts_service.runtime.files import replace_atomically
 
 log = logging.getLogger(__name__)

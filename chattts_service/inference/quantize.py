@@ -32,7 +32,7 @@ import torch
 
 from chattts_service.config import QUANTIZATIONS
 from chattts_service.kernels import int4
-from chattts_service.kernels.bindings import Int8Packing
+from chattts_service.kernels.int8 import Int8Packing
 from chattts_service.runtime.cpu import cpu_flags
 
 

@@ -16,13 +16,13 @@ import torch
 
 from chattts_service.kernels import abi
 from chattts_service.kernels.bindings import (
-    INT8_INSTRUCTIONS,
     Kernels,
     StepRows,
     _check_gain,
     check_rotary,
 )
 from chattts_service.kernels.int4 import Int4Packing
+from chattts_service.kernels.int8 import INT8_INSTRUCTIONS
 
 
 def _linear(packing) -> abi.LinearWeights:
