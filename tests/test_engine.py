@@ -346,6 +346,33 @@ def test_decoder_context_covers_the_receptive_field(engine):
     assert window_error(max(1, context // 3)) > 1e-4
 
 
+def test_a_span_decodes_what_the_whole_window_gives_for_those_steps(engine):
+    """``AudioDecoder.span`` runs each stage on the frames the later stages read; the samples
+    it keeps are the window's, within the rounding the stream already allows (a GEMM over
+    fewer frames may round a row differently)."""
+    decoder = engine.model.decoder
+    assert decoder._stages is not None  # ChatTTS's modules: the cropping path, no fallback
+    context = decoder.context_steps
+    hiddens = torch.randn(
+        3 * context + 40, engine.model.heads.hidden_size, generator=torch.Generator().manual_seed(1)
+    )
+
+    def compare(first: int, last: int | None) -> tuple[int, float]:
+        window = hiddens if last is None else hiddens[: last + context]
+        reference = decoder(window)[first * 512 : None if last is None else last * 512]
+        got = decoder.span(window, first, last)
+        assert got.dtype == np.float32 and len(got) == len(reference)
+        return len(got), float(np.linalg.norm(got - reference) / np.linalg.norm(reference))
+
+    spans = [(0, 8), (0, None), (context, context + 16), (context, context + 1), (5, 20)]
+    spans.append((context + 3, None))
+    results = engine.scheduler.call(lambda: [compare(*span) for span in spans]).result()
+    for (first, last), (length, error) in zip(spans, results, strict=True):
+        if last is not None:
+            assert length == (last - first) * 512
+        assert error < 1e-6, (first, last, error)
+
+
 def test_long_text_is_split_batched_and_joined_without_losing_a_segment(engine):
     sentence = "第{}句话讲了一件事情。"
     text = "".join(sentence.format(i) for i in range(1, 13))

@@ -19,7 +19,6 @@ import numpy as np
 from chattts_service.inference.scheduler import JobFuture
 from chattts_service.inference.types import (
     SAMPLE_RATE,
-    SAMPLES_PER_STEP,
     EngineError,
     NothingToSay,
     Synthesis,
@@ -87,10 +86,11 @@ class SynthesisJob:
 
     def _emit(self, sequence, until: int, final: bool) -> None:
         start = max(0, self._emitted - self.context_steps)
-        audio = self.decode(sequence.hiddens[start : sequence.steps])
-        first = (self._emitted - start) * SAMPLES_PER_STEP
-        last = len(audio) if final else (until - start) * SAMPLES_PER_STEP
-        chunk = audio[first:last]
+        chunk = self.decode.span(
+            sequence.hiddens[start : sequence.steps],
+            self._emitted - start,
+            None if final else until - start,
+        )
         self._parts.append(chunk)
         self.chunks.put(chunk)
         self._emitted = until
