@@ -15,8 +15,6 @@ warning, never used.
 
 from __future__ import annotations
 
-import hashlib
-import json
 import logging
 from pathlib import Path
 
@@ -25,7 +23,7 @@ import torch
 from chattts_service.inference.quantize import KernelInt8Linear
 from chattts_service.kernels.abi import ABI_VERSION
 from chattts_service.kernels.int8 import Int8Packing
-from chattts_service.runtime.files import replace_atomically
+from chattts_service.runtime.files import identity_key, listing, replace_atomically
 
 log = logging.getLogger(__name__)
 
@@ -35,15 +33,9 @@ LINEARS = ("qkv", "out", "gate_up", "down")
 
 
 def model_key(gpt_dir: Path) -> str:
-    """The GPT's files as they are now: path, size and modification time of each."""
-    files = []
-    for path in sorted(Path(gpt_dir).iterdir()):
-        if path.is_file():
-            stat = path.stat()
-            files.append([path.name, stat.st_size, stat.st_mtime_ns])
-    identity = {"packing": PACKING_VERSION, "abi": ABI_VERSION, "files": files}
-    text = json.dumps(identity, sort_keys=True).encode()
-    return hashlib.sha256(text).hexdigest()[:24]
+    """The GPT's files as they are now (name, size and modification time of each), the
+    packing's version and the kernels' ABI."""
+    return identity_key({"packing": PACKING_VERSION, "abi": ABI_VERSION, "files": listing(gpt_dir)})
 
 
 class PackedCache:

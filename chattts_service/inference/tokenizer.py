@@ -17,7 +17,6 @@ with a warning; a directory that cannot be written leaves every start on the ups
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 from importlib.metadata import version
@@ -26,7 +25,7 @@ from pathlib import Path
 import torch
 
 from chattts_service.inference import upstream
-from chattts_service.runtime.files import replace_atomically
+from chattts_service.runtime.files import identity_key, listing, replace_atomically
 
 log = logging.getLogger(__name__)
 
@@ -133,18 +132,14 @@ def snapshot(wrapper) -> dict:
 
 
 def snapshot_key(tokenizer_dir: Path) -> str:
-    files = []
-    for path in sorted(Path(tokenizer_dir).iterdir()):
-        if path.is_file():
-            stat = path.stat()
-            files.append([path.name, stat.st_size, stat.st_mtime_ns])
-    identity = {
-        "snapshot": SNAPSHOT_VERSION,
-        "files": files,
-        "transformers": version("transformers"),
-        "tokenizers": version("tokenizers"),
-    }
-    return hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()[:24]
+    return identity_key(
+        {
+            "snapshot": SNAPSHOT_VERSION,
+            "files": listing(tokenizer_dir),
+            "transformers": version("transformers"),
+            "tokenizers": version("tokenizers"),
+        }
+    )
 
 
 def from_backend(backend: BackendTokenizer):

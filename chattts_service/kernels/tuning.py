@@ -19,7 +19,6 @@ Every candidate gives the same bits (prefetching moves no data); only the time d
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import statistics
@@ -31,7 +30,7 @@ import torch
 
 from chattts_service.kernels import abi
 from chattts_service.runtime.cpu import cpu_fields, cpu_flags
-from chattts_service.runtime.files import replace_atomically
+from chattts_service.runtime.files import identity_key, replace_atomically
 
 log = logging.getLogger(__name__)
 
@@ -153,17 +152,16 @@ def measure(kernels, packings, rounds: int = 5, candidates=CANDIDATES) -> tuple[
 
 
 def cache_path(directory: Path, identity: dict, threads: int, library: Path) -> Path:
-    key = json.dumps(
+    key = identity_key(
         {
             "version": FILE_VERSION,
             "cpu": identity,
             "threads": threads,
             "library": library.name,
             "candidates": [asdict(c) for c in CANDIDATES],
-        },
-        sort_keys=True,
+        }
     )
-    return Path(directory) / f"tuning-{hashlib.sha256(key.encode()).hexdigest()[:24]}.json"
+    return Path(directory) / f"tuning-{key}.json"
 
 
 def _read(path: Path) -> KernelTuning | None:

@@ -1,7 +1,9 @@
-"""Files written whole or not at all."""
+"""Files kept beside the model: named by what they were made from, written whole or not at all."""
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
 import tempfile
 from collections.abc import Callable
@@ -27,3 +29,18 @@ def replace_atomically(
     except BaseException:
         Path(temporary).unlink(missing_ok=True)
         raise
+
+
+def listing(directory: Path) -> list[list]:
+    """The files in ``directory`` as they are now: name, size and modification time of each."""
+    files = []
+    for path in sorted(Path(directory).iterdir()):
+        if path.is_file():
+            stat = path.stat()
+            files.append([path.name, stat.st_size, stat.st_mtime_ns])
+    return files
+
+
+def identity_key(identity: dict) -> str:
+    """A short name for ``identity`` (what a kept file was made from), for its file name."""
+    return hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()[:24]
