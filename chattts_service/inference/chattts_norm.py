@@ -122,13 +122,7 @@ def norm_module():
             upstream.install()
             stand_in = types.ModuleType("numba")
             stand_in.jit = _jit_stand_in
-            real = sys.modules.get("numba")
-            sys.modules["numba"] = real or stand_in
-            try:
-                import ChatTTS.norm as norm
-            finally:
-                if real is None:
-                    del sys.modules["numba"]
+            norm = upstream.import_standing_in("ChatTTS.norm", "numba", stand_in)
         if getattr(norm, "_chattts_service_ports", False):
             return norm
         for name in NUMBA_FUNCTIONS:

@@ -121,12 +121,17 @@ def _subspec(name: str):
 def _import_deferring(module: str, dependency: str) -> None:
     """Import ``module`` with the names it takes from ``dependency`` bound to deferred ones
     (unless ``dependency`` is imported already)."""
+    import_standing_in(module, dependency, _DeferredModule(dependency))
+
+
+def import_standing_in(module: str, dependency: str, stand_in: types.ModuleType):
+    """Import ``module`` with ``stand_in`` in the place of ``dependency`` while it imports
+    (unless ``dependency`` is imported already: then with the real one); return it."""
     if dependency in sys.modules:
-        importlib.import_module(module)
-        return
-    sys.modules[dependency] = _DeferredModule(dependency)
+        return importlib.import_module(module)
+    sys.modules[dependency] = stand_in
     try:
-        importlib.import_module(module)
+        return importlib.import_module(module)
     finally:
         del sys.modules[dependency]
 
