@@ -15,9 +15,8 @@ class AudioDecoder:
         self.decoder, self.vocos, self.dtype = decoder, vocos, dtype
         self.context_steps = decoder_context_steps(decoder, vocos)
         self._stages = _stages(decoder, vocos)
-        head = vocos.head
-        self._head_radius = head.istft.win_length // head.istft.hop_length // 2
-        self._hop = head.istft.hop_length
+        self._head_radius = _head_radius(vocos)
+        self._hop = vocos.head.istft.hop_length
 
     def __call__(self, hiddens: torch.Tensor, dtype: str | None = None) -> np.ndarray:
         """[steps, hidden] -> float32 samples in [-1, 1]."""
@@ -72,6 +71,12 @@ def _conv_radius(module) -> int:
     )
 
 
+def _head_radius(vocos) -> int:
+    """How many frames on each side of an output sample's frame the inverse STFT reads."""
+    istft = vocos.head.istft
+    return istft.win_length // istft.hop_length // 2
+
+
 def _frames(x: torch.Tensor) -> torch.Tensor:
     """ChatTTS's DVAE.forward: each step's hidden state is two mel frames' features."""
     return x.view(x.size(0), 2, x.size(1) // 2, x.size(2)).permute(0, 2, 3, 1).flatten(2)
@@ -112,7 +117,5 @@ def decoder_context_steps(decoder, vocos) -> int:
     the decoder's and the vocoder's convolutions plus the inverse STFT's window, in mel frames
     (two per step). A chunk decoded with this much context on both sides is the same as that
     stretch of a decode of the whole."""
-    frames = _conv_radius(decoder) + _conv_radius(vocos.backbone)
-    head = vocos.head
-    frames += head.istft.win_length // head.istft.hop_length // 2
+    frames = _conv_radius(decoder) + _conv_radius(vocos.backbone) + _head_radius(vocos)
     return -(-frames // 2)
