@@ -6,6 +6,7 @@ from ChatTTS.model.processors import gen_logits
 from transformers import LlamaModel
 
 from chattts_service.inference.generation import (
+    Batch,
     Heads,
     Sequence,
     TextSequence,
@@ -236,6 +237,44 @@ def test_one_call_through_every_layer_gives_the_layer_by_layer_bits(
             assert torch.equal(
                 getattr(first, name)[:, :, :held], getattr(second, name)[:, :, :held]
             ), name
+
+
+@pytest.mark.parametrize("quantization", ["int8", "int4"])
+def test_a_step_drawn_in_one_call_gives_the_separate_calls_tokens(tiny_model_dir, quantization):
+    """The layers, the final norm, the code head and the draw in one C++ call: each row's
+    hidden states and tokens are those of the calls one after the other, step after step, for
+    rows of different prompts, samplings, repetition windows and forbidden end of speech."""
+    llama = LlamaModel.from_pretrained(str(tiny_model_dir / "asset/gpt"))
+    torch.manual_seed(4)
+    hidden = llama.config.hidden_size
+    model = Transformer(llama, quantization, "on")
+    heads = Heads(_FakeEmbed(hidden=hidden), rows=4, quantization="int8", kernels=CPP)
+    samplings = [
+        CODE_SAMPLING,
+        Sampling(temperature=0.9, top_p=0.5, top_k=5, repetition_penalty=1.3),
+        Sampling(temperature=1.5, top_p=0.95, top_k=50, repetition_penalty=1.0),
+    ]
+    prompts = [torch.randn(length, hidden) * 4 for length in (7, 19, 3)]
+
+    def batch():
+        made = Batch(model, heads, 4)
+        for index, (prompt, sampling) in enumerate(zip(prompts, samplings)):
+            made.add(Sequence(prompt, heads, sampling, index, 40, min_steps=25, eos_token=625))
+        return made, list(made.active)
+
+    (one_call, ones), (separate, others) = batch(), batch()
+    assert one_call._one_call_head() is heads.code_head.packing
+    separate._one_call_head = lambda: None  # the layers, then the head and the draw apart
+    while one_call.active or separate.active:
+        one_call.step()
+        separate.step()
+    for mine, theirs in zip(ones, others):
+        assert mine.steps == theirs.steps >= 25  # end of speech forbidden before 25 steps
+        assert torch.equal(mine.result_tokens(), theirs.result_tokens())
+        assert torch.equal(mine.result_hiddens(), theirs.result_hiddens())
+    # the one call refuses what is not an int8 head as wide as the layers' rows
+    with pytest.raises(ValueError, match="int8 packing"):
+        model.step_and_draw(torch.randn(1, hidden), [model.new_cache(8)], [0], None, ())
 
 
 def test_the_gathered_layers_refuse_what_does_not_fit(tiny_model_dir):

@@ -24,7 +24,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from chattts_service.inference.quantize import make_linear
+from chattts_service.inference.quantize import KernelInt8Linear, make_linear
 from chattts_service.inference.transformer import Transformer, rounded_positions
 from chattts_service.inference.types import Sampling
 
@@ -237,15 +237,24 @@ def sample_with_kernels(
     (``kernels.sample``): the same distribution from the same uniform numbers (``uniforms``
     [rows, width], by default from each row's generator), without a full sort or a dozen
     operators a step."""
-    width = sequences[0].width
-    vocabulary = logits.shape[-1] // width
+    vocabulary = logits.shape[-1] // sequences[0].width
+    return kernels.sample(
+        logits.float().contiguous(), *kernel_sampling(sequences, vocabulary, uniforms)
+    )
+
+
+def kernel_sampling(
+    sequences: list[Sequence], vocabulary: int, uniforms: torch.Tensor | None = None
+) -> tuple:
+    """``kernels.sample``'s arguments after the logits for these rows: parameters, top-k,
+    tokens always kept, repetition windows, the token each forbids, and one uniform number per
+    codebook (``uniforms``, by default drawn from each row's generator)."""
     top_k = torch.tensor([s.sampling.top_k for s in sequences], dtype=torch.int64)
     windows = torch.stack([s.window(vocabulary) for s in sequences])
     banned = torch.tensor(
         [s.eos_token if s.end_banned else -1 for s in sequences], dtype=torch.int64
     )
-    return kernels.sample(
-        logits.float().contiguous(),
+    return (
         _sampling_parameters(sequences),
         top_k,
         MIN_TOKENS_TO_KEEP,
@@ -324,13 +333,36 @@ class Batch:
         if not self.active:
             return []
         embeddings = torch.stack([sequence.next_embedding() for sequence in self.active])
-        hiddens = self.transformer.step(
-            embeddings, [s.cache for s in self.active], [s.length for s in self.active]
-        )
-        for sequence in self.active:
-            sequence.length += 1
-        self._accept(self.active, hiddens)
+        caches, lengths = [s.cache for s in self.active], [s.length for s in self.active]
+        head = self._one_call_head()
+        if head is None:
+            hiddens = self.transformer.step(embeddings, caches, lengths)
+            for sequence in self.active:
+                sequence.length += 1
+            self._accept(self.active, hiddens)
+        else:  # the layers, the head and the draw in one C++ call: the same bits
+            # (each row's uniform numbers come from its own generator, before or after)
+            sampling = kernel_sampling(self.active, head.out_features // NUM_VQ)
+            hiddens, tokens = self.transformer.step_and_draw(
+                embeddings, caches, lengths, head, sampling
+            )
+            for sequence, token, hidden in zip(self.active, tokens, hiddens):
+                sequence.length += 1
+                sequence.record(token, hidden)
         return self.remove([s for s in self.active if s.finished])
+
+    def _one_call_head(self):
+        """The code head's int8 packing where one C++ call can run the whole step (the
+        kernels run every layer and the head, and every row generates speech codes)."""
+        head = self.heads.code_head
+        if (
+            self.transformer.decode_layers is None
+            or self.heads.kernels is None
+            or not isinstance(head, KernelInt8Linear)
+            or any(sequence.kind != "code" for sequence in self.active)
+        ):
+            return None
+        return head.packing
 
     def remove(self, leaving: list[Sequence]) -> list[Sequence]:
         for sequence in leaving:

@@ -40,6 +40,19 @@ class RMSNorm:
         return F.rms_norm(x, self.shape, self.weight, self.eps)
 
 
+class KernelRMSNorm(RMSNorm):
+    """The final norm where the C++ kernels run the whole step: their RMSNorm, which the step
+    also applies inside its own call (``DecodeLayers.step_and_draw``), so a step's hidden
+    states have the same bits however it was called."""
+
+    def __init__(self, norm: RMSNorm, kernels):
+        super().__init__(norm.weight, norm.eps)
+        self.kernels = kernels
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return self.kernels.rms_norm(x, self.weight, self.eps)
+
+
 class Layer:
     def __init__(self, qkv, out, gate_up, down, attention_norm: RMSNorm, mlp_norm: RMSNorm):
         self.qkv, self.out, self.gate_up, self.down = qkv, out, gate_up, down
@@ -205,6 +218,8 @@ class Transformer:
         self.max_positions = config.max_position_embeddings
         self.scale = 1.0 / math.sqrt(self.head_dim)  # scaled_dot_product_attention's default
         self.decode_layers = self._gather_layers()
+        if self.decode_layers is not None:
+            self.norm = KernelRMSNorm(self.norm, self.kernels)
         self.tuning = None  # how the int8 product prefetches, once chosen (kernels.tuning)
 
     def int8_packings(self) -> list:
@@ -225,7 +240,7 @@ class Transformer:
             isinstance(linear, KERNEL_LINEARS) for group in linears for linear in group
         ):
             return None
-        if len({norm.eps for pair in norms for norm in pair}) != 1:
+        if len({norm.eps for pair in norms for norm in pair} | {self.norm.eps}) != 1:
             return None
         return DecodeLayers(
             self.kernels,
@@ -238,6 +253,7 @@ class Transformer:
             norms[0][0].eps,
             self.scale,
             (self.cos, self.sin),
+            self.norm.weight,
         )
 
     @property
@@ -310,6 +326,27 @@ class Transformer:
             x = self._finish(layer, x, attended)
         return self.norm(x[0, -1])
 
+    def _make_room(self, caches: list[KVCache], lengths: list[int]) -> None:
+        if max(lengths) + 1 > self.max_positions:
+            raise ValueError(f"sequence would exceed {self.max_positions} positions")
+        for cache, length in zip(caches, lengths):
+            cache.ensure(length + 1)
+
+    @torch.inference_mode()
+    def step_and_draw(
+        self, embeddings: torch.Tensor, caches: list[KVCache], lengths: list[int], head, sampling
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``step`` and, in the same C++ call, the int8 ``head`` (an ``Int8Packing``) on its
+        hidden states and the draw of each row's tokens (``sampling``: ``Kernels.sample``'s
+        arguments after the logits): the hidden states [rows, hidden] and the tokens
+        [rows, width], the bits of ``step``, ``Kernels.int8_linear`` and ``Kernels.sample``
+        called one after the other. Only where ``decode_layers`` is."""
+        self._make_room(caches, lengths)
+        x = embeddings.to(torch.float32, copy=True).contiguous()
+        return self.decode_layers.step_and_draw(
+            x, cpp_kernels.StepRows(caches, lengths), head, sampling
+        )
+
     def _attend_per_row(self, index: int, q, k, v, caches, lengths, attended) -> None:
         k_rows, v_rows = k[:, :, 0].unbind(0), v[:, :, 0].unbind(0)
         # Attention runs per row over exactly that row's positions: the CPU kernels'
@@ -334,10 +371,7 @@ class Transformer:
         ``caches[i]`` already holds, so also the new token's position. Returns [rows, hidden].
         """
         rows = embeddings.shape[0]
-        if max(lengths) + 1 > self.max_positions:
-            raise ValueError(f"sequence would exceed {self.max_positions} positions")
-        for cache, length in zip(caches, lengths):
-            cache.ensure(length + 1)
+        self._make_room(caches, lengths)
         if self.decode_layers is not None:
             x = embeddings.to(torch.float32, copy=True).contiguous()
             self.decode_layers(x, cpp_kernels.StepRows(caches, lengths))

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import ctypes
 
-ABI_VERSION = 3
+ABI_VERSION = 4
 
 _i64, _i32, _f32, _ptr = ctypes.c_int64, ctypes.c_int32, ctypes.c_float, ctypes.c_void_p
 
@@ -133,6 +133,11 @@ class DecodeLayersArgs(ctypes.Structure):
         ("lengths", _ptr),
         ("cos", _ptr),
         ("sin", _ptr),
+        ("final_gain", _ptr),
+        ("hiddens", _ptr),
+        ("head", _ptr),
+        ("logits", _ptr),
+        ("sample", _ptr),
     ]
 
 
@@ -204,6 +209,7 @@ def declare(library: ctypes.CDLL) -> None:
     for name, struct, result in (
         ("chatts_decode_attention", AttentionArgs, _i32),
         ("chatts_rms_norm_unit_rows", RmsNormArgs, None),
+        ("chatts_rms_norm", RmsNormArgs, None),
         ("chatts_int8_linear", Int8LinearArgs, _i32),
         ("chatts_sample", SampleArgs, _i32),
         ("chatts_decode_layers", DecodeLayersArgs, _i32),

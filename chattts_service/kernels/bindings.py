@@ -156,6 +156,27 @@ class Kernels:
         )
         return out, row_max
 
+    def rms_norm(self, x: torch.Tensor, gain: torch.Tensor, eps: float) -> torch.Tensor:
+        """LlamaRMSNorm of each row of ``x`` [..., width] with ``gain``, the shape of ``x``."""
+        rows = _float_rows(x)
+        _check_gain(gain, rows.shape[1])
+        out = torch.empty(rows.shape)
+        self.library.chatts_rms_norm(
+            ctypes.byref(
+                abi.RmsNormArgs(
+                    rows=rows.shape[0],
+                    width=rows.shape[1],
+                    x=rows.data_ptr(),
+                    x_row_stride=rows.stride(0),
+                    gain=gain.data_ptr(),
+                    eps=eps,
+                    out=out.data_ptr(),
+                    row_max=None,
+                )
+            )
+        )
+        return out.view(x.shape)
+
     # Long, for the same reason as attention: the checks before the C call.
     def int8_linear(
         self,
@@ -222,6 +243,18 @@ class Kernels:
         that top-p and top-k always keep; ``windows``
         [rows, width, window] recent tokens (``vocabulary`` = none); ``banned`` [rows] a token
         to forbid or -1; ``uniforms`` [rows, width] in [0, 1)."""
+        draw = SampleCall(logits, parameters, top_k, min_keep, windows, banned, uniforms)
+        self._check(self.library.chatts_sample(ctypes.byref(draw.arguments)))
+        return draw.tokens
+
+
+class SampleCall:
+    """``Kernels.sample``'s arguments, checked, and the tokens [rows, width] it draws into;
+    also what the one-call step (``layers.DecodeLayers``) samples with, where ``logits`` is
+    the buffer that call writes the head's logits to. Holds every tensor the C struct points
+    into."""
+
+    def __init__(self, logits, parameters, top_k, min_keep, windows, banned, uniforms):
         rows, width, window = windows.shape
         vocabulary = logits.shape[-1] // width
         arguments = [
@@ -235,29 +268,24 @@ class Kernels:
         for tensor, dtype, shape in arguments:
             if tensor.dtype != dtype or tuple(tensor.shape) != shape or not tensor.is_contiguous():
                 raise ValueError(f"sample takes contiguous {dtype} tensors of shape {shape}")
-        tokens = torch.empty(rows, width, dtype=torch.int64)
-        self._check(
-            self.library.chatts_sample(
-                ctypes.byref(
-                    abi.SampleArgs(
-                        rows=rows,
-                        width=width,
-                        vocabulary=vocabulary,
-                        logits=logits.data_ptr(),
-                        parameters=parameters.data_ptr(),
-                        top_k=top_k.data_ptr(),
-                        min_keep=min_keep,
-                        windows=windows.data_ptr(),
-                        window=window,
-                        banned=banned.data_ptr(),
-                        uniforms=uniforms.data_ptr(),
-                        tokens=tokens.data_ptr(),
-                        threads=torch.get_num_threads(),
-                    )
-                )
-            )
+        self._held = [tensor for tensor, _, _ in arguments]
+        self.logits = logits
+        self.tokens = torch.empty(rows, width, dtype=torch.int64)
+        self.arguments = abi.SampleArgs(
+            rows=rows,
+            width=width,
+            vocabulary=vocabulary,
+            logits=logits.data_ptr(),
+            parameters=parameters.data_ptr(),
+            top_k=top_k.data_ptr(),
+            min_keep=min_keep,
+            windows=windows.data_ptr(),
+            window=window,
+            banned=banned.data_ptr(),
+            uniforms=uniforms.data_ptr(),
+            tokens=self.tokens.data_ptr(),
+            threads=torch.get_num_threads(),
         )
-        return tokens
 
 
 def linear_rows(x: torch.Tensor, packing, gain, residual, swiglu: bool):

@@ -6,6 +6,11 @@ sixth of a batch-1 step. ``DecodeLayers`` checks the layers' weights and gathers
 pointers once, when the model loads; a step then passes only the rows, their caches and one
 scratch buffer. The C side calls the same kernels in the same order, so the bits are those of
 the calls one layer at a time (a test holds the two equal).
+
+``step_and_draw`` goes on in the same call to what a speech step does next: the final norm,
+the code head and the draw of every row's tokens. From Python those were three more calls and
+a dozen small operators, and the first of them paid for caches the layers' weights had just
+swept (~0.5 ms a step at batch 1); the bits are again those of the separate calls.
 """
 
 from __future__ import annotations
@@ -17,12 +22,13 @@ import torch
 from chattts_service.kernels import abi
 from chattts_service.kernels.bindings import (
     Kernels,
+    SampleCall,
     StepRows,
     _check_gain,
     check_rotary,
 )
 from chattts_service.kernels.int4 import Int4Packing
-from chattts_service.kernels.int8 import INT8_INSTRUCTIONS
+from chattts_service.kernels.int8 import INT8_INSTRUCTIONS, Int8Packing
 
 
 def _linear(packing) -> abi.LinearWeights:
@@ -59,7 +65,7 @@ class DecodeLayers:
 
     ``layers``: per layer (qkv, out, gate_up, down packings: ``Int8Packing`` or
     ``Int4Packing``, attention gain, mlp gain); ``rotary``: the (cos, sin) tables
-    [positions, head_dim]."""
+    [positions, head_dim]; ``final_gain``: the final RMSNorm's gain (``step_and_draw``)."""
 
     def __init__(
         self,
@@ -70,6 +76,7 @@ class DecodeLayers:
         eps: float,
         scale: float,
         rotary: tuple[torch.Tensor, torch.Tensor],
+        final_gain: torch.Tensor,
     ):
         if not layers:
             raise ValueError("no layers to gather")
@@ -102,6 +109,8 @@ class DecodeLayers:
             self.weights[index] = abi.LayerWeights(
                 gains[0].data_ptr(), gains[1].data_ptr(), *(_linear(p) for p in packings)
             )
+        _check_gain(final_gain, hidden)
+        self.final_gain = final_gain
         self.eps, self.scale = eps, scale
         self.positions = check_rotary(rotary, head_dim)
         self.cos, self.sin = rotary
@@ -116,6 +125,37 @@ class DecodeLayers:
         """Run the new tokens ``x`` [rows, hidden] float32 through every layer, writing each
         row's key and value into its cache at position ``rows.lengths[i]``; returns the last
         layer's output (``x`` itself, overwritten)."""
+        self._run(x, rows)
+        return x
+
+    def step_and_draw(
+        self, x: torch.Tensor, rows: StepRows, head, sampling: tuple
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``self(x, rows)``, then in the same call the final RMSNorm of each row (as
+        ``Kernels.rms_norm``), the int8 ``head`` (an ``Int8Packing``) on the normed rows (as
+        ``Kernels.int8_linear``) and the draw (as ``Kernels.sample`` with ``sampling``: its
+        arguments after the logits). Returns the normed rows [rows, hidden] and the tokens
+        [rows, width]."""
+        if not isinstance(head, Int8Packing) or head.in_features != self.hidden:
+            raise ValueError(f"the head must be an int8 packing of {self.hidden} inputs")
+        count = x.shape[0]
+        hiddens = torch.empty(count, self.hidden)
+        logits = torch.empty(count, head.out_features)
+        draw = SampleCall(logits, *sampling)
+        if draw.tokens.shape[0] != count:
+            raise ValueError("one sampling row per row")
+        weights = _linear(head)
+        tail = {
+            "final_gain": self.final_gain.data_ptr(),
+            "hiddens": hiddens.data_ptr(),
+            "head": ctypes.addressof(weights),
+            "logits": logits.data_ptr(),
+            "sample": ctypes.addressof(draw.arguments),
+        }
+        self._run(x, rows, tail, head.instructions)
+        return hiddens, draw.tokens
+
+    def _run(self, x: torch.Tensor, rows: StepRows, tail: dict | None = None, head="") -> None:
         count = x.shape[0]
         if x.dtype != torch.float32 or not x.is_contiguous() or x.shape != (count, self.hidden):
             raise ValueError(f"x must be a contiguous float32 [rows, {self.hidden}] tensor")
@@ -144,8 +184,7 @@ class DecodeLayers:
             **rows.pointers(),
             cos=self.cos.data_ptr(),
             sin=self.sin.data_ptr(),
+            **(tail or {}),
         )
-        kernels._check(
-            kernels.library.chatts_decode_layers(ctypes.byref(arguments)), self.instructions
-        )
-        return x
+        instructions = "/".join(sorted({self.instructions, head} - {""}))
+        kernels._check(kernels.library.chatts_decode_layers(ctypes.byref(arguments)), instructions)

@@ -1,4 +1,5 @@
-// chatts_decode_layers: a decode step through every layer of the GPT in one call.
+// chatts_decode_layers: a decode step through every layer of the GPT in one call, and after
+// them, where asked, the final norm, the code head and the draw of the tokens.
 //
 // One call per projection and per attention from Python cost ~10 us each in argument checks,
 // ctypes and torch allocations, and a step makes 100 of them (20 layers): about a millisecond,
@@ -82,7 +83,14 @@ static int32_t decode_layers(const ChattsDecodeLayersArgs& a) {
                          scratch.middle, a.x);
         if (status != CHATTS_OK) return status;
     }
-    return CHATTS_OK;
+    // the tail: the hidden states the decoder keeps, the head's logits, the tokens drawn
+    if (a.final_gain == nullptr) return CHATTS_OK;
+    rms_norm_rows(rows, hidden, a.x, hidden, a.final_gain, a.eps, a.hiddens);
+    if (a.head == nullptr) return CHATTS_OK;
+    if (a.head->bits != 8 || a.head->k != hidden) return CHATTS_UNKNOWN_PRODUCT;
+    const int32_t status = project(a, *a.head, a.hiddens, hidden, nullptr, 0, nullptr, a.logits);
+    if (status != CHATTS_OK || a.sample == nullptr) return status;
+    return chatts_sample(a.sample);
 }
 
 extern "C" int32_t chatts_decode_layers(const ChattsDecodeLayersArgs* a) {

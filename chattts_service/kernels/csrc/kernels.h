@@ -8,7 +8,7 @@
 #include <cstdint>
 
 #ifndef CHATTS_ABI_VERSION  // a test builds a library of another version to see it refused
-#define CHATTS_ABI_VERSION 3
+#define CHATTS_ABI_VERSION 4
 #endif
 
 // What a kernel returns. chatts_status_message() gives each one's text.
@@ -127,6 +127,15 @@ struct ChattsDecodeLayersArgs {
     const int64_t* lengths;
     const float* cos;
     const float* sin;
+    // What follows the last layer, in the same call; each part needs the ones before it, and
+    // NULL skips it and the rest: the final RMSNorm of x into `hiddens` (as chatts_rms_norm),
+    // an int8 head on those into `logits` (as chatts_int8_linear), and the draw of each row's
+    // tokens from the logits (as chatts_sample, whose `logits` must be this `logits`).
+    const float* final_gain;         // [hidden]
+    float* hiddens;                  // [rows, hidden]
+    const ChattsLinearWeights* head; // an int8 head, head->k == hidden
+    float* logits;                   // [rows, head->n]
+    const struct ChattsSampleArgs* sample;
 };
 
 // The int4 product (csrc/int4_linear.cpp): x as chatts_int8_linear takes it.
@@ -182,5 +191,6 @@ void chatts_rms_norm_unit_rows(const ChattsRmsNormArgs* args);
 int32_t chatts_int8_linear(const ChattsInt8LinearArgs* args);
 int32_t chatts_sample(const ChattsSampleArgs* args);
 int32_t chatts_decode_layers(const ChattsDecodeLayersArgs* args);
+void chatts_rms_norm(const ChattsRmsNormArgs* args);
 int32_t chatts_int4_linear(const ChattsInt4LinearArgs* args);
 }

@@ -22,3 +22,19 @@ extern "C" void chatts_rms_norm_unit_rows(const ChattsRmsNormArgs* a) {
     rms_norm_unit_rows(a->rows, a->width, a->x, a->x_row_stride, a->gain, a->eps, a->out,
                        a->row_max);
 }
+
+// chatts_rms_norm: LlamaRMSNorm of each row, x / rms(x) * gain, the values PreparedRow gives
+// the int8 products (`row_max` is not used). The GPT's final norm where the kernels run the
+// step, so the step's own call and the calls from Python give the same bits.
+static void rms_norm_rows(int64_t rows, int64_t width, const float* x, int64_t x_row_stride,
+                          const float* gain, float eps, float* out) {
+    for (int64_t row = 0; row < rows; ++row) {
+        const PreparedRow prepared(x + row * x_row_stride, width, gain, eps);
+        float* normed = out + row * width;
+        for (int64_t i = 0; i < width; ++i) normed[i] = prepared.value(i);
+    }
+}
+
+extern "C" void chatts_rms_norm(const ChattsRmsNormArgs* a) {
+    rms_norm_rows(a->rows, a->width, a->x, a->x_row_stride, a->gain, a->eps, a->out);
+}
