@@ -240,6 +240,29 @@ def test_one_call_through_every_layer_gives_the_layer_by_layer_bits(
 
 
 @pytest.mark.parametrize("quantization", ["int8", "int4"])
+@pytest.mark.parametrize("kv_cache", ["bf16", "int8"])
+def test_a_prompt_in_one_call_gives_the_bits_of_its_tokens_stepped_one_by_one(
+    tiny_model_dir, quantization, kv_cache
+):
+    """The kernels' prefill (the prompt's positions as the rows of one call) stores every key
+    and value, and ends on the hidden state, that decode steps over the same tokens one at a
+    time give."""
+    llama = LlamaModel.from_pretrained(str(tiny_model_dir / "asset/gpt"))
+    torch.manual_seed(5)
+    hidden = llama.config.hidden_size
+    model = Transformer(llama, quantization, "on", kv_cache=kv_cache)
+    prompt = torch.randn(13, hidden) * 4
+    together, alone = model.new_cache(reserve=16), model.new_cache(reserve=16)
+    last = model.prefill(prompt, together)
+    for position in range(len(prompt)):
+        stepped = model.step(prompt[position : position + 1], [alone], [position])[0]
+    assert torch.equal(last, stepped)
+    names = ["keys", "values"] + (["key_scales", "value_scales"] if kv_cache == "int8" else [])
+    for name in names:
+        assert torch.equal(getattr(together, name)[:, :, :13], getattr(alone, name)[:, :, :13])
+
+
+@pytest.mark.parametrize("quantization", ["int8", "int4"])
 def test_a_step_drawn_in_one_call_gives_the_separate_calls_tokens(tiny_model_dir, quantization):
     """The layers, the final norm, the code head and the draw in one C++ call: each row's
     hidden states and tokens are those of the calls one after the other, step after step, for

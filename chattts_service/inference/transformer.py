@@ -317,6 +317,9 @@ class Transformer:
         if length > self.max_positions:
             raise ValueError(f"prompt of {length} tokens exceeds {self.max_positions} positions")
         cache.ensure(length)
+        if self.decode_layers is not None:
+            x = embeddings.to(torch.float32, copy=True).contiguous()
+            return self.norm(self.decode_layers.prompt(x, cache)[-1])
         cos, sin = self.cos[:length][None, None], self.sin[:length][None, None]
         x = embeddings.float()[None]
         for index, layer in enumerate(self.layers):

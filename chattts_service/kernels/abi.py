@@ -133,6 +133,7 @@ class DecodeLayersArgs(ctypes.Structure):
         ("lengths", _ptr),
         ("cos", _ptr),
         ("sin", _ptr),
+        ("prompt", _i32),
         ("final_gain", _ptr),
         ("hiddens", _ptr),
         ("head", _ptr),

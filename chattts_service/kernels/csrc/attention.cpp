@@ -45,10 +45,8 @@ float quantize_vector(const float* x, int64_t dim, int8_t* quantized) {
 // with one scale per (position, head) (int8_t; `key_scale`/`value_scale` point at this head's
 // scales).
 template <typename Element>
-void attend(Element* key, Element* value, float* key_scale, float* value_scale,
-            int64_t length, int64_t held, int64_t dim, float scale, const float* query,
-            const float* new_key, const float* new_value, float* score, float* result) {
-    // the new token's key and value go into the cache first
+void store(Element* key, Element* value, float* key_scale, float* value_scale, int64_t length,
+           int64_t dim, const float* new_key, const float* new_value) {
     if constexpr (sizeof(Element) == 2) {
         for (int64_t d = 0; d < dim; ++d) {
             key[length * dim + d] = to_bf16(new_key[d]);
@@ -58,6 +56,13 @@ void attend(Element* key, Element* value, float* key_scale, float* value_scale,
         key_scale[length] = quantize_vector(new_key, dim, key + length * dim);
         value_scale[length] = quantize_vector(new_value, dim, value + length * dim);
     }
+}
+
+// The query over positions 0..length of the cache (the new token's key and value stored).
+template <typename Element>
+void attend(Element* key, Element* value, float* key_scale, float* value_scale,
+            int64_t length, int64_t held, int64_t dim, float scale, const float* query,
+            float* score, float* result) {
     const int64_t positions = length + 1;
 
     // fetch ahead: the keys (read once), and the values into the cache for the pass after the
@@ -109,12 +114,18 @@ void attend(Element* key, Element* value, float* key_scale, float* value_scale,
     for (int64_t d = 0; d < dim; ++d) result[d] = accumulated[d] * inverse;
 }
 
+// What a pass of `attention_pass` does for each (row, head): store the new key and value, then
+// attend (a decode step); or only store, or only attend (a prompt: every position stored
+// before any attends).
+enum AttentionPass { kStoreAndAttend, kStore, kAttend };
+
 }  // namespace
 
 // With `key_scales`/`value_scales` NULL the caches hold bf16; otherwise int8, and these give
 // each row's scales, [layers, heads, capacity] float32.
 
-static int32_t decode_attention(
+static int32_t attention_pass(
+    AttentionPass pass,
     int64_t rows, int64_t heads, int64_t dim, int64_t layer, float scale, int threads,
     const float* q, int64_t q_row_stride,
     const float* k_new, int64_t k_row_stride,
@@ -147,25 +158,33 @@ static int32_t decode_attention(
             if (cos != nullptr) {  // at the new token's position, lengths[row]
                 const float* position_cos = cos + lengths[row] * dim;
                 const float* position_sin = sin + lengths[row] * dim;
-                rotate(query, position_cos, position_sin, dim, rotated_query);
-                rotate(new_key, position_cos, position_sin, dim, rotated_key);
+                if (pass != kStore) rotate(query, position_cos, position_sin, dim, rotated_query);
+                if (pass != kAttend) rotate(new_key, position_cos, position_sin, dim, rotated_key);
                 query = rotated_query;
                 new_key = rotated_key;
             }
             float* result = out + row * heads * dim + head * dim;
             if (int8) {
                 const int64_t scale_offset = head_index * capacity[row];
-                attend(static_cast<int8_t*>(keys[row]) + head_offset,
-                       static_cast<int8_t*>(values[row]) + head_offset,
-                       key_scales[row] + scale_offset, value_scales[row] + scale_offset,
-                       lengths[row], capacity[row], dim, scale, query, new_key, new_value,
-                       scores.data(), result);
+                int8_t* key = static_cast<int8_t*>(keys[row]) + head_offset;
+                int8_t* value = static_cast<int8_t*>(values[row]) + head_offset;
+                float* key_scale = key_scales[row] + scale_offset;
+                float* value_scale = value_scales[row] + scale_offset;
+                if (pass != kAttend)
+                    store(key, value, key_scale, value_scale, lengths[row], dim, new_key,
+                          new_value);
+                if (pass != kStore)
+                    attend(key, value, key_scale, value_scale, lengths[row], capacity[row], dim,
+                           scale, query, scores.data(), result);
             } else {
-                attend(static_cast<uint16_t*>(keys[row]) + head_offset,
-                       static_cast<uint16_t*>(values[row]) + head_offset,
-                       static_cast<float*>(nullptr), static_cast<float*>(nullptr),
-                       lengths[row], capacity[row], dim, scale, query, new_key, new_value,
-                       scores.data(), result);
+                uint16_t* key = static_cast<uint16_t*>(keys[row]) + head_offset;
+                uint16_t* value = static_cast<uint16_t*>(values[row]) + head_offset;
+                float* none = nullptr;
+                if (pass != kAttend)
+                    store(key, value, none, none, lengths[row], dim, new_key, new_value);
+                if (pass != kStore)
+                    attend(key, value, none, none, lengths[row], capacity[row], dim, scale,
+                           query, scores.data(), result);
             }
         }
     }
@@ -173,7 +192,7 @@ static int32_t decode_attention(
 }
 
 extern "C" int32_t chatts_decode_attention(const ChattsAttentionArgs* a) {
-    return decode_attention(a->rows, a->heads, a->dim, a->layer, a->scale, a->threads, a->q,
+    return attention_pass(kStoreAndAttend, a->rows, a->heads, a->dim, a->layer, a->scale, a->threads, a->q,
                             a->q_row_stride, a->k_new, a->k_row_stride, a->v_new,
                             a->v_row_stride, a->keys, a->values, a->key_scales,
                             a->value_scales, a->capacity, a->lengths, a->cos, a->sin, a->out);

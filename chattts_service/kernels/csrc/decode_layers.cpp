@@ -67,11 +67,16 @@ static int32_t decode_layers(const ChattsDecodeLayersArgs& a) {
         int32_t status = project(a, layer.qkv, a.x, hidden, layer.attention_gain, 0, nullptr,
                                  scratch.qkv);
         if (status != CHATTS_OK) return status;
-        status = decode_attention(rows, a.heads, a.dim, index, a.scale, a.threads, scratch.qkv,
-                                  3 * hidden, scratch.qkv + hidden, 3 * hidden,
+        // a prompt's rows are one sequence's positions: all stored before any attends
+        const auto attention = [&](AttentionPass pass) {
+            return attention_pass(pass, rows, a.heads, a.dim, index, a.scale, a.threads,
+                                  scratch.qkv, 3 * hidden, scratch.qkv + hidden, 3 * hidden,
                                   scratch.qkv + 2 * hidden, 3 * hidden, a.keys, a.values,
                                   a.key_scales, a.value_scales, a.capacity, a.lengths, a.cos,
                                   a.sin, scratch.attended);
+        };
+        status = attention(a.prompt ? kStore : kStoreAndAttend);
+        if (status == CHATTS_OK && a.prompt) status = attention(kAttend);
         if (status != CHATTS_OK) return status;
         // x + out(attended), then x' = middle + down(silu(gate) * up) back into x
         status = project(a, layer.out, scratch.attended, hidden, nullptr, 0, a.x, scratch.middle);

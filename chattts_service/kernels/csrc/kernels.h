@@ -127,6 +127,9 @@ struct ChattsDecodeLayersArgs {
     const int64_t* lengths;
     const float* cos;
     const float* sin;
+    // 1: the rows are one sequence's prompt, its positions lengths[i] = i in one cache (every
+    // row's key and value is stored before any row attends); 0: a decode step's rows
+    int32_t prompt;
     // What follows the last layer, in the same call; each part needs the ones before it, and
     // NULL skips it and the rest: the final RMSNorm of x into `hiddens` (as chatts_rms_norm),
     // an int8 head on those into `logits` (as chatts_int8_linear), and the draw of each row's
