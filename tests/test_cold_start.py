@@ -86,12 +86,13 @@ def test_configs_the_service_cannot_run_are_refused(tmp_path):
     assert GptConfig.read(path).rope_theta == 500.0
 
 
-def test_the_packed_cache_is_written_once_then_mapped(model_dir):
+@pytest.mark.parametrize("quantization", ["int8", "int4"])
+def test_the_packed_cache_is_written_once_then_mapped(model_dir, quantization):
     gpt = model_dir / "asset/gpt"
-    cache = PackedCache(model_dir, gpt)
+    cache = PackedCache(model_dir, gpt, quantization)
     fresh = Transformer(
         GptWeights(gpt),
-        "int8",
+        quantization,
         "on",
         packed=lambda kernels: cache.load(kernels, GptWeights(gpt).config),
     )
@@ -99,16 +100,25 @@ def test_the_packed_cache_is_written_once_then_mapped(model_dir):
     path = cache.save(fresh)
     assert path is not None and path.parent == model_dir / ".packed"
     assert oct(path.stat().st_mode & 0o777) == "0o644"
+    assert path.name.startswith("gpt-int4-" if quantization == "int4" else "gpt-avx2-")
 
-    mapped = Transformer(
-        GptWeights(gpt),
-        "int8",
-        "on",
-        packed=lambda kernels: PackedCache(model_dir, gpt).load(kernels, GptWeights(gpt).config),
-    )
-    assert mapped.from_packed_cache
-    assert _same(_outputs(fresh), _outputs(mapped))  # the same bits as packing afresh
-    assert mapped.linear_bytes == fresh.linear_bytes
+    def mapped(kind: str) -> Transformer:
+        return Transformer(
+            GptWeights(gpt),
+            kind,
+            "on",
+            packed=lambda kernels: PackedCache(model_dir, gpt, kind).load(
+                kernels, GptWeights(gpt).config
+            ),
+        )
+
+    again = mapped(quantization)
+    assert again.from_packed_cache and again.linear_kernel == fresh.linear_kernel
+    assert _same(_outputs(fresh), _outputs(again))  # the same bits as packing afresh
+    assert again.linear_bytes == fresh.linear_bytes
+    # the other quantization finds no file of its own: it packs, never reads this one
+    other = "int8" if quantization == "int4" else "int4"
+    assert not mapped(other).from_packed_cache
 
 
 def test_a_stale_or_corrupt_packed_cache_is_rebuilt_never_used(model_dir, caplog):

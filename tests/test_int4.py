@@ -71,11 +71,16 @@ def test_int4_packing_keeps_every_weight_and_scale(kernels):
     packing = int4.Int4Packing(weight, 32)
     assert packing.packed.shape == (2, 8, 16, 4) and packing.scales.shape == (2, 2, 16)
     assert packing.nbytes == 2 * 8 * 16 * 4 + 2 * 2 * 16 * 4  # half a byte a weight + scales
-    # unpack the nibbles by hand: the layout the kernel reads
+    # unpack the nibbles by hand (the layout the kernel reads): each weight rounded to its
+    # group's 7 levels a side of the group's largest magnitude, the padding channels zero
     low = (packing.packed & 0x0F).to(torch.int16) - 8
     high = (packing.packed >> 4).to(torch.int16) - 8
     unpacked = torch.stack([low, high], dim=3)  # [blocks, in / 8, 16, 2, 4]
     unpacked = unpacked.permute(0, 2, 1, 3, 4).reshape(32, 64)
+    largest = weight.view(21, 2, 32).abs().amax(dim=2, keepdim=True)
+    expected = torch.round(weight.view(21, 2, 32) / torch.where(largest > 0, largest / 7, 1))
+    assert torch.equal(unpacked[:21], expected.view(21, 64).to(torch.int16))
+    assert torch.all(unpacked[21:] == 0)
     assert torch.equal(unpacked.to(torch.int8), packing.q)
     assert packing.q.abs().max() <= 7 and torch.all(packing.q[3, :32] == 0)
     # the dequantized weights are within half a step of the originals

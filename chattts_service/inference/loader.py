@@ -134,13 +134,13 @@ def _load_modules(settings: Settings, paths: model_files.ModelPaths, architectur
 
 
 def _load_transformer(settings: Settings, paths: model_files.ModelPaths) -> Transformer:
-    """The GPT: its packed int8 layers mapped from the cache of an earlier start, or its
-    memory-mapped fp32 weights read once into the lean (int8) transformer, which is then kept
-    in the cache for the next start."""
+    """The GPT: its packed int8 (or int4) layers mapped from the cache of an earlier start, or
+    its memory-mapped fp32 weights read once into the lean transformer, which is then kept in
+    the cache for the next start."""
     weights = GptWeights(paths.gpt)
     config, cache = weights.config, None
-    if settings.packed_cache and settings.quantize == "int8":
-        cache = PackedCache(paths.base, paths.gpt)
+    if settings.packed_cache and settings.quantize in ("int8", "int4"):
+        cache = PackedCache(paths.base, paths.gpt, settings.quantize)
     transformer = Transformer(
         weights,
         settings.quantize,

@@ -1,9 +1,11 @@
-"""The GPT's int8 layers, packed once and kept on disk next to the model, mapped on later starts.
+"""The GPT's int8 (or int4) layers, packed once and kept on disk next to the model, mapped on
+later starts.
 
 Quantizing and packing the full-size GPT's linears takes seconds of every start; the packed
-result (int8 blocks, channel offsets and scales, the norms) is a pure function of the GPT's
-files, the packing's layout and the kernels' product. It is written once to
-``<model dir>/.packed/gpt-<product>-<key>.pt`` (a temporary name, renamed when whole, so a
+result (int8 blocks, channel offsets and scales, or int4 nibbles and group scales; the norms)
+is a pure function of the GPT's files, the packing's layout and the kernels' product. It is
+written once to ``<model dir>/.packed/gpt-<product>-<key>.pt`` (product: vnni or avx2 for
+int8, int4 for int4; a temporary name, renamed when whole, so a
 killed start never leaves half a file under the real name) and memory-mapped on later starts:
 nothing is quantized, the fp32 weights are never read, and replicas on one host share the pages.
 
@@ -20,14 +22,15 @@ from pathlib import Path
 
 import torch
 
-from chattts_service.inference.quantize import KernelInt8Linear
+from chattts_service.inference.quantize import KernelInt4Linear, KernelInt8Linear
 from chattts_service.kernels.abi import ABI_VERSION
+from chattts_service.kernels.int4 import Int4Packing
 from chattts_service.kernels.int8 import Int8Packing
 from chattts_service.runtime.files import identity_key, listing, replace_atomically
 
 log = logging.getLogger(__name__)
 
-PACKING_VERSION = 1  # bump when Int8Packing's layout or what is stored changes
+PACKING_VERSION = 2  # bump when a packing's layout or what is stored changes
 DIRECTORY = ".packed"
 LINEARS = ("qkv", "out", "gate_up", "down")
 
@@ -38,15 +41,26 @@ def model_key(gpt_dir: Path) -> str:
     return identity_key({"packing": PACKING_VERSION, "abi": ABI_VERSION, "files": listing(gpt_dir)})
 
 
-class PackedCache:
-    """The packed layers of the GPT in ``gpt_dir`` (under its model directory ``model_dir``)."""
+LINEAR_KINDS = {"int8": KernelInt8Linear, "int4": KernelInt4Linear}
 
-    def __init__(self, model_dir: Path, gpt_dir: Path):
+
+class PackedCache:
+    """The packed layers of the GPT in ``gpt_dir`` (under its model directory ``model_dir``),
+    quantized as ``quantization`` says (int8 or int4)."""
+
+    def __init__(self, model_dir: Path, gpt_dir: Path, quantization: str = "int8"):
+        if quantization not in LINEAR_KINDS:
+            raise ValueError(f"only {sorted(LINEAR_KINDS)} layers are packed, not {quantization}")
         self.directory = Path(model_dir) / DIRECTORY
         self.key = model_key(gpt_dir)
+        self.quantization = quantization
 
-    def path(self, instructions: str) -> Path:
-        return self.directory / f"gpt-{instructions}-{self.key}.pt"
+    def _product(self, kernels) -> str:
+        """What the file's name says the layers are for: int8's product, or int4."""
+        return kernels.int8_instructions if self.quantization == "int8" else "int4"
+
+    def path(self, product: str) -> Path:
+        return self.directory / f"gpt-{product}-{self.key}.pt"
 
     def load(self, kernels, config):
         """The layers and final norm from the cache, or None (no kernels, no file, or a file
@@ -55,7 +69,7 @@ class PackedCache:
 
         if kernels is None:
             return None
-        path = self.path(kernels.int8_instructions)
+        path = self.path(self._product(kernels))
         if not path.is_file():
             return None
         try:
@@ -78,8 +92,19 @@ class PackedCache:
             log.warning("packed GPT cache %s is unusable (%s): packing again", path, error)
             return None
 
-    @staticmethod
-    def _linear(parts: dict, kernels) -> KernelInt8Linear:
+    def _linear(self, parts: dict, kernels):
+        if parts.get("format", "int8") != self.quantization:
+            raise ValueError(f"it holds {parts.get('format', 'int8')} layers")
+        if self.quantization == "int4":
+            packing = Int4Packing.from_parts(
+                parts["packed"],
+                parts["scales"],
+                parts["scale"],
+                parts["out_features"],
+                parts["in_features"],
+                parts["group"],
+            )
+            return KernelInt4Linear.from_packing(packing, kernels)
         if parts["instructions"] != kernels.int8_instructions:
             raise ValueError(f"it holds the {parts['instructions']} packing")
         packing = Int8Packing.from_parts(
@@ -96,12 +121,12 @@ class PackedCache:
         """Write the transformer's packed layers (only when every linear is the kernels');
         None when there is nothing to keep or the directory cannot be written."""
         if transformer.kernels is None or not all(
-            isinstance(getattr(layer, name), KernelInt8Linear)
+            isinstance(getattr(layer, name), LINEAR_KINDS[self.quantization])
             for layer in transformer.layers
             for name in LINEARS
         ):
             return None
-        instructions = transformer.kernels.int8_instructions
+        product = self._product(transformer.kernels)
         stored = {
             "key": self.key,
             "layers": [
@@ -114,7 +139,7 @@ class PackedCache:
             ],
             "norm": transformer.norm.weight,
         }
-        path = self.path(instructions)
+        path = self.path(product)
         try:
             self.directory.mkdir(exist_ok=True)
             replace_atomically(path, lambda out: torch.save(stored, out))
@@ -125,14 +150,25 @@ class PackedCache:
                 error,
             )
             return None
-        for old in self.directory.glob(f"gpt-{instructions}-*.pt"):
+        for old in self.directory.glob(f"gpt-{product}-*.pt"):
             if old != path:
                 old.unlink(missing_ok=True)
         return path
 
 
-def _parts(packing: Int8Packing) -> dict:
+def _parts(packing: Int8Packing | Int4Packing) -> dict:
+    if isinstance(packing, Int4Packing):
+        return {
+            "format": "int4",
+            "packed": packing.packed,
+            "scales": packing.scales,
+            "scale": packing.scale,
+            "out_features": packing.out_features,
+            "in_features": packing.in_features,
+            "group": packing.group,
+        }
     return {
+        "format": "int8",
         "packed": packing.packed,
         "offsets": packing.offsets,
         "weight_scale": packing.weight_scale,

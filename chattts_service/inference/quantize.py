@@ -175,6 +175,14 @@ class KernelInt4Linear:
         self.out_features, self.in_features = self.packing.out_features, self.packing.in_features
         self.kernels = kernels
 
+    @classmethod
+    def from_packing(cls, packing: int4.Int4Packing, kernels) -> KernelInt4Linear:
+        """A layer over weights packed earlier (the packed cache)."""
+        linear = cls.__new__(cls)
+        linear.packing, linear.kernels = packing, kernels
+        linear.out_features, linear.in_features = packing.out_features, packing.in_features
+        return linear
+
     @property
     def nbytes(self) -> int:
         return self.packing.nbytes

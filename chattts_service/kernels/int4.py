@@ -48,11 +48,10 @@ class Int4Packing:
         largest = grouped.abs().amax(dim=2)
         scale = largest / MAX_Q
         safe = torch.where(scale > 0, scale, torch.ones_like(scale))
-        self.q = torch.round(grouped / safe[..., None]).clamp(-MAX_Q, MAX_Q).to(torch.int8)
-        self.q = self.q.view(rows, self.in_features)  # [rows, in]: tests and fidelity read it
-        self.scale = scale  # [rows, groups]
+        q = torch.round(grouped / safe[..., None]).clamp(-MAX_Q, MAX_Q).to(torch.int8)
+        self.scale = scale.contiguous()  # [rows, groups]: for dequantized(), 1/16 of the weights
         blocks = rows // 16
-        nibbles = (self.q + 8).to(torch.uint8).view(blocks, 16, self.in_features // 8, 2, 4)
+        nibbles = (q + 8).to(torch.uint8).view(blocks, 16, self.in_features // 8, 2, 4)
         self.packed = (
             (nibbles[:, :, :, 0] | (nibbles[:, :, :, 1] << 4)).transpose(1, 2).contiguous()
         )  # [blocks, in / 8, 16, 4]
@@ -63,6 +62,43 @@ class Int4Packing:
             .transpose(1, 2)
             .contiguous()
         )  # [blocks, groups, 16]
+
+    @classmethod
+    def from_parts(
+        cls,
+        packed: torch.Tensor,
+        scales: torch.Tensor,
+        scale: torch.Tensor,
+        out_features: int,
+        in_features: int,
+        group: int,
+    ) -> Int4Packing:
+        """A packing made earlier (kept on disk), checked against its stated shape."""
+        if group % 8 or not 8 <= group <= 64 or in_features % group:
+            raise ValueError(f"int4 groups of {group} inputs do not fit {in_features} inputs")
+        rows = out_features + (-out_features % 16)
+        groups = in_features // group
+        expected = (
+            (packed, (rows // 16, in_features // 8, 16, 4), torch.uint8),
+            (scales, (rows // 16, groups, 16), torch.float32),
+            (scale, (rows, groups), torch.float32),
+        )
+        for tensor, shape, dtype in expected:
+            if tuple(tensor.shape) != shape or tensor.dtype != dtype or not tensor.is_contiguous():
+                raise ValueError(f"a packed tensor is not {dtype} {shape}")
+        packing = cls.__new__(cls)
+        packing.out_features, packing.in_features, packing.group = out_features, in_features, group
+        packing.packed, packing.scales, packing.scale = packed, scales, scale
+        return packing
+
+    @property
+    def q(self) -> torch.Tensor:
+        """The 4-bit weights as int8 [rows, in] (the padding channels included), unpacked from
+        ``packed``: a byte a weight, so made when asked, not kept beside the nibbles."""
+        low = (self.packed & 0x0F).to(torch.int8) - 8
+        high = (self.packed >> 4).to(torch.int8) - 8
+        unpacked = torch.stack([low, high], dim=3)  # [blocks, in / 8, 16, 2, 4]
+        return unpacked.permute(0, 2, 1, 3, 4).reshape(-1, self.in_features)
 
     @property
     def nbytes(self) -> int:
