@@ -121,6 +121,21 @@ def test_the_packed_cache_is_written_once_then_mapped(model_dir, quantization):
     assert not mapped(other).from_packed_cache
 
 
+def test_the_first_start_runs_on_the_packed_file_it_wrote(model_dir):
+    """A first start packs the GPT, keeps it, and then maps the kept file as later starts do
+    (shared with replicas, no private copy), with the bits of its own packing."""
+    from chattts_service.config import Settings
+    from chattts_service.inference import loader, model_files
+
+    settings = Settings.from_env({}, model_dir=model_dir, verify_model=False)
+    gpt = model_dir / "asset/gpt"
+    packed_afresh = Transformer(GptWeights(gpt), "int8", "on")
+    first = loader._load_transformer(settings, model_files.ModelPaths(model_dir))
+    assert first.from_packed_cache and list((model_dir / ".packed").glob("gpt-*.pt"))
+    assert _same(_outputs(packed_afresh), _outputs(first))
+    assert loader._load_transformer(settings, model_files.ModelPaths(model_dir)).from_packed_cache
+
+
 def test_a_stale_or_corrupt_packed_cache_is_rebuilt_never_used(model_dir, caplog):
     gpt = model_dir / "asset/gpt"
 

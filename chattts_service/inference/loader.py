@@ -141,19 +141,30 @@ def _load_transformer(settings: Settings, paths: model_files.ModelPaths) -> Tran
     config, cache = weights.config, None
     if settings.packed_cache and settings.quantize in ("int8", "int4"):
         cache = PackedCache(paths.base, paths.gpt, settings.quantize)
-    transformer = Transformer(
-        weights,
-        settings.quantize,
-        settings.kernels,
-        settings.int8_product,
-        settings.kv_cache_dtype,
-        kernel_dir=settings.kernel_dir,
-        packed=(lambda kernels: cache.load(kernels, config)) if cache else None,
-    )
+
+    def build() -> Transformer:
+        return Transformer(
+            weights,
+            settings.quantize,
+            settings.kernels,
+            settings.int8_product,
+            settings.kv_cache_dtype,
+            kernel_dir=settings.kernel_dir,
+            packed=(lambda kernels: cache.load(kernels, config)) if cache else None,
+        )
+
+    transformer = build()
     if cache is not None and not transformer.from_packed_cache:
         saved = cache.save(transformer)
         if saved is not None:
             log.info("packed GPT kept in %s for later starts", saved)
+            # and used as every later start uses it: mapped (shared with replicas, in 2 MB
+            # pages where the system allows), not this start's private copy
+            mapped = build()
+            if mapped.from_packed_cache:
+                transformer = mapped
+    if cache is not None and transformer.from_packed_cache:
+        log.info("packed GPT mapped, %.0f%% of it in 2 MB pages", 100 * cache.huge_pages)
     if transformer.kernels is not None:
         transformer.tuning = tuning.choose(
             transformer.kernels,

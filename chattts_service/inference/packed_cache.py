@@ -7,7 +7,8 @@ is a pure function of the GPT's files, the packing's layout and the kernels' pro
 written once to ``<model dir>/.packed/gpt-<product>-<key>.pt`` (product: vnni or avx2 for
 int8, int4 for int4; a temporary name, renamed when whole, so a
 killed start never leaves half a file under the real name) and memory-mapped on later starts:
-nothing is quantized, the fp32 weights are never read, and replicas on one host share the pages.
+nothing is quantized, the fp32 weights are never read, and replicas on one host share the pages
+(read into the page cache in 2 MB pages where the system allows: ``runtime/pages.py``).
 
 The key names the GPT's files by path, size and modification time, the packing's version and
 the kernels' ABI: a replaced model, a new layout or a new library makes another key, and the old
@@ -26,6 +27,7 @@ from chattts_service.inference.quantize import KernelInt4Linear, KernelInt8Linea
 from chattts_service.kernels.abi import ABI_VERSION
 from chattts_service.kernels.int4 import Int4Packing
 from chattts_service.kernels.int8 import Int8Packing
+from chattts_service.runtime import pages
 from chattts_service.runtime.files import identity_key, listing, replace_atomically
 
 log = logging.getLogger(__name__)
@@ -54,6 +56,7 @@ class PackedCache:
         self.directory = Path(model_dir) / DIRECTORY
         self.key = model_key(gpt_dir)
         self.quantization = quantization
+        self.huge_pages = 0.0  # the fraction of the loaded file mapped 2 MB at a time
 
     def _product(self, kernels) -> str:
         """What the file's name says the layers are for: int8's product, or int4."""
@@ -73,6 +76,7 @@ class PackedCache:
         if not path.is_file():
             return None
         try:
+            self.huge_pages = pages.settle(path)  # read into the page cache in 2 MB pages
             stored = torch.load(path, mmap=True, weights_only=True)
             if stored.get("key") != self.key or len(stored["layers"]) != config.num_hidden_layers:
                 raise ValueError("it was made for another model")
