@@ -82,6 +82,36 @@ def test_kernel_matches_torch_attention_and_writes_the_new_position(kernel):
     assert torch.allclose(out[0], v[0].bfloat16().float())
 
 
+@pytest.mark.parametrize("dim", [12, 40, 128])
+def test_heads_of_any_width_attend_as_torch_does(kernel, dim):
+    """Widths off the vectorised paths too: not a multiple of 8 (12), of 8 but not 64 (40),
+    two blocks of 64 (128); lengths around the groups of four positions."""
+    generator = torch.Generator().manual_seed(dim)
+    lengths = [0, 2, 3, 4, 70]
+    caches = []
+    with torch.inference_mode():
+        for length in lengths:
+            cache = KVCache(2, HEADS, dim, reserve=length + 1, dtype=torch.bfloat16)
+            cache.write(
+                1,
+                0,
+                torch.randn(HEADS, length, dim, generator=generator),
+                torch.randn(HEADS, length, dim, generator=generator),
+            )
+            caches.append(cache)
+    q, k, v = (torch.randn(len(lengths), HEADS, dim, generator=generator) for _ in range(3))
+    out = torch.empty(len(lengths), HEADS, 1, dim)
+    with torch.inference_mode():
+        kernel.attention(1, q, k, v, cpp_kernels.StepRows(caches, lengths), out, dim**-0.5)
+    for row, (cache, length) in enumerate(zip(caches, lengths)):
+        expected = F.scaled_dot_product_attention(
+            q[row][:, None],
+            cache.keys[1, :, : length + 1].float(),
+            cache.values[1, :, : length + 1].float(),
+        )
+        torch.testing.assert_close(out[row, :, 0], expected[:, 0], rtol=1e-5, atol=1e-5)
+
+
 def test_int8_cache_attention_matches_torch_over_what_it_stands_for(kernel):
     """An int8 cache: the new position is quantized as ``quantize_vectors`` quantizes (prefill
     writes with it), and attention equals torch's over the dequantized keys and values."""

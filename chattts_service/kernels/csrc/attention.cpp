@@ -41,6 +41,36 @@ float quantize_vector(const float* x, int64_t dim, int8_t* quantized) {
     return largest / 127.0f;
 }
 
+// Eight keys' elements as floats: bf16 widened, or int8 converted (its scale applied after).
+inline __m256 load8(const uint16_t* k) {
+    const __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(k)));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
+}
+
+inline __m256 load8(const int8_t* k) {
+    const __m128i bytes = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(k));
+    return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(bytes));
+}
+
+// The query's products with COUNT consecutive keys (dim % 8 == 0), eight lanes each, the lanes
+// accumulated in dimension order: sums[i] for key i.
+template <typename Element, int COUNT>
+inline void dot_lanes(const float* query, const Element* keys, int64_t dim, __m256* sums) {
+    for (int i = 0; i < COUNT; ++i) sums[i] = _mm256_setzero_ps();
+    for (int64_t d = 0; d < dim; d += 8) {
+        const __m256 q = _mm256_loadu_ps(query + d);
+        for (int i = 0; i < COUNT; ++i)
+            sums[i] = _mm256_fmadd_ps(q, load8(keys + i * dim + d), sums[i]);
+    }
+}
+
+// The eight lanes' sum, always in the same order.
+inline float hsum(__m256 lanes) {
+    __m128 four = _mm_add_ps(_mm256_castps256_ps128(lanes), _mm256_extractf128_ps(lanes, 1));
+    __m128 two = _mm_add_ps(four, _mm_movehl_ps(four, four));
+    return _mm_cvtss_f32(_mm_add_ss(two, _mm_movehdup_ps(two)));
+}
+
 // One (row, head) of a decode step's attention, over a cache of bf16 (uint16_t) or of int8
 // with one scale per (position, head) (int8_t; `key_scale`/`value_scale` point at this head's
 // scales).
@@ -79,17 +109,41 @@ void attend(Element* key, Element* value, float* key_scale, float* value_scale,
         }
     };
     for (int64_t position = 0; position < kPrefetchPositions; ++position) fetch(position);
-    for (int64_t position = 0; position < positions; ++position) {
+    const auto scaled = [&](int64_t position, float dot) {
+        if constexpr (sizeof(Element) == 2) {
+            score[position] = dot * scale;
+        } else {
+            score[position] = dot * (key_scale[position] * scale);
+        }
+    };
+    int64_t position = 0;
+    if (dim % 8 == 0) {
+        // four positions at a time: four independent chains of multiply-adds, where one
+        // position's chain waited on each add; each
+        // position's sum is formed the same way whatever its group (dot_lanes, hsum)
+        for (; position + 4 <= positions; position += 4) {
+            for (int64_t ahead = 0; ahead < 4; ++ahead) fetch(position + ahead + kPrefetchPositions);
+            __m256 sums[4];
+            dot_lanes<Element, 4>(query, key + position * dim, dim, sums);
+            for (int64_t i = 0; i < 4; ++i) scaled(position + i, hsum(sums[i]));
+        }
+        for (; position < positions; ++position) {
+            fetch(position + kPrefetchPositions);
+            __m256 sums[1];
+            dot_lanes<Element, 1>(query, key + position * dim, dim, sums);
+            scaled(position, hsum(sums[0]));
+        }
+    }
+    for (; position < positions; ++position) {  // a head dimension not a multiple of 8
         const Element* k = key + position * dim;
         fetch(position + kPrefetchPositions);
         float dot = 0.0f;
         if constexpr (sizeof(Element) == 2) {
             for (int64_t d = 0; d < dim; ++d) dot += query[d] * from_bf16(k[d]);
-            score[position] = dot * scale;
         } else {
             for (int64_t d = 0; d < dim; ++d) dot += query[d] * static_cast<float>(k[d]);
-            score[position] = dot * (key_scale[position] * scale);
         }
+        scaled(position, dot);
     }
     float largest = score[0];
     for (int64_t position = 1; position < positions; ++position)
@@ -98,6 +152,32 @@ void attend(Element* key, Element* value, float* key_scale, float* value_scale,
     for (int64_t position = 0; position < positions; ++position) {
         score[position] = exp_nonpositive(score[position] - largest);
         total += score[position];
+    }
+    const auto weight_of = [&](int64_t position) {
+        if constexpr (sizeof(Element) == 2) {
+            return score[position];
+        } else {
+            return score[position] * value_scale[position];
+        }
+    };
+    const float inverse = 1.0f / total;
+    if (dim % 64 == 0) {
+        // 64 dimensions at a time in eight registers: an array in memory made each position's
+        // adds wait on the previous position's stores; the same sums in the same order
+        for (int64_t d0 = 0; d0 < dim; d0 += 64) {
+            __m256 sums[8];
+            for (int j = 0; j < 8; ++j) sums[j] = _mm256_setzero_ps();
+            for (int64_t position = 0; position < positions; ++position) {
+                const __m256 weight = _mm256_set1_ps(weight_of(position));
+                const Element* v = value + position * dim + d0;
+                for (int j = 0; j < 8; ++j)
+                    sums[j] = _mm256_fmadd_ps(weight, load8(v + 8 * j), sums[j]);
+            }
+            for (int j = 0; j < 8; ++j)
+                _mm256_storeu_ps(result + d0 + 8 * j,
+                                 _mm256_mul_ps(sums[j], _mm256_set1_ps(inverse)));
+        }
+        return;
     }
     float accumulated[256] = {0.0f};
     for (int64_t position = 0; position < positions; ++position) {
@@ -110,7 +190,6 @@ void attend(Element* key, Element* value, float* key_scale, float* value_scale,
             for (int64_t d = 0; d < dim; ++d) accumulated[d] += weight * static_cast<float>(v[d]);
         }
     }
-    const float inverse = 1.0f / total;
     for (int64_t d = 0; d < dim; ++d) result[d] = accumulated[d] * inverse;
 }
 
