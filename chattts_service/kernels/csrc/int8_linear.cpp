@@ -165,6 +165,7 @@ void gemm(int64_t rows, int64_t n, int64_t k, const uint8_t* xq, const int8_t* p
 // lanes, so each group of four inputs adds to its channel exactly what vpdpbusd adds. 256-bit
 // registers hold 8 channels: a block's 16 take two, and ROWS (1..4) rows keep 2 * ROWS
 // accumulators (16 ymm registers in all). More rows pass over the block again, from cache.
+// Group g prefetches prefetch_from + g * prefetch_step (a step of 0: none).
 template <int ROWS, int HINT>
 __attribute__((target("avx2,fma"),
                optimize("no-associative-math", "signed-zeros", "trapping-math",
@@ -173,15 +174,15 @@ void gemm_block_avx2(int64_t k_groups, const uint8_t* xq, int64_t x_stride,
                      const int8_t* block, const int32_t* offsets, const float* weight_scale,
                      const float* row_max, const float* residual, int64_t residual_stride,
                      float* out, int64_t out_stride, int valid, uintptr_t weights_end,
-                     int64_t prefetch_bytes) {
+                     uintptr_t prefetch_from, int64_t prefetch_step) {
     __m256i a0 = _mm256_setzero_si256(), a1 = a0, a2 = a0, a3 = a0, b0 = a0, b1 = a0, b2 = a0,
             b3 = a0;
     const __m256i ones = _mm256_set1_epi16(1);
     const uint8_t* x = xq;
     const int8_t* w = block;
-    for (int64_t group = 0; group < k_groups; ++group, x += 4, w += 64) {
-        const uintptr_t ahead = reinterpret_cast<uintptr_t>(w) + prefetch_bytes;
-        if (prefetch_bytes > 0 && ahead < weights_end) prefetch_weights<HINT>(ahead);
+    uintptr_t ahead = prefetch_from;
+    for (int64_t group = 0; group < k_groups; ++group, x += 4, w += 64, ahead += prefetch_step) {
+        if (prefetch_step > 0 && ahead < weights_end) prefetch_weights<HINT>(ahead);
         const __m256i w0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w));
         const __m256i w1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + 32));
 #define CHATTS_ROW(R)                                                                     \
@@ -221,7 +222,7 @@ void gemm_block_avx2(int64_t k_groups, const uint8_t* xq, int64_t x_stride,
 
 using Avx2BlockFunction = void (*)(int64_t, const uint8_t*, int64_t, const int8_t*,
                                    const int32_t*, const float*, const float*, const float*,
-                                   int64_t, float*, int64_t, int, uintptr_t, int64_t);
+                                   int64_t, float*, int64_t, int, uintptr_t, uintptr_t, int64_t);
 template <int HINT>
 constexpr Avx2BlockFunction kAvx2BlockFunctions[5] = {
     nullptr, gemm_block_avx2<1, HINT>, gemm_block_avx2<2, HINT>, gemm_block_avx2<3, HINT>,
@@ -237,17 +238,32 @@ void gemm_avx2(int64_t rows, int64_t n, int64_t k, const uint8_t* xq, const int8
     const int64_t prefetch_bytes = static_cast<int64_t>(tuning.prefetch_groups) * 64;
     const Avx2BlockFunction* functions =
         tuning.prefetch_hint == 1 ? kAvx2BlockFunctions<1> : kAvx2BlockFunctions<0>;
+    // One pass over a block streams its weights from memory and the next passes (rows 4-7,
+    // 8-11...) find them in cache: prefetching `prefetch_bytes` ahead would leave memory idle
+    // during those. With more than one pass, each pass prefetches its share of the next block
+    // instead (pass p of P the p-th P-th of it, a few bytes a group), so the stream runs
+    // through every pass. Side by side on a Zen 3, a pass over the layers at 8 rows took
+    // 8-11% less time, at 41 rows 1.5-2% less.
+    const int64_t passes = (rows + 3) / 4, k_groups = k / 4;
+    const int64_t share_step = (64 + passes - 1) / passes;
 #pragma omp parallel for num_threads(threads) schedule(static)
     for (int64_t block = 0; block < blocks; ++block) {
         const int valid = static_cast<int>(n - block * 16 < 16 ? n - block * 16 : 16);
+        const uintptr_t start = reinterpret_cast<uintptr_t>(packed + block * block_bytes);
         for (int64_t first = 0; first < rows; first += 4) {
             const int64_t count = rows - first < 4 ? rows - first : 4;
+            uintptr_t from = start + prefetch_bytes;
+            int64_t step = prefetch_bytes > 0 ? 64 : 0;
+            if (passes > 1 && prefetch_bytes > 0) {
+                from = start + block_bytes + (first / 4) * k_groups * share_step;
+                step = share_step;
+            }
             functions[count](
-                k / 4, xq + first * k, k, packed + block * block_bytes, offsets + block * 16,
+                k_groups, xq + first * k, k, packed + block * block_bytes, offsets + block * 16,
                 weight_scale + block * 16, row_max + first,
                 residual == nullptr ? nullptr : residual + first * residual_stride + block * 16,
                 residual_stride, out + first * out_stride + block * 16, out_stride, valid,
-                weights_end, prefetch_bytes);
+                weights_end, from, step);
         }
     }
 }
