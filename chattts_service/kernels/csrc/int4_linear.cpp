@@ -32,15 +32,15 @@ void int4_block_avx2(int64_t k, int64_t group, const int8_t* xs, int64_t x_strid
                      const int32_t* level_sums, int64_t sums_stride, const uint8_t* block,
                      const float* scales, const float* row_max, const float* residual,
                      int64_t residual_stride, float* out, int64_t out_stride, int valid,
-                     uintptr_t weights_end, int64_t prefetch_bytes) {
+                     uintptr_t weights_end, uintptr_t prefetch_from, int64_t prefetch_step) {
     const __m256i ones = _mm256_set1_epi16(1), nibble = _mm256_set1_epi8(0x0F);
     __m256 f0 = _mm256_setzero_ps(), f1 = f0, g0 = f0, g1 = f0;  // rows 0, 1: channels 0-7, 8-15
     const uint8_t* w = block;
+    uintptr_t ahead = prefetch_from;
     for (int64_t start = 0, index = 0; start < k; start += group, ++index) {
         __m256i s0 = _mm256_setzero_si256(), s1 = s0, t0 = s0, t1 = s0;
-        for (int64_t i = start; i < start + group; i += 8, w += 64) {
-            const uintptr_t ahead = reinterpret_cast<uintptr_t>(w) + prefetch_bytes;
-            if (prefetch_bytes > 0 && ahead < weights_end) prefetch_weights<HINT>(ahead);
+        for (int64_t i = start; i < start + group; i += 8, w += 64, ahead += prefetch_step) {
+            if (prefetch_step > 0 && ahead < weights_end) prefetch_weights<HINT>(ahead);
             const __m256i low = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w));
             const __m256i high = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + 32));
             // channels 0-7 and 8-15 of inputs i..i+3 (low nibbles), then of i+4..i+7 (high)
@@ -94,7 +94,7 @@ void int4_block_avx2(int64_t k, int64_t group, const int8_t* xs, int64_t x_strid
 using Int4BlockFunction = void (*)(int64_t, int64_t, const int8_t*, int64_t, const int32_t*,
                                    int64_t, const uint8_t*, const float*, const float*,
                                    const float*, int64_t, float*, int64_t, int, uintptr_t,
-                                   int64_t);
+                                   uintptr_t, int64_t);
 template <int HINT>
 constexpr Int4BlockFunction kInt4BlockFunctions[3] = {nullptr, int4_block_avx2<1, HINT>,
                                                       int4_block_avx2<2, HINT>};
@@ -136,18 +136,29 @@ static int32_t int4_linear(const ChattsInt4LinearArgs& a) {
     const int64_t prefetch_bytes = static_cast<int64_t>(tuning.prefetch_groups) * 64;
     const Int4BlockFunction* functions =
         tuning.prefetch_hint == 1 ? kInt4BlockFunctions<1> : kInt4BlockFunctions<0>;
+    // as the int8 product does: with more than one pass over a block, each pass prefetches its
+    // share of the next block, so memory streams through all of them
+    const int64_t passes = (rows + 1) / 2, units = k / 8;
+    const int64_t share_step = (64 + passes - 1) / passes;
 #pragma omp parallel for num_threads(a.threads) schedule(static)
     for (int64_t block = 0; block < blocks; ++block) {
         const int valid = static_cast<int>(n - block * 16 < 16 ? n - block * 16 : 16);
+        const uintptr_t start = reinterpret_cast<uintptr_t>(a.packed + block * block_bytes);
         for (int64_t first = 0; first < rows; first += 2) {
             const int64_t count = rows - first < 2 ? rows - first : 2;
+            uintptr_t from = start + prefetch_bytes;
+            int64_t step = prefetch_bytes > 0 ? 64 : 0;
+            if (passes > 1 && prefetch_bytes > 0) {
+                from = start + block_bytes + (first / 2) * units * share_step;
+                step = share_step;
+            }
             functions[count](
                 k, group, xs.get() + first * k, k, level_sums.get() + first * groups, groups,
                 a.packed + block * block_bytes, a.scales + block * groups * 16,
                 prepared.row_max.get() + first,
                 a.residual == nullptr ? nullptr : a.residual + first * a.residual_stride + block * 16,
                 a.residual_stride, a.out + first * a.out_stride + block * 16, a.out_stride, valid,
-                weights_end, prefetch_bytes);
+                weights_end, from, step);
         }
     }
     return CHATTS_OK;
