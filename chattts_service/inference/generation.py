@@ -125,8 +125,12 @@ class Sequence:
             padded[:, :count] = self.tokens[start : self.steps].T
         return padded
 
-    def record(self, token: torch.Tensor, hidden: torch.Tensor) -> None:
-        if bool((token == self.eos_token).any()):
+    def record(self, token: torch.Tensor, hidden: torch.Tensor, ended: bool | None = None) -> None:
+        """Keep a step's ``token`` [width] and ``hidden`` state, or finish where the token
+        holds end of sequence (``ended``: already known, for a batch checked at once)."""
+        if ended is None:
+            ended = bool((token == self.eos_token).any())
+        if ended:
             self.finished = True
             return
         self.tokens[self.steps] = token
@@ -332,7 +336,7 @@ class Batch:
         """Advance every active sequence by one token; return those that finished."""
         if not self.active:
             return []
-        embeddings = torch.stack([sequence.next_embedding() for sequence in self.active])
+        embeddings = self._next_embeddings()
         caches, lengths = [s.cache for s in self.active], [s.length for s in self.active]
         head = self._one_call_head()
         if head is None:
@@ -346,10 +350,26 @@ class Batch:
             hiddens, tokens = self.transformer.step_and_draw(
                 embeddings, caches, lengths, head, sampling
             )
-            for sequence, token, hidden in zip(self.active, tokens, hiddens):
+            # which rows drew end of sequence, in one comparison for the batch
+            eos = torch.tensor([sequence.eos_token for sequence in self.active])
+            ends = (tokens == eos[:, None]).any(dim=1).tolist()
+            for sequence, token, hidden, ended in zip(self.active, tokens, hiddens, ends):
                 sequence.length += 1
-                sequence.record(token, hidden)
+                sequence.record(token, hidden, ended)
         return self.remove([s for s in self.active if s.finished])
+
+    def _next_embeddings(self) -> torch.Tensor:
+        """Every active row's input for the next step [rows, hidden]: for speech codes the
+        sum of each codebook's embedding of its last token, looked up for all rows at once
+        (the same sums, in the same order, as ``Sequence.next_embedding``'s)."""
+        active = self.active
+        if any(sequence.kind != "code" for sequence in active):
+            return torch.stack([sequence.next_embedding() for sequence in active])
+        last = torch.stack([sequence.tokens[sequence.steps - 1] for sequence in active])
+        table = self.heads.code_embeddings  # [codebooks, vocabulary, hidden]
+        flat = (last + CODEBOOKS * table.shape[1]).view(-1)
+        rows = table.view(-1, table.shape[2]).index_select(0, flat)
+        return rows.view(len(active), NUM_VQ, -1).sum(1)
 
     def _one_call_head(self):
         """The code head's int8 packing where one C++ call can run the whole step (the
