@@ -94,6 +94,7 @@ def test_speech_benchmark_smoke(tiny_model_dir):
     assert set(costs["stages_seconds"]) == {
         "normalise",
         "prompt",
+        "prefill_new_voice",
         "prefill",
         "encode_mp3",
         "encode_pcm",
@@ -109,6 +110,7 @@ def test_speech_benchmark_smoke(tiny_model_dir):
 
     text = report(data)
     assert "first audio over HTTP <= 0.5 s" in text and "2-step request" in text
+    assert "a voice's first request" in text
 
 
 def test_cold_start_benchmark_smoke():

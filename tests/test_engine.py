@@ -444,3 +444,20 @@ def test_registered_voice_round_trips_through_its_file(engine, tmp_path):
         store.register("junk", "not an embedding")
     store.delete("narrator_1")
     assert "narrator_1" not in store.names()
+
+
+def test_speech_prompts_in_one_voice_share_their_first_three_positions(engine):
+    """[Stts][spk_emb][speed_N] begins every speech prompt: the same embeddings for every text
+    in one voice and speed (so their keys and values are kept once), others in another."""
+    request = SynthesisRequest("你好。", seed=3)
+    voice, other = engine.speaker_embedding(3), engine.speaker_embedding(4)
+    first = engine.prompts.code_sequence("你好。", request, voice, fixed_steps=2)
+    second = engine.prompts.code_sequence("再见，朋友们。", request, voice, fixed_steps=2)
+    third = engine.prompts.code_sequence("你好。", request, other, fixed_steps=2)
+    assert first.shared_prefix == second.shared_prefix == third.shared_prefix == 3
+    assert torch.equal(first.prompt[:3], second.prompt[:3])
+    assert not torch.equal(first.prompt[:4], second.prompt[:4])
+    assert not torch.equal(first.prompt[:3], third.prompt[:3])
+    faster = replace(request, speed=2)
+    assert engine.prompts.code_sequence("你好。", faster, voice, fixed_steps=2).shared_prefix == 3
+    assert engine.prompts.text_sequence("你好。", request).shared_prefix == 0

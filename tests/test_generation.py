@@ -345,3 +345,35 @@ def test_sampling_follows_the_distribution_and_never_draws_a_masked_token(kernel
         torch.zeros(3, 8), heads, sampling, seed=5, max_steps=8, min_steps=0, eos_token=625
     )
     assert torch.equal(sample([again], logits)[0], draws[0])
+
+
+@pytest.mark.parametrize("quantization", ["int8", "int4"])
+@pytest.mark.parametrize("kv_cache", ["bf16", "int8"])
+def test_a_kept_prompt_beginning_gives_the_bits_of_the_whole_prompt(
+    tiny_model_dir, quantization, kv_cache
+):
+    """Prompts that begin with the same embeddings: the first computes the whole prompt and
+    keeps its beginning's keys and values, the next copy them and compute the rest; every one
+    ends on the hidden state, and holds the cache, of its whole prompt computed alone."""
+    llama = LlamaModel.from_pretrained(str(tiny_model_dir / "asset/gpt"))
+    torch.manual_seed(6)
+    hidden = llama.config.hidden_size
+    model = Transformer(llama, quantization, "on", kv_cache=kv_cache)
+    beginning = torch.randn(3, hidden) * 4
+    names = ["keys", "values"] + (["key_scales", "value_scales"] if kv_cache == "int8" else [])
+    for rest in (10, 4, 1):
+        prompt = torch.cat([beginning, torch.randn(rest, hidden) * 4])
+        kept, whole = model.new_cache(reserve=16), model.new_cache(reserve=16)
+        assert torch.equal(model.prefill(prompt, kept, shared=3), model.prefill(prompt, whole))
+        for name in names:
+            held = len(prompt)
+            assert torch.equal(getattr(kept, name)[:, :, :held], getattr(whole, name)[:, :, :held])
+    assert (model.prefixes.misses, model.prefixes.hits, len(model.prefixes)) == (1, 2, 1)
+    # another beginning (another voice) is kept beside it, up to the store's size
+    model.prefixes.entries = 2
+    for _ in range(3):
+        model.prefill(torch.randn(6, hidden), model.new_cache(reserve=8), shared=3)
+    assert len(model.prefixes) == 2 and model.prefixes.misses == 4
+    # a prompt no longer than its shared beginning is computed whole and not kept
+    model.prefill(beginning, model.new_cache(reserve=8), shared=3)
+    assert model.prefixes.misses == 4

@@ -104,6 +104,7 @@ class Sequence:
         self.length = 0  # positions held in the KV cache
         self.cache = None  # its KV cache while it is in a batch
         self.finished = False
+        self.shared_prefix = 0  # leading prompt positions other prompts begin with too
 
     @property
     def end_banned(self) -> bool:
@@ -324,7 +325,7 @@ class Batch:
         if not self.free_rows:
             raise RuntimeError("batch is full")
         sequence.cache = self.transformer.new_cache(reserve=sequence.kv_positions())
-        hidden = self.transformer.prefill(sequence.prompt, sequence.cache)
+        hidden = self.transformer.prefill(sequence.prompt, sequence.cache, sequence.shared_prefix)
         sequence.length = sequence.prompt.shape[0]
         self._accept([sequence], hidden[None])
         self.active.append(sequence)

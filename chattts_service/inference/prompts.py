@@ -36,6 +36,7 @@ class Prompts:
         self.chat, self.heads, self.max_positions = chat, heads, max_positions
         self.settings = settings
         self.text_normaliser = text_normaliser
+        self._prefix_ids: dict[int, torch.Tensor] = {}  # speed -> its prompts' first tokens
 
     def speaker_embedding(self, seed: int) -> torch.Tensor:
         return voice_for_seed(self.chat.speaker, seed)
@@ -118,7 +119,7 @@ class Prompts:
         max_steps = min(fixed_steps or self.max_steps_for(text), room, step_cap or room)
         # at least one step: a generation that ends at once would be an empty answer
         min_steps = min(fixed_steps or 1, max_steps)
-        return Sequence(
+        sequence = Sequence(
             embeddings[0].clone(),
             self.heads,
             request.sampling,
@@ -127,6 +128,21 @@ class Prompts:
             min_steps,
             eos_token=self.heads.num_audio_tokens - 1,
         )
+        sequence.shared_prefix = self._shared_prefix(input_ids[0, :, 0], request.speed)
+        return sequence
+
+    def _shared_prefix(self, ids: torch.Tensor, speed: int) -> int:
+        """How many of a speech prompt's first tokens every prompt of this speed begins with
+        (``[Stts][spk_emb][speed_N]``; with the voice's embedding in the second, the same
+        positions for every text in that voice): 0 where the prompt does not begin so."""
+        if speed not in self._prefix_ids:
+            decorated = self.chat.speaker.decorate_code_prompts([""], f"[speed_{speed}]", None, "")
+            prefix = decorated[0].removesuffix("[Ptts]")
+            ids_of_prefix, _, _ = self.chat.tokenizer.encode([prefix], self.chat.config.gpt.num_vq)
+            self._prefix_ids[speed] = ids_of_prefix[0, :, 0]
+        prefix = self._prefix_ids[speed]
+        count = prefix.shape[0]
+        return count if ids.shape[0] > count and torch.equal(ids[:count], prefix) else 0
 
     def text_sequence(self, text: str, request: SynthesisRequest) -> TextSequence:
         chat = self.chat

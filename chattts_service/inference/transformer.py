@@ -13,7 +13,9 @@ RMSNorm before a projection is fused with the int8 kernel's per-row scaling.
 
 from __future__ import annotations
 
+import hashlib
 import math
+from collections import OrderedDict
 
 import torch
 import torch.nn.functional as F
@@ -27,6 +29,7 @@ from chattts_service.kernels.layers import DecodeLayers
 CAPACITY_CHUNK = 256
 CACHE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "int8": torch.int8}
 KERNEL_LINEARS = (KernelInt8Linear, KernelInt4Linear)  # the C++ kernels' own products
+PREFIX_ENTRIES = 64  # prompt beginnings whose keys and values are kept (~0.2 MB each, full size)
 
 
 class RMSNorm:
@@ -147,6 +150,22 @@ class KVCache:
         # per-layer views, made once rather than on every step
         self.layer_keys, self.layer_values = self.keys.unbind(0), self.values.unbind(0)
 
+    def _tensors(self) -> list[torch.Tensor]:
+        scales = [] if self.key_scales is None else [self.key_scales, self.value_scales]
+        return [self.keys, self.values, *scales]
+
+    @torch.inference_mode()
+    def snapshot(self, positions: int) -> list[torch.Tensor]:
+        """A copy of what the first ``positions`` hold, for ``restore``."""
+        return [tensor[:, :, :positions].clone() for tensor in self._tensors()]
+
+    @torch.inference_mode()
+    def restore(self, snapshot: list[torch.Tensor]) -> None:
+        """Put a ``snapshot``'s positions back at the start of this cache (room for them
+        ``ensure``d first)."""
+        for tensor, held in zip(self._tensors(), snapshot, strict=True):
+            tensor[:, :, : held.shape[2]].copy_(held)
+
     @torch.inference_mode()
     def write(self, layer: int, start: int, keys: torch.Tensor, values: torch.Tensor) -> None:
         """Store ``keys``/``values`` [heads, positions, dim] (float) at positions ``start``...
@@ -178,6 +197,45 @@ def quantize_vectors(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 def rounded_positions(positions: int) -> int:
     return math.ceil(positions / CAPACITY_CHUNK) * CAPACITY_CHUNK
+
+
+class PrefixStore:
+    """The keys and values of prompt beginnings that recur (ChatTTS starts every speech
+    prompt with the same three tokens for a voice and speed), keyed by the bytes of their input
+    embeddings, which are all a position's keys and values depend on (the layers are the
+    process's own and causal). At most ``entries``, the least recently used dropped first."""
+
+    def __init__(self, entries: int = PREFIX_ENTRIES):
+        self.entries = entries
+        self._held: OrderedDict[bytes, list[torch.Tensor]] = OrderedDict()
+        self.hits = self.misses = 0
+
+    @staticmethod
+    def key(embeddings: torch.Tensor) -> bytes:
+        data = embeddings.contiguous().numpy().tobytes()
+        digest = hashlib.blake2b(data, digest_size=20).digest()
+        return digest + len(embeddings).to_bytes(4, "little")
+
+    def get(self, key: bytes) -> list[torch.Tensor] | None:
+        held = self._held.get(key)
+        if held is None:
+            self.misses += 1
+            return None
+        self.hits += 1
+        self._held.move_to_end(key)
+        return held
+
+    def put(self, key: bytes, snapshot: list[torch.Tensor]) -> None:
+        self._held[key] = snapshot
+        self._held.move_to_end(key)
+        while len(self._held) > self.entries:
+            self._held.popitem(last=False)
+
+    def clear(self) -> None:
+        self._held.clear()
+
+    def __len__(self) -> int:
+        return len(self._held)
 
 
 class Transformer:
@@ -221,6 +279,7 @@ class Transformer:
         if self.decode_layers is not None:
             self.norm = KernelRMSNorm(self.norm, self.kernels)
         self.tuning = None  # how the int8 product prefetches, once chosen (kernels.tuning)
+        self.prefixes = PrefixStore()
 
     def int8_packings(self) -> list:
         """Every int8 packing the kernels multiply by, layer by layer (empty without them)."""
@@ -310,16 +369,29 @@ class Transformer:
         return x + layer.down(F.silu(gate) * up)
 
     @torch.inference_mode()
-    def prefill(self, embeddings: torch.Tensor, cache: KVCache) -> torch.Tensor:
+    def prefill(self, embeddings: torch.Tensor, cache: KVCache, shared: int = 0) -> torch.Tensor:
         """Run one sequence's prompt [length, hidden] into its empty ``cache``; return the last
-        position's hidden state."""
+        position's hidden state. ``shared``: how many of its first positions begin other
+        prompts too; where the kernels run the layers, their keys and values are kept
+        (``prefixes``) and copied, not computed again, when a prompt begins with the same
+        embeddings: the same bits, as a position's keys and values depend on its own and the
+        earlier positions' embeddings alone."""
         length = embeddings.shape[0]
         if length > self.max_positions:
             raise ValueError(f"prompt of {length} tokens exceeds {self.max_positions} positions")
         cache.ensure(length)
         if self.decode_layers is not None:
             x = embeddings.to(torch.float32, copy=True).contiguous()
-            return self.norm(self.decode_layers.prompt(x, cache)[-1])
+            if not 0 < shared < length:
+                return self.norm(self.decode_layers.prompt(x, cache)[-1])
+            key = self.prefixes.key(x[:shared])
+            held = self.prefixes.get(key)
+            if held is None:  # the whole prompt in one call (one pass over the weights)
+                last = self.decode_layers.prompt(x, cache)[-1]
+                self.prefixes.put(key, cache.snapshot(shared))
+                return self.norm(last)
+            cache.restore(held)
+            return self.norm(self.decode_layers.prompt(x[shared:], cache, shared)[-1])
         cos, sin = self.cos[:length][None, None], self.sin[:length][None, None]
         x = embeddings.float()[None]
         for index, layer in enumerate(self.layers):

@@ -132,12 +132,13 @@ class DecodeLayers:
         self._run(x, rows)
         return x
 
-    def prompt(self, x: torch.Tensor, cache) -> torch.Tensor:
+    def prompt(self, x: torch.Tensor, cache, start: int = 0) -> torch.Tensor:
         """A sequence's prompt ``x`` [length, hidden] float32 through every layer into its
-        empty ``cache`` (positions 0..length-1; causal attention, every position's key and
-        value stored before any attends); returns the last layer's output (``x`` itself)."""
+        ``cache`` at positions start..start+length-1, after the ``start`` it holds already
+        (causal attention, every position's key and value stored before any attends); returns
+        the last layer's output (``x`` itself)."""
         length = x.shape[0]
-        self._run(x, StepRows([cache] * length, list(range(length))), prompt=True)
+        self._run(x, StepRows([cache] * length, list(range(start, start + length))), prompt=True)
         return x
 
     def step_and_draw(
