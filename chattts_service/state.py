@@ -139,6 +139,7 @@ class ServiceState:
             self._fetch_model()
             self.phase = "loading"
             self.engine.load()
+            self.metrics.prompt_prefixes.store = self.engine.model.transformer.prefixes
             if self.settings.warmup:
                 self.phase = "warming"
                 self.engine.warm_up()

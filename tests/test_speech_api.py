@@ -433,3 +433,23 @@ def test_server_sent_events_on_synthesize_carry_the_wav_and_whole_files(api):
     assert events[-1]["usage"]["output_tokens"] == -(-round(seconds * 24_000) // 512)
     bad = post(api, "/synthesize", {"text": "hi", "stream_format": "chunks"})
     assert bad.status_code == 400 and "'stream_format' must be one of audio, sse" in bad.text
+
+
+def test_a_voices_next_prompts_reuse_its_kept_beginning(api):
+    """/metrics counts the speech prompts whose first positions were copied from the kept
+    beginning of an earlier prompt in the same voice (hit) or computed (miss)."""
+
+    def value(name, label=""):
+        for line in requests.get(api.url + "/metrics", timeout=10).text.splitlines():
+            if line.startswith(name) and label in line:
+                return float(line.split()[-1])
+        raise AssertionError(f"{name}{label} not in /metrics")
+
+    hits = value("chatts_prompt_prefixes_total", 'outcome="hit"')
+    misses = value("chatts_prompt_prefixes_total", 'outcome="miss"')
+    for text in ("前缀测试第一句。", "前缀测试的第二句话。"):  # one voice, two texts: no cache hit
+        response = post(api, "/synthesize", {"text": text, "seed": 431, "format": "wav"})
+        assert response.status_code == 200, response.text
+    assert value("chatts_prompt_prefixes_total", 'outcome="hit"') >= hits + 1
+    assert value("chatts_prompt_prefixes_total", 'outcome="miss"') >= misses
+    assert value("chatts_prompt_prefixes_kept") >= 1

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from chattts_service.runtime import heap
 from chattts_service.runtime.cpu import CpuSampler
@@ -26,6 +26,35 @@ class HeapCollector:
         for kind in heap.KINDS:
             family.add_metric([kind], float(numbers[kind]) if numbers else float("nan"))
         yield family
+
+
+class PrefixCollector:
+    """``chatts_prompt_prefixes_total{outcome}``: speech prompts whose first positions were
+    copied from a kept beginning (hit) or computed (miss); ``chatts_prompt_prefixes_kept``:
+    the beginnings kept. Read from the model's store (``store``, set once the model is
+    loaded) at each scrape."""
+
+    def __init__(self):
+        self.store = None
+
+    def collect(self):
+        store = self.store
+        if store is None:
+            return
+        counts = CounterMetricFamily(
+            "chatts_prompt_prefixes",
+            "Speech prompts whose first positions were copied from a kept beginning (hit) "
+            "or computed (miss)",
+            labels=["outcome"],
+        )
+        counts.add_metric(["hit"], float(store.hits))
+        counts.add_metric(["miss"], float(store.misses))
+        yield counts
+        yield GaugeMetricFamily(
+            "chatts_prompt_prefixes_kept",
+            "Prompt beginnings whose keys and values are kept",
+            value=float(len(store)),
+        )
 
 
 # The metric names keep the seed design's spelling, chatts_* (one "t"): its dashboards use them.
@@ -124,6 +153,8 @@ class Metrics:
         self._cpu = CpuSampler()
         self.cpu_percent.set_function(self._cpu.percent)
         r.register(HeapCollector())
+        self.prompt_prefixes = PrefixCollector()
+        r.register(self.prompt_prefixes)
 
     def observe_step(self, rows: int, seconds: float) -> None:
         self.step_duration.observe(seconds)
