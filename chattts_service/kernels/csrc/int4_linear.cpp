@@ -136,29 +136,23 @@ static int32_t int4_linear(const ChattsInt4LinearArgs& a) {
     const int64_t prefetch_bytes = static_cast<int64_t>(tuning.prefetch_groups) * 64;
     const Int4BlockFunction* functions =
         tuning.prefetch_hint == 1 ? kInt4BlockFunctions<1> : kInt4BlockFunctions<0>;
-    // as the int8 product does: with more than one pass over a block, each pass prefetches its
-    // share of the next block, so memory streams through all of them
-    const int64_t passes = (rows + 1) / 2, units = k / 8;
-    const int64_t share_step = (64 + passes - 1) / passes;
+    // 2 rows a pass, each step 64 bytes of 8 inputs (as the int8 product, pass_prefetch)
+    const int64_t passes = (rows + 1) / 2, steps = k / 8;
 #pragma omp parallel for num_threads(a.threads) schedule(static)
     for (int64_t block = 0; block < blocks; ++block) {
         const int valid = static_cast<int>(n - block * 16 < 16 ? n - block * 16 : 16);
         const uintptr_t start = reinterpret_cast<uintptr_t>(a.packed + block * block_bytes);
         for (int64_t first = 0; first < rows; first += 2) {
             const int64_t count = rows - first < 2 ? rows - first : 2;
-            uintptr_t from = start + prefetch_bytes;
-            int64_t step = prefetch_bytes > 0 ? 64 : 0;
-            if (passes > 1 && prefetch_bytes > 0) {
-                from = start + block_bytes + (first / 2) * units * share_step;
-                step = share_step;
-            }
+            const PassPrefetch ahead =
+                pass_prefetch(start, block_bytes, steps, prefetch_bytes, first / 2, passes);
             functions[count](
                 k, group, xs.get() + first * k, k, level_sums.get() + first * groups, groups,
                 a.packed + block * block_bytes, a.scales + block * groups * 16,
                 prepared.row_max.get() + first,
                 a.residual == nullptr ? nullptr : a.residual + first * a.residual_stride + block * 16,
                 a.residual_stride, a.out + first * a.out_stride + block * 16, a.out_stride, valid,
-                weights_end, from, step);
+                weights_end, ahead.from, ahead.step);
         }
     }
     return CHATTS_OK;
