@@ -2,6 +2,7 @@
 
 import json
 import logging
+from dataclasses import replace
 
 import pytest
 import torch
@@ -29,43 +30,93 @@ def _packings(kernels, seed=0):
     ]
 
 
-def test_every_candidate_gives_the_same_bits(kernels):
-    packing = _packings(kernels)[2]
-    x, residual = torch.randn(8, packing.in_features), torch.randn(8, packing.out_features)
-    results = []
-    for candidate in tuning.CANDIDATES:
+def _every_tuning():
+    return [
+        replace(candidate, pair_blocks_from=pairs)
+        for candidate in tuning.CANDIDATES
+        for pairs in (*tuning.PAIRINGS, 5)
+    ]
+
+
+@pytest.mark.parametrize("shape", [(256, 64), (40, 68), (2504, 768)])
+def test_every_candidate_gives_the_same_bits(kernels, shape):
+    """Prefetching and pairing move no data and the integer sums are exact, so every tuning
+    gives the same bits at every row count; a row's result is its own alone or in a batch.
+    (68 inputs: 17 groups, a tail past the one-row chains; 40 channels end inside a block;
+    2504 x 768: the code head.)"""
+    generator = torch.Generator().manual_seed(3)
+    packing = Int8Packing(
+        torch.randint(-127, 128, shape, dtype=torch.int8, generator=generator),
+        torch.rand(shape[0], generator=generator) / 100,
+        kernels.int8_instructions,
+    )
+    x = torch.randn(10, packing.in_features, generator=generator)
+    residual = torch.randn(10, packing.out_features, generator=generator)
+    reference = None
+    for candidate in _every_tuning():
         kernels.tuning = candidate.to_abi()
-        results.append(kernels.int8_linear(x, packing, residual=residual))
-    assert all(torch.equal(result, results[0]) for result in results[1:])
+        results = {
+            rows: kernels.int8_linear(x[:rows], packing, residual=residual[:rows])
+            for rows in range(1, 11)
+        }
+        if reference is None:
+            reference = results[10]
+        for rows, result in results.items():
+            assert torch.equal(result, reference[:rows]), (candidate, rows)
+        alone = kernels.int8_linear(x[7:8], packing, residual=residual[7:8])
+        assert torch.equal(alone, reference[7:8]), candidate
 
 
 def test_the_kernel_refuses_a_tuning_out_of_range(kernels):
     packing = _packings(kernels)[0]
-    for bad in (abi.Tuning(257, 0), abi.Tuning(-1, 0), abi.Tuning(16, 2)):
+    for bad in (
+        abi.Tuning(257, 0, 9),
+        abi.Tuning(-1, 0, 9),
+        abi.Tuning(16, 2, 9),
+        abi.Tuning(16, 0, 1),
+        abi.Tuning(16, 0, 10),
+    ):
         kernels.tuning = bad
         with pytest.raises(cpp_kernels.KernelError, match="prefetch distance"):
             kernels.int8_linear(torch.randn(1, 64), packing)
-    with pytest.raises(ValueError, match="no such tuning"):
-        tuning.KernelTuning(16, "t2")
+    for bad in ((16, "t2"), (16, "t0", 1), (16, "t0", 10)):
+        with pytest.raises(ValueError, match="no such tuning"):
+            tuning.KernelTuning(*bad)
 
 
-def test_measuring_chooses_the_fastest_clearly_faster_than_the_default(kernels):
+def _rule(passes: dict, baseline: str, better_by: float) -> str:
+    """The choice, worked out again from the medians a measurement reported."""
+    scores = {name: sum(by_rows.values()) for name, by_rows in passes.items()}
+    fastest = min(scores, key=scores.get)
+    return baseline if scores[fastest] > scores[baseline] * (1 - better_by) else fastest
+
+
+@pytest.mark.parametrize("product", ["vnni", "avx2"])
+def test_measuring_chooses_the_fastest_clearly_faster_than_the_default(product):
+    if product == "vnni" and not cpp_kernels.cpu_supports(cpp_kernels.VNNI_CPU_FLAGS):
+        pytest.skip("this CPU lacks AVX512-VNNI")
+    kernels = cpp_kernels.load("on", int8_product=product)
     best, report = tuning.measure(kernels, _packings(kernels), rounds=3)
     passes = report["ms_per_pass"]
-    assert set(passes) == {f"{c.prefetch_groups}/{c.prefetch_hint}" for c in tuning.CANDIDATES}
+    assert set(passes) == {candidate.name for candidate in tuning.CANDIDATES}
     assert all(
         set(by_rows) == {"1", "8"} and min(by_rows.values()) > 0 for by_rows in passes.values()
     )
-    # the rule, applied again to the medians it reported
-    scores = {name: sum(by_rows.values()) for name, by_rows in passes.items()}
-    default = f"{tuning.DEFAULT.prefetch_groups}/{tuning.DEFAULT.prefetch_hint}"
-    fastest = min(scores, key=scores.get)
-    if scores[fastest] > scores[default] * (1 - tuning.BETTER_BY):
-        fastest = default
-    assert f"{best.prefetch_groups}/{best.prefetch_hint}" == fastest
-    assert (kernels.tuning.prefetch_groups, kernels.tuning.prefetch_hint) == (
+    prefetch = _rule(passes, tuning.DEFAULT.name, tuning.BETTER_BY)
+    if product == "avx2":  # its product walks single blocks: no pairing to time
+        assert "pairing_ms_per_pass" not in report and best.name == prefetch
+    else:
+        paired = report["pairing_ms_per_pass"]
+        groups, hint, _ = prefetch.split("/")
+        assert set(paired) == {f"{groups}/{hint}/{rows}" for rows in tuning.PAIRINGS}
+        assert all(set(by_rows) == {"8"} for by_rows in paired.values())
+        single = f"{groups}/{hint}/{tuning.SINGLE_BLOCKS}"
+        assert best.name == _rule(paired, single, tuning.PAIRING_BETTER_BY)
+    chosen = kernels.tuning
+    assert (chosen.prefetch_groups, chosen.prefetch_hint, chosen.pair_blocks_from) == (
         best.prefetch_groups,
         tuning.HINTS[best.prefetch_hint],
+        best.pair_blocks_from,
     )
 
 
@@ -78,21 +129,27 @@ def test_a_measured_choice_is_kept_and_read_on_the_next_start(kernels, tmp_path)
     assert stored["tuning"] == {
         "prefetch_groups": first.tuning.prefetch_groups,
         "prefetch_hint": first.tuning.prefetch_hint,
+        "pair_blocks_from": first.tuning.pair_blocks_from,
     }
     assert stored["cpu"] == tuning.cpu_identity()["name"] and "ms_per_pass" in stored
     # what the next start reads, not what it measures: a choice written by hand is used as is
-    stored["tuning"] = {"prefetch_groups": 40, "prefetch_hint": "t0"}
+    stored["tuning"] = {"prefetch_groups": 40, "prefetch_hint": "t0", "pair_blocks_from": 3}
     kept.write_text(json.dumps(stored))
     second = tuning.choose(kernels, packings, "measure", tmp_path)
-    assert (second.source, second.tuning) == ("kept", tuning.KernelTuning(40, "t0"))
-    assert (kernels.tuning.prefetch_groups, kernels.tuning.prefetch_hint) == (40, 1)
+    assert (second.source, second.tuning) == ("kept", tuning.KernelTuning(40, "t0", 3))
+    chosen = kernels.tuning
+    assert (chosen.prefetch_groups, chosen.prefetch_hint, chosen.pair_blocks_from) == (40, 1, 3)
 
 
 def test_an_unusable_kept_choice_is_measured_again(kernels, tmp_path, caplog):
     packings = _packings(kernels)
     tuning.choose(kernels, packings, "measure", tmp_path)
     (kept,) = tmp_path.glob("tuning-*.json")
-    for broken in ("{not json", '{"tuning": {"prefetch_groups": 999, "prefetch_hint": "nta"}}'):
+    for broken in (
+        "{not json",
+        '{"tuning": {"prefetch_groups": 999, "prefetch_hint": "nta"}}',
+        '{"tuning": {"prefetch_groups": 16, "prefetch_hint": "nta", "pair_blocks_from": 1}}',
+    ):
         kept.write_text(broken)
         with caplog.at_level(logging.WARNING):
             again = tuning.choose(kernels, packings, "measure", tmp_path)
@@ -132,6 +189,7 @@ def test_the_table_gives_its_entry_for_a_known_cpu_and_the_default_otherwise(ker
     assert choice.source == ("table" if listed else "default")
     assert choice.tuning == tuning.from_table(here)
     assert kernels.tuning.prefetch_groups == choice.tuning.prefetch_groups
+    assert kernels.tuning.pair_blocks_from == choice.tuning.pair_blocks_from
 
 
 def test_default_mode_measures_nothing_and_keeps_nothing(kernels, tmp_path):

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import ctypes
 
-ABI_VERSION = 4
+ABI_VERSION = 5
 
 _i64, _i32, _f32, _ptr = ctypes.c_int64, ctypes.c_int32, ctypes.c_float, ctypes.c_void_p
 
@@ -19,7 +19,7 @@ PRODUCT_VNNI = 2
 
 
 class Tuning(ctypes.Structure):
-    _fields_ = [("prefetch_groups", _i32), ("prefetch_hint", _i32)]
+    _fields_ = [("prefetch_groups", _i32), ("prefetch_hint", _i32), ("pair_blocks_from", _i32)]
 
 
 class AttentionArgs(ctypes.Structure):

@@ -70,7 +70,7 @@ class Kernels:
             int8_product = "vnni" if cpu_supports(VNNI_CPU_FLAGS) else "avx2"
         self.int8_instructions = int8_product
         # how the int8 product prefetches its weights; kernels/tuning.py sets what suits the CPU
-        self.tuning = abi.Tuning(prefetch_groups=16, prefetch_hint=0)
+        self.tuning = abi.Tuning(prefetch_groups=16, prefetch_hint=0, pair_blocks_from=9)
 
     def _check(self, status: int, product: str = "") -> None:
         """Raise the library's own message for a kernel that refused its arguments."""

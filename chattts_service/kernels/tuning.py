@@ -2,11 +2,15 @@
 
 A decode step reads every weight once, so how far ahead the product prefetches and with which
 hint decides how near it gets to the memory's bandwidth, and the best differs from one CPU (and
-memory system) to the next. ``CHATTTS_KERNEL_TUNING`` says how the parameters are chosen:
+memory system) to the next: a non-temporal prefetch that suits a Zen 3 halves what an Intel
+Xeon (family 6 model 207) reads. So does, for the VNNI product, from how many rows two blocks of
+16 channels share each broadcast input. ``CHATTTS_KERNEL_TUNING`` says how the parameters are
+chosen:
 
 - ``measure`` (the default): at the first start on a CPU, each candidate in ``CANDIDATES`` is
-  timed on the model's own packed layers at 1 and 8 rows (under a second on the full-size
-  model); the fastest, if clearly faster than the default, is used. The choice is kept beside
+  timed on the model's own packed layers at 1 and 8 rows; the fastest, if clearly faster than
+  the default, is used; then, for the VNNI product, that prefetch with each of ``PAIRINGS``
+  at 8 rows (about a second in all on the full-size model). The choice is kept beside
   the packed weights (``<model dir>/.packed/tuning-<key>.json``, keyed by the CPU's model,
   flags and thread count and by the kernel library) and read on later starts: a restart
   measures nothing, another CPU measures again.
@@ -14,7 +18,8 @@ memory system) to the next. ``CHATTTS_KERNEL_TUNING`` says how the parameters ar
   ``python benchmarks/tuning.py``; the default for a CPU not in it.
 - ``default``: ``DEFAULT``, whatever the CPU.
 
-Every candidate gives the same bits (prefetching moves no data); only the time differs.
+Every candidate gives the same bits (prefetching moves no data, and the integer sums are exact
+in any order); only the time differs.
 """
 
 from __future__ import annotations
@@ -23,7 +28,7 @@ import json
 import logging
 import statistics
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import torch
@@ -37,27 +42,45 @@ log = logging.getLogger(__name__)
 HINTS = {"nta": 0, "t0": 1}
 MODES = ("measure", "table", "default")
 ROWS = (1, 8)  # a step alone, and a full batch
+PAIRING_ROWS = (8,)  # pairs change nothing at one row
 BETTER_BY = 0.05  # a candidate replaces the default only when this much faster: runs
 # on a shared 2-core machine differ by 3-5% between candidates that are the same
-FILE_VERSION = 1
+PAIRING_BETTER_BY = 0.03  # timed at one row count, twice the rounds: less noise
+PAIRING_ROUNDS = 9
+SINGLE_BLOCKS = 9  # pair_blocks_from: pairs only past a step's 8 rows
+FILE_VERSION = 2
 
 
 @dataclass(frozen=True)
 class KernelTuning:
     prefetch_groups: int  # 64-byte groups of weights ahead; 0: the hardware prefetcher alone
     prefetch_hint: str  # "nta" (non-temporal) or "t0"
+    pair_blocks_from: int = SINGLE_BLOCKS  # VNNI: rows from which blocks go in pairs, 2..9
 
     def __post_init__(self):
-        if not 0 <= self.prefetch_groups <= 256 or self.prefetch_hint not in HINTS:
+        if (
+            not 0 <= self.prefetch_groups <= 256
+            or self.prefetch_hint not in HINTS
+            or not 2 <= self.pair_blocks_from <= SINGLE_BLOCKS
+        ):
             raise ValueError(f"no such tuning: {self}")
 
     def to_abi(self) -> abi.Tuning:
-        return abi.Tuning(self.prefetch_groups, HINTS[self.prefetch_hint])
+        return abi.Tuning(self.prefetch_groups, HINTS[self.prefetch_hint], self.pair_blocks_from)
+
+    @property
+    def name(self) -> str:
+        return f"{self.prefetch_groups}/{self.prefetch_hint}/{self.pair_blocks_from}"
 
     def describe(self) -> str:
-        if not self.prefetch_groups:
-            return "no software prefetch"
-        return f"prefetch {self.prefetch_groups * 64} B ahead ({self.prefetch_hint})"
+        prefetch = (
+            f"prefetch {self.prefetch_groups * 64} B ahead ({self.prefetch_hint})"
+            if self.prefetch_groups
+            else "no software prefetch"
+        )
+        if self.pair_blocks_from == SINGLE_BLOCKS:
+            return prefetch
+        return f"{prefetch}, blocks in pairs from {self.pair_blocks_from} rows"
 
 
 DEFAULT = KernelTuning(16, "nta")
@@ -71,10 +94,12 @@ CANDIDATES = (
     KernelTuning(32, "t0"),
     KernelTuning(64, "t0"),
 )
+PAIRINGS = (SINGLE_BLOCKS, 2)  # the VNNI product's candidates, with the chosen prefetch
 # (vendor, family, model) -> tuning, each measured with `python benchmarks/tuning.py` on that
 # CPU (full-size model, 2 threads)
 TABLE = {
     ("AuthenticAMD", 25, 1): KernelTuning(16, "nta"),  # AMD EPYC, Zen 3
+    ("GenuineIntel", 6, 207): KernelTuning(64, "t0", 2),  # Intel Xeon (Emerald Rapids)
 }
 
 
@@ -109,45 +134,60 @@ def _pass_seconds(kernels, packings, inputs: dict, tuning: KernelTuning) -> floa
     return time.perf_counter() - started
 
 
-def measure(kernels, packings, rounds: int = 5, candidates=CANDIDATES) -> tuple[KernelTuning, dict]:
-    """Time one pass of the int8 product over ``packings`` per candidate, at each of ``ROWS``
-    rows, ``rounds`` times interleaved (so a noisy moment hits every candidate alike); the
-    score is the sum over the row counts of the median pass. Returns the choice and the
-    timings. The kernels' tuning is left as chosen."""
+def _time(kernels, packings, candidates, rows_counts, rounds: int) -> dict:
+    """Median seconds of one pass per candidate and row count, the candidates interleaved in
+    every round (so a noisy moment hits every candidate alike)."""
     generator = torch.Generator().manual_seed(0)
     widths = {packing.in_features for packing in packings}
     inputs = {
         rows: {width: torch.randn(rows, width, generator=generator) for width in widths}
-        for rows in ROWS
+        for rows in rows_counts
     }
-    times = {candidate: {rows: [] for rows in ROWS} for candidate in candidates}
-    for rows in ROWS:  # once untimed: page the weights in, start the threads
+    times = {candidate: {rows: [] for rows in rows_counts} for candidate in candidates}
+    for rows in rows_counts:  # once untimed: page the weights in, start the threads
         _pass_seconds(kernels, packings, inputs[rows], candidates[0])
     for _ in range(rounds):
         for candidate in candidates:
-            for rows in ROWS:
+            for rows in rows_counts:
                 times[candidate][rows].append(
                     _pass_seconds(kernels, packings, inputs[rows], candidate)
                 )
-    medians = {
+    return {
         candidate: {rows: statistics.median(values) for rows, values in by_rows.items()}
         for candidate, by_rows in times.items()
     }
+
+
+def _fastest(medians: dict, baseline: KernelTuning, better_by: float) -> KernelTuning:
+    """The candidate of the least summed median, if ``better_by`` faster than ``baseline``."""
     scores = {candidate: sum(by_rows.values()) for candidate, by_rows in medians.items()}
     best = min(scores, key=scores.get)
-    baseline = candidates[0]
-    if scores[best] > scores[baseline] * (1 - BETTER_BY):
-        best = baseline
-    kernels.tuning = best.to_abi()
-    report = {
-        "ms_per_pass": {
-            f"{candidate.prefetch_groups}/{candidate.prefetch_hint}": {
-                str(rows): seconds * 1000 for rows, seconds in by_rows.items()
-            }
-            for candidate, by_rows in medians.items()
-        },
-        "rounds": rounds,
+    return baseline if scores[best] > scores[baseline] * (1 - better_by) else best
+
+
+def _milliseconds(medians: dict) -> dict:
+    return {
+        candidate.name: {str(rows): seconds * 1000 for rows, seconds in by_rows.items()}
+        for candidate, by_rows in medians.items()
     }
+
+
+def measure(kernels, packings, rounds: int = 5, candidates=CANDIDATES) -> tuple[KernelTuning, dict]:
+    """Time one pass of the int8 product over ``packings`` per candidate, at each of ``ROWS``
+    rows, ``rounds`` times interleaved; the score is the sum over the row counts of the
+    median pass, and the fastest replaces the first candidate only when ``BETTER_BY`` faster.
+    For the VNNI product, the chosen prefetch is then timed with each of ``PAIRINGS`` at
+    ``PAIRING_ROWS``, likewise. Returns the choice and the timings. The kernels' tuning is
+    left as chosen."""
+    medians = _time(kernels, packings, candidates, ROWS, rounds)
+    best = _fastest(medians, candidates[0], BETTER_BY)
+    report = {"ms_per_pass": _milliseconds(medians), "rounds": rounds}
+    if kernels.int8_instructions == "vnni":
+        pairings = [replace(best, pair_blocks_from=rows) for rows in PAIRINGS]
+        paired = _time(kernels, packings, pairings, PAIRING_ROWS, PAIRING_ROUNDS)
+        best = _fastest(paired, pairings[0], PAIRING_BETTER_BY)
+        report["pairing_ms_per_pass"] = _milliseconds(paired)
+    kernels.tuning = best.to_abi()
     return best, report
 
 
@@ -159,6 +199,7 @@ def cache_path(directory: Path, identity: dict, threads: int, library: Path) -> 
             "threads": threads,
             "library": library.name,
             "candidates": [asdict(c) for c in CANDIDATES],
+            "pairings": PAIRINGS,
         }
     )
     return Path(directory) / f"tuning-{key}.json"

@@ -27,7 +27,8 @@ extern "C" const char* chatts_status_message(int32_t status) {
             return "too many activation levels for the int8 product's instructions";
         case CHATTS_UNKNOWN_PRODUCT: return "unknown int8 product";
         case CHATTS_BAD_SAMPLING: return "sample needs a vocabulary and min_keep >= 1";
-        case CHATTS_BAD_TUNING: return "prefetch distance must be 0-256 groups, hint 0 or 1";
+        case CHATTS_BAD_TUNING:
+            return "prefetch distance must be 0-256 groups, hint 0 or 1, pairs from 2-9 rows";
         case CHATTS_BAD_GROUP:
             return "int4 groups must be 8 to 64 inputs, a multiple of 8, and divide in_features";
         default: return "unknown status";

@@ -8,7 +8,7 @@
 #include <cstdint>
 
 #ifndef CHATTS_ABI_VERSION  // a test builds a library of another version to see it refused
-#define CHATTS_ABI_VERSION 4
+#define CHATTS_ABI_VERSION 5
 #endif
 
 // What a kernel returns. chatts_status_message() gives each one's text.
@@ -21,7 +21,7 @@ enum ChattsStatus : int32_t {
     CHATTS_TOO_MANY_LEVELS = 5,        // int8 linear: activation levels beyond the product's
     CHATTS_UNKNOWN_PRODUCT = 6,        // int8 linear: not one of ChattsProduct
     CHATTS_BAD_SAMPLING = 7,           // sample: empty vocabulary or min_keep < 1
-    CHATTS_BAD_TUNING = 8,             // int8 linear: prefetch distance or hint out of range
+    CHATTS_BAD_TUNING = 8,             // int8 linear: prefetch distance, hint or pairing out of range
     CHATTS_BAD_GROUP = 9,              // int4 linear: group not 8..64 in 8s, or not dividing k
 };
 
@@ -35,6 +35,7 @@ enum ChattsProduct : int32_t {
 struct ChattsTuning {
     int32_t prefetch_groups;         // prefetch this many 64-byte groups of weights ahead, 0..256
     int32_t prefetch_hint;           // 0: non-temporal (NTA), 1: into every cache level (T0)
+    int32_t pair_blocks_from;        // VNNI: from this many rows (2..9) blocks go in pairs
 };
 
 struct ChattsAttentionArgs {
