@@ -225,7 +225,8 @@ static int32_t attention_pass(
 #pragma omp parallel num_threads(threads)
     {
         std::vector<float> scores(longest);
-#pragma omp for schedule(static)
+        // guided, as the int8 product: a slow vCPU's share goes to the other thread
+#pragma omp for schedule(guided)
         for (int64_t task = 0; task < rows * heads; ++task) {
             const int64_t row = task / heads, head = task % heads;
             const int64_t head_index = layer * heads + head;

@@ -138,7 +138,8 @@ static int32_t int4_linear(const ChattsInt4LinearArgs& a) {
         tuning.prefetch_hint == 1 ? kInt4BlockFunctions<1> : kInt4BlockFunctions<0>;
     // 2 rows a pass, each step 64 bytes of 8 inputs (as the int8 product, pass_prefetch)
     const int64_t passes = (rows + 1) / 2, steps = k / 8;
-#pragma omp parallel for num_threads(a.threads) schedule(static)
+    // guided, as the int8 product (gemm), for the same reason
+#pragma omp parallel for num_threads(a.threads) schedule(guided)
     for (int64_t block = 0; block < blocks; ++block) {
         const int valid = static_cast<int>(n - block * 16 < 16 ? n - block * 16 : 16);
         const uintptr_t start = reinterpret_cast<uintptr_t>(a.packed + block * block_bytes);
