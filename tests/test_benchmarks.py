@@ -48,11 +48,16 @@ def test_engine_benchmark_smoke(tiny_model_dir):
     assert 0 <= data["fidelity"]["top1_agreement"] <= 1
     readings = data["ours"]["bandwidth_readings_gb_per_s"]
     assert len(readings) == 2 and data["ours"]["bandwidth_gb_per_s"] == max(readings) > 0
+    reads = data["ours"]["weights_read_ms"]  # the packed layers read alone, before and after
+    assert len(reads) == 2 and min(reads) > 0
+    by_sum = data["ours"]["gpt_linear_mb"] / data["ours"]["bandwidth_gb_per_s"]
+    assert data["ours"]["floor_ms"] == min(by_sum, *reads)
     assert data["ours"]["kernel_tuning"].startswith(("prefetch", "no software prefetch"))
     from benchmarks.engine import report
 
     text = report(data)
     assert "batch-1 step within 1.3x" in text and "8-row step within 2.5x" in text
+    assert "a loop only reading them took" in text
     assert data["ours"]["kernel_tuning"] in text and data["cpu"] in text
 
 

@@ -271,6 +271,28 @@ def test_a_library_of_another_interface_is_refused_at_load(tmp_path):
         cpp_kernels.Kernels(path)
 
 
+def test_read_folds_every_byte_of_every_buffer(kernel):
+    """The benchmarks' floor is a loop that only reads the weights: it must read each byte of
+    every buffer (of any length, any prefetch), which its fold of them shows."""
+    generator = torch.Generator().manual_seed(4)
+    buffers = [
+        torch.randint(0, 256, (size,), dtype=torch.uint8, generator=generator)
+        for size in (1, 127, 128, 4099, 1 << 20)
+    ]
+    fold = kernel.read(buffers)
+    assert all(kernel.read(buffers, prefetch) == fold for prefetch in (1024, 4096))
+    assert kernel.read([buffer.clone() for buffer in buffers]) == fold
+    for index, at in ((0, 0), (2, 77), (3, 4098), (4, 300_000), (4, (1 << 20) - 1)):
+        changed = [buffer.clone() for buffer in buffers]
+        changed[index][at] ^= 0x10
+        assert kernel.read(changed) != fold, (index, at)
+    assert kernel.read([]) == 0
+    with pytest.raises(ValueError, match="contiguous"):
+        kernel.read([torch.zeros(8, 8, dtype=torch.uint8).t()])
+    with pytest.raises(cpp_kernels.KernelError, match="read needs"):
+        kernel.read(buffers, -64)
+
+
 def test_kernel_errors_carry_the_library_message(kernel):
     packing = Int8Packing(torch.ones(16, 8, dtype=torch.int8), torch.ones(16), "avx2")
     packing.levels = 200  # more than any product takes

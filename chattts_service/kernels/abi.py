@@ -183,6 +183,17 @@ class SampleArgs(ctypes.Structure):
     ]
 
 
+class ReadArgs(ctypes.Structure):
+    _fields_ = [
+        ("count", _i64),
+        ("buffers", _ptr),
+        ("bytes", _ptr),
+        ("prefetch_bytes", _i64),
+        ("threads", _i32),
+        ("checksum", ctypes.c_uint64),
+    ]
+
+
 # ChattsArgsKind: the library reports each struct's size by this number
 STRUCTS = {
     0: AttentionArgs,
@@ -192,6 +203,7 @@ STRUCTS = {
     4: DecodeLayersArgs,
     5: LayerWeights,
     6: Int4LinearArgs,
+    7: ReadArgs,
 }
 
 
@@ -215,6 +227,7 @@ def declare(library: ctypes.CDLL) -> None:
         ("chatts_sample", SampleArgs, _i32),
         ("chatts_decode_layers", DecodeLayersArgs, _i32),
         ("chatts_int4_linear", Int4LinearArgs, _i32),
+        ("chatts_read_buffers", ReadArgs, _i32),
     ):
         function = getattr(library, name)
         function.restype = result

@@ -247,6 +247,24 @@ class Kernels:
         self._check(self.library.chatts_sample(ctypes.byref(draw.arguments)))
         return draw.tokens
 
+    def read(self, tensors: list[torch.Tensor], prefetch_bytes: int = 0) -> int:
+        """Read every byte of ``tensors`` (contiguous) once on torch's threads, doing nothing
+        but fold them together: the least a pass over them costs (the benchmarks' floor).
+        Returns the fold (the same bytes give the same number)."""
+        if any(not tensor.is_contiguous() for tensor in tensors):
+            raise ValueError("read takes contiguous tensors")
+        buffers = (ctypes.c_void_p * len(tensors))(*(t.data_ptr() for t in tensors))
+        sizes = (ctypes.c_int64 * len(tensors))(*(t.numel() * t.element_size() for t in tensors))
+        arguments = abi.ReadArgs(
+            count=len(tensors),
+            buffers=ctypes.addressof(buffers),
+            bytes=ctypes.addressof(sizes),
+            prefetch_bytes=prefetch_bytes,
+            threads=torch.get_num_threads(),
+        )
+        self._check(self.library.chatts_read_buffers(ctypes.byref(arguments)))
+        return arguments.checksum
+
 
 class SampleCall:
     """``Kernels.sample``'s arguments, checked, and the tokens [rows, width] it draws into;

@@ -12,6 +12,7 @@ extern "C" int64_t chatts_args_size(int32_t kind) {
         case CHATTS_ARGS_DECODE_LAYERS: return sizeof(ChattsDecodeLayersArgs);
         case CHATTS_ARGS_LAYER_WEIGHTS: return sizeof(ChattsLayerWeights);
         case CHATTS_ARGS_INT4_LINEAR: return sizeof(ChattsInt4LinearArgs);
+        case CHATTS_ARGS_READ: return sizeof(ChattsReadArgs);
         default: return -1;
     }
 }
@@ -29,6 +30,7 @@ extern "C" const char* chatts_status_message(int32_t status) {
         case CHATTS_BAD_SAMPLING: return "sample needs a vocabulary and min_keep >= 1";
         case CHATTS_BAD_TUNING:
             return "prefetch distance must be 0-256 groups, hint 0 or 1, pairs from 2-9 rows";
+        case CHATTS_BAD_READ: return "read needs a count and prefetch >= 0 and a thread";
         case CHATTS_BAD_GROUP:
             return "int4 groups must be 8 to 64 inputs, a multiple of 8, and divide in_features";
         default: return "unknown status";

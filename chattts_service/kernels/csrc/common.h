@@ -2,6 +2,7 @@
 #pragma once
 
 #include <immintrin.h>
+#include <omp.h>
 
 #include <algorithm>
 #include <cmath>

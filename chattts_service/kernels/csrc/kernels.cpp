@@ -13,4 +13,5 @@
 #include "int4_linear.cpp"
 #include "sample.cpp"
 #include "decode_layers.cpp"
+#include "read.cpp"
 #include "abi.cpp"

@@ -23,6 +23,7 @@ enum ChattsStatus : int32_t {
     CHATTS_BAD_SAMPLING = 7,           // sample: empty vocabulary or min_keep < 1
     CHATTS_BAD_TUNING = 8,             // int8 linear: prefetch distance, hint or pairing out of range
     CHATTS_BAD_GROUP = 9,              // int4 linear: group not 8..64 in 8s, or not dividing k
+    CHATTS_BAD_READ = 10,              // read buffers: a negative count or prefetch, no thread
 };
 
 // The int8 product's instructions.
@@ -175,6 +176,16 @@ struct ChattsSampleArgs {
     int32_t threads;
 };
 
+// Buffers read once (csrc/read.cpp): the least a pass over them costs.
+struct ChattsReadArgs {
+    int64_t count;
+    const void* const* buffers;      // [count]
+    const int64_t* bytes;            // [count]
+    int64_t prefetch_bytes;          // T0 prefetch this far ahead; 0: none
+    int32_t threads;
+    uint64_t checksum;               // out: the bytes folded together
+};
+
 // Argument structs by number, for chatts_args_size.
 enum ChattsArgsKind : int32_t {
     CHATTS_ARGS_ATTENTION = 0,
@@ -184,6 +195,7 @@ enum ChattsArgsKind : int32_t {
     CHATTS_ARGS_DECODE_LAYERS = 4,
     CHATTS_ARGS_LAYER_WEIGHTS = 5,
     CHATTS_ARGS_INT4_LINEAR = 6,
+    CHATTS_ARGS_READ = 7,
 };
 
 extern "C" {
@@ -197,4 +209,5 @@ int32_t chatts_sample(const ChattsSampleArgs* args);
 int32_t chatts_decode_layers(const ChattsDecodeLayersArgs* args);
 void chatts_rms_norm(const ChattsRmsNormArgs* args);
 int32_t chatts_int4_linear(const ChattsInt4LinearArgs* args);
+int32_t chatts_read_buffers(ChattsReadArgs* args);
 }
