@@ -7,10 +7,22 @@ import torch
 from chattts_service.kernels import bindings as cpp_kernels
 from chattts_service.kernels import int4
 
+PRODUCTS = [
+    pytest.param(
+        "vnni",
+        marks=pytest.mark.skipif(
+            not cpp_kernels.cpu_supports(cpp_kernels.VNNI_CPU_FLAGS),
+            reason="this CPU lacks AVX512-VNNI",
+        ),
+    ),
+    "avx2",
+]
 
-@pytest.fixture(scope="module")
-def kernels():
-    return cpp_kernels.load("on")
+
+@pytest.fixture(scope="module", params=PRODUCTS)
+def kernels(request):
+    """The kernels with each int4 product this CPU can run (it takes the int8 product's)."""
+    return cpp_kernels.load("on", int8_product=request.param)
 
 
 def _reference(x: torch.Tensor, packing: int4.Int4Packing, residual=None) -> torch.Tensor:
@@ -38,7 +50,7 @@ def test_int4_product_equals_the_reference_to_the_bit(kernels, group, shape):
     generator = torch.Generator().manual_seed(group + shape[0])
     weight = torch.randn(shape, generator=generator) * 0.05
     packing = int4.Int4Packing(weight, group)
-    for rows in (1, 2, 3, 8):
+    for rows in (1, 2, 3, 4, 5, 8, 9):
         x = torch.randn(rows, shape[1], generator=generator) * 3
         residual = torch.randn(rows, shape[0], generator=generator)
         assert torch.equal(int4.int4_linear(kernels, x, packing), _reference(x, packing))

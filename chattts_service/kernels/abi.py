@@ -160,6 +160,7 @@ class Int4LinearArgs(ctypes.Structure):
         ("out", _ptr),
         ("out_stride", _i64),
         ("levels", _i32),
+        ("product", _i32),
         ("threads", _i32),
         ("tuning", Tuning),
     ]

@@ -4,8 +4,10 @@
 reading the weights): each output channel's inputs in groups of ``GROUP``, each group rounded
 to [-7, 7] times its own scale (its largest magnitude / 7). The activations are quantized per
 row as the AVX2 int8 product quantizes them (63 levels a side); see ``csrc/int4_linear.cpp``
-for the product and why its integer sums are exact. Fidelity against fp32 is measured by
-``benchmarks/engine.py --quantize int4``; the default stays int8.
+for the product and why its integer sums are exact. The product runs on the instructions the
+kernels chose for int8 (``Kernels.int8_instructions``: VNNI or AVX2), with the same bits.
+Fidelity against fp32 is measured by ``benchmarks/engine.py --quantize int4``; the default
+stays int8.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import torch
 
 from chattts_service.kernels import abi
 from chattts_service.kernels.bindings import Kernels, linear_rows
+from chattts_service.kernels.int8 import INT8_INSTRUCTIONS
 
 GROUP = 64  # inputs a scale covers (the kernel takes 8..64 in steps of 8)
 LEVELS = 63  # the activations' levels either side of zero, as the AVX2 int8 product's
@@ -29,7 +32,6 @@ class Int4Packing:
     input j, the high one for input 4 + j); the scales [blocks, in / group, 16] divided by the
     activations' levels."""
 
-    instructions = "avx2"
     levels = LEVELS
 
     def __init__(self, weight: torch.Tensor, group: int = GROUP):
@@ -141,8 +143,12 @@ def int4_linear(
         out=out.data_ptr(),
         out_stride=packing.out_features,
         levels=packing.levels,
+        product=INT8_INSTRUCTIONS[kernels.int8_instructions][0],
         threads=torch.get_num_threads(),
         tuning=kernels.tuning,
     )
-    kernels._check(kernels.library.chatts_int4_linear(ctypes.byref(arguments)), "int4")
+    kernels._check(
+        kernels.library.chatts_int4_linear(ctypes.byref(arguments)),
+        f"int4 on {kernels.int8_instructions}",
+    )
     return out

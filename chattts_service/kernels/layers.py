@@ -35,8 +35,9 @@ from chattts_service.kernels.int4 import Int4Packing
 from chattts_service.kernels.int8 import INT8_INSTRUCTIONS, Int8Packing
 
 
-def _linear(packing) -> abi.LinearWeights:
-    """An ``Int8Packing`` or an ``Int4Packing`` as the C step reads it."""
+def _linear(packing, int4_instructions: str = "avx2") -> abi.LinearWeights:
+    """An ``Int8Packing`` or an ``Int4Packing`` (multiplied with ``int4_instructions``) as the
+    C step reads it."""
     if isinstance(packing, Int4Packing):
         return abi.LinearWeights(
             packed=packing.packed.data_ptr(),
@@ -47,7 +48,7 @@ def _linear(packing) -> abi.LinearWeights:
             group=packing.group,
             bits=4,
             levels=packing.levels,
-            product=0,
+            product=INT8_INSTRUCTIONS[int4_instructions][0],
         )
     packed, offsets, weight_scale = packing.pointers
     product, levels = INT8_INSTRUCTIONS[packing.instructions]
@@ -88,7 +89,13 @@ class DecodeLayers:
         self.heads, self.head_dim = heads, head_dim
         self.hidden = heads * head_dim
         self.intermediate = layers[0][2].out_features // 2  # gate_up: twice the MLP's width
-        instructions = {packing.instructions for layer in layers for packing in layer[:4]}
+        instructions = {
+            packing.instructions
+            if isinstance(packing, Int8Packing)
+            else f"int4 on {kernels.int8_instructions}"
+            for layer in layers
+            for packing in layer[:4]
+        }
         self.instructions = "/".join(sorted(instructions))
         hidden, intermediate = self.hidden, self.intermediate
         shapes = (
@@ -111,7 +118,9 @@ class DecodeLayers:
             gains = (attention_gain, mlp_gain)
             self._held.append((packings, gains))
             self.weights[index] = abi.LayerWeights(
-                gains[0].data_ptr(), gains[1].data_ptr(), *(_linear(p) for p in packings)
+                gains[0].data_ptr(),
+                gains[1].data_ptr(),
+                *(_linear(p, kernels.int8_instructions) for p in packings),
             )
         _check_gain(final_gain, hidden)
         self.final_gain = final_gain

@@ -47,6 +47,7 @@ int32_t project(const ChattsDecodeLayersArgs& a, const ChattsLinearWeights& w, c
         args.out = out;
         args.out_stride = w.n;
         args.levels = w.levels;
+        args.product = w.product;
         args.threads = a.threads;
         args.tuning = a.tuning;
         return int4_linear(args);

@@ -15,7 +15,10 @@
 // but k: a row's result never depends on its batch, and a plain float reference (tests) gives
 // the same bits.
 //
-// AVX2 only: CPUs with AVX512-VNNI run it too (a VNNI variant is not written yet).
+// With AVX512-VNNI (ChattsProduct VNNI) the same product takes vpdpbusd: the unsigned nibbles
+// times the signed levels, four inputs added into each channel's int32 lane, so a group's sum
+// is the same exact integer, and the float steps after it are the same operations lane by
+// lane: the AVX2 variant's bits, on 16 channels a register and up to 4 rows a pass.
 
 namespace {
 
@@ -91,6 +94,63 @@ void int4_block_avx2(int64_t k, int64_t group, const int8_t* xs, int64_t x_strid
     }
 }
 
+// ROWS (1..4) rows of one block of 16 channels with vpdpbusd: per row two int32 chains within
+// a group (the low nibbles' inputs and the high ones', so no vpdpbusd waits on the one before
+// it) and a float sum across groups, in registers.
+template <int ROWS, int HINT>
+__attribute__((target("avx512f,avx512bw,avx512vnni"),
+               optimize("no-associative-math", "signed-zeros", "trapping-math",
+                        "fp-contract=off")))
+void int4_block_vnni(int64_t k, int64_t group, const int8_t* xs, int64_t x_stride,
+                     const int32_t* level_sums, int64_t sums_stride, const uint8_t* block,
+                     const float* scales, const float* row_max, const float* residual,
+                     int64_t residual_stride, float* out, int64_t out_stride, int valid,
+                     uintptr_t weights_end, uintptr_t prefetch_from, int64_t prefetch_step) {
+    const __m512i nibble = _mm512_set1_epi8(0x0F);
+    __m512 f0 = _mm512_setzero_ps(), f1 = f0, f2 = f0, f3 = f0;
+    const uint8_t* w = block;
+    uintptr_t ahead = prefetch_from;
+    for (int64_t start = 0, index = 0; start < k; start += group, ++index) {
+        __m512i l0 = _mm512_setzero_si512(), l1 = l0, l2 = l0, l3 = l0, h0 = l0, h1 = l0,
+                h2 = l0, h3 = l0;
+        for (int64_t i = start; i < start + group; i += 8, w += 64, ahead += prefetch_step) {
+            if (prefetch_step > 0 && ahead < weights_end) prefetch_weights<HINT>(ahead);
+            const __m512i both = _mm512_loadu_si512(w);
+            // 16 channels of inputs i..i+3 (low nibbles), then of i+4..i+7 (high)
+            const __m512i low = _mm512_and_si512(both, nibble);
+            const __m512i high = _mm512_and_si512(_mm512_srli_epi16(both, 4), nibble);
+#define CHATTS_ROW(R)                                                                     \
+            if constexpr (ROWS > R) {                                                     \
+                int32_t first, second;                                                    \
+                std::memcpy(&first, xs + R * x_stride + i, 4);                            \
+                std::memcpy(&second, xs + R * x_stride + i + 4, 4);                      \
+                l##R = _mm512_dpbusd_epi32(l##R, low, _mm512_set1_epi32(first));          \
+                h##R = _mm512_dpbusd_epi32(h##R, high, _mm512_set1_epi32(second));        \
+            }
+            CHATTS_ROW(0) CHATTS_ROW(1) CHATTS_ROW(2) CHATTS_ROW(3)
+#undef CHATTS_ROW
+        }
+        const __m512 scale = _mm512_loadu_ps(scales + index * 16);
+#define CHATTS_GROUP(R)                                                                   \
+        if constexpr (ROWS > R) {                                                         \
+            const __m512i shift = _mm512_set1_epi32(kInt4Zero * level_sums[R * sums_stride + index]); \
+            const __m512i sum = _mm512_sub_epi32(_mm512_add_epi32(l##R, h##R), shift);    \
+            f##R = _mm512_add_ps(f##R, _mm512_mul_ps(_mm512_cvtepi32_ps(sum), scale));    \
+        }
+        CHATTS_GROUP(0) CHATTS_GROUP(1) CHATTS_GROUP(2) CHATTS_GROUP(3)
+#undef CHATTS_GROUP
+    }
+    const __m512 sums[4] = {f0, f1, f2, f3};
+    const __mmask16 mask = static_cast<__mmask16>((1u << valid) - 1u);
+    for (int r = 0; r < ROWS; ++r) {
+        __m512 result = _mm512_mul_ps(sums[r], _mm512_set1_ps(row_max[r]));
+        if (residual != nullptr)  // added after the product is rounded, as torch adds
+            result = _mm512_add_ps(
+                _mm512_maskz_loadu_ps(mask, residual + r * residual_stride), result);
+        _mm512_mask_storeu_ps(out + r * out_stride, mask, result);
+    }
+}
+
 using Int4BlockFunction = void (*)(int64_t, int64_t, const int8_t*, int64_t, const int32_t*,
                                    int64_t, const uint8_t*, const float*, const float*,
                                    const float*, int64_t, float*, int64_t, int, uintptr_t,
@@ -98,6 +158,10 @@ using Int4BlockFunction = void (*)(int64_t, int64_t, const int8_t*, int64_t, con
 template <int HINT>
 constexpr Int4BlockFunction kInt4BlockFunctions[3] = {nullptr, int4_block_avx2<1, HINT>,
                                                       int4_block_avx2<2, HINT>};
+template <int HINT>
+constexpr Int4BlockFunction kInt4VnniBlockFunctions[5] = {
+    nullptr, int4_block_vnni<1, HINT>, int4_block_vnni<2, HINT>, int4_block_vnni<3, HINT>,
+    int4_block_vnni<4, HINT>};
 
 }  // namespace
 
@@ -108,7 +172,16 @@ static int32_t int4_linear(const ChattsInt4LinearArgs& a) {
     const int64_t rows = a.rows, n = a.n, k = a.k, group = a.group;
     if (group < 8 || group > kInt4MaxGroup || group % 8 != 0 || k % group != 0)
         return CHATTS_BAD_GROUP;
-    if (!__builtin_cpu_supports("avx2")) return CHATTS_CPU_LACKS_PRODUCT;
+    const bool vnni = a.product == CHATTS_PRODUCT_VNNI;
+    if (vnni) {
+        if (!__builtin_cpu_supports("avx512vnni") || !__builtin_cpu_supports("avx512bw"))
+            return CHATTS_CPU_LACKS_PRODUCT;
+    } else if (a.product == CHATTS_PRODUCT_AVX2) {
+        if (!__builtin_cpu_supports("avx2")) return CHATTS_CPU_LACKS_PRODUCT;
+    } else {
+        return CHATTS_UNKNOWN_PRODUCT;
+    }
+    // 63 levels for both: the AVX2 pairs' int16 sums need them, and so the two agree
     if (a.levels < 1 || a.levels > 63) return CHATTS_TOO_MANY_LEVELS;
     const ChattsTuning& tuning = a.tuning;
     if (!valid_tuning(tuning)) return CHATTS_BAD_TUNING;
@@ -134,19 +207,23 @@ static int32_t int4_linear(const ChattsInt4LinearArgs& a) {
     const int64_t blocks = (n + 15) / 16, block_bytes = 8 * k;
     const uintptr_t weights_end = reinterpret_cast<uintptr_t>(a.packed) + blocks * block_bytes;
     const int64_t prefetch_bytes = static_cast<int64_t>(tuning.prefetch_groups) * 64;
+    const bool t0 = tuning.prefetch_hint == 1;
     const Int4BlockFunction* functions =
-        tuning.prefetch_hint == 1 ? kInt4BlockFunctions<1> : kInt4BlockFunctions<0>;
-    // 2 rows a pass, each step 64 bytes of 8 inputs (as the int8 product, pass_prefetch)
-    const int64_t passes = (rows + 1) / 2, steps = k / 8;
+        vnni ? (t0 ? kInt4VnniBlockFunctions<1> : kInt4VnniBlockFunctions<0>)
+             : (t0 ? kInt4BlockFunctions<1> : kInt4BlockFunctions<0>);
+    // 2 rows a pass (VNNI: 4), each step 64 bytes of 8 inputs (as the int8 product,
+    // pass_prefetch)
+    const int64_t per_pass = vnni ? 4 : 2;
+    const int64_t passes = (rows + per_pass - 1) / per_pass, steps = k / 8;
     // guided, as the int8 product (gemm), for the same reason
 #pragma omp parallel for num_threads(a.threads) schedule(guided)
     for (int64_t block = 0; block < blocks; ++block) {
         const int valid = static_cast<int>(n - block * 16 < 16 ? n - block * 16 : 16);
         const uintptr_t start = reinterpret_cast<uintptr_t>(a.packed + block * block_bytes);
-        for (int64_t first = 0; first < rows; first += 2) {
-            const int64_t count = rows - first < 2 ? rows - first : 2;
-            const PassPrefetch ahead =
-                pass_prefetch(start, block_bytes, steps, prefetch_bytes, first / 2, passes);
+        for (int64_t first = 0; first < rows; first += per_pass) {
+            const int64_t count = rows - first < per_pass ? rows - first : per_pass;
+            const PassPrefetch ahead = pass_prefetch(start, block_bytes, steps, prefetch_bytes,
+                                                     first / per_pass, passes);
             functions[count](
                 k, group, xs.get() + first * k, k, level_sums.get() + first * groups, groups,
                 a.packed + block * block_bytes, a.scales + block * groups * 16,

@@ -100,7 +100,7 @@ struct ChattsLinearWeights {
     int64_t group;                   // int4: inputs a scale covers; int8: 0
     int32_t bits;                    // 8 or 4
     int32_t levels;                  // the activations' levels either side of zero
-    int32_t product;                 // int8: a ChattsProduct (int4 is AVX2 only)
+    int32_t product;                 // a ChattsProduct
 };
 
 struct ChattsLayerWeights {
@@ -158,6 +158,7 @@ struct ChattsInt4LinearArgs {
     float* out;
     int64_t out_stride;
     int32_t levels;                  // the activations' levels either side of zero (<= 63)
+    int32_t product;                 // a ChattsProduct: the same bits either way
     int32_t threads;
     ChattsTuning tuning;
 };
