@@ -35,7 +35,7 @@ def main(argv: list[str] | None = None) -> int:
 
     model_dir = args.model_dir or default_model()
     transformer = Transformer(GptWeights(model_dir / "asset" / "gpt"), "int8", "on")
-    packings = transformer.int8_packings()
+    packings = transformer.kernel_packings()
     megabytes = sum(packing.nbytes for packing in packings) / 1e6
     identity = tuning.cpu_identity()
     interesting = [f for f in identity["flags"] if f.startswith(("avx2", "avx512", "amx"))]

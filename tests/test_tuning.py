@@ -9,6 +9,7 @@ import torch
 
 from chattts_service.kernels import abi, tuning
 from chattts_service.kernels import bindings as cpp_kernels
+from chattts_service.kernels.int4 import Int4Packing
 from chattts_service.kernels.int8 import Int8Packing
 
 
@@ -118,6 +119,16 @@ def test_measuring_chooses_the_fastest_clearly_faster_than_the_default(product):
         tuning.HINTS[best.prefetch_hint],
         best.pair_blocks_from,
     )
+
+
+def test_int4_layers_are_timed_with_their_own_product(kernels):
+    generator = torch.Generator().manual_seed(5)
+    packings = [Int4Packing(torch.randn(shape, generator=generator)) for shape in ((64, 64),) * 3]
+    best, report = tuning.measure(kernels, packings, rounds=2)
+    assert set(report["ms_per_pass"]) == {candidate.name for candidate in tuning.CANDIDATES}
+    assert "pairing_ms_per_pass" not in report  # the int4 product walks single blocks
+    assert best.pair_blocks_from == tuning.SINGLE_BLOCKS
+    assert best.name == _rule(report["ms_per_pass"], tuning.DEFAULT.name, tuning.BETTER_BY)
 
 
 def test_a_measured_choice_is_kept_and_read_on_the_next_start(kernels, tmp_path):

@@ -168,7 +168,7 @@ def _load_transformer(settings: Settings, paths: model_files.ModelPaths) -> Tran
     if transformer.kernels is not None:
         transformer.tuning = tuning.choose(
             transformer.kernels,
-            transformer.int8_packings(),
+            transformer.kernel_packings(),
             settings.kernel_tuning,
             cache.directory if cache is not None else None,
         )

@@ -281,13 +281,14 @@ class Transformer:
         self.tuning = None  # how the int8 product prefetches, once chosen (kernels.tuning)
         self.prefixes = PrefixStore()
 
-    def int8_packings(self) -> list:
-        """Every int8 packing the kernels multiply by, layer by layer (empty without them)."""
+    def kernel_packings(self) -> list:
+        """Every int8 or int4 packing the kernels multiply by, layer by layer (empty without
+        them)."""
         return [
             linear.packing
             for layer in self.layers
             for linear in (layer.qkv, layer.out, layer.gate_up, layer.down)
-            if isinstance(linear, KernelInt8Linear)
+            if isinstance(linear, KERNEL_LINEARS)
         ]
 
     def _gather_layers(self) -> DecodeLayers | None:

@@ -1,4 +1,4 @@
-"""How the int8 product streams its weights, chosen for the CPU it runs on.
+"""How the int8 and int4 products stream their weights, chosen for the CPU they run on.
 
 A decode step reads every weight once, so how far ahead the product prefetches and with which
 hint decides how near it gets to the memory's bandwidth, and the best differs from one CPU (and
@@ -34,6 +34,8 @@ from pathlib import Path
 import torch
 
 from chattts_service.kernels import abi
+from chattts_service.kernels.int4 import Int4Packing, int4_linear
+from chattts_service.kernels.int8 import Int8Packing
 from chattts_service.runtime.cpu import cpu_fields, cpu_flags
 from chattts_service.runtime.files import identity_key, replace_atomically
 
@@ -130,7 +132,10 @@ def _pass_seconds(kernels, packings, inputs: dict, tuning: KernelTuning) -> floa
     kernels.tuning = tuning.to_abi()
     started = time.perf_counter()
     for packing in packings:
-        kernels.int8_linear(inputs[packing.in_features], packing)
+        if isinstance(packing, Int4Packing):
+            int4_linear(kernels, inputs[packing.in_features], packing)
+        else:
+            kernels.int8_linear(inputs[packing.in_features], packing)
     return time.perf_counter() - started
 
 
@@ -182,7 +187,8 @@ def measure(kernels, packings, rounds: int = 5, candidates=CANDIDATES) -> tuple[
     medians = _time(kernels, packings, candidates, ROWS, rounds)
     best = _fastest(medians, candidates[0], BETTER_BY)
     report = {"ms_per_pass": _milliseconds(medians), "rounds": rounds}
-    if kernels.int8_instructions == "vnni":
+    pairs = all(isinstance(packing, Int8Packing) for packing in packings)
+    if kernels.int8_instructions == "vnni" and pairs:  # int4 and AVX2 walk single blocks
         pairings = [replace(best, pair_blocks_from=rows) for rows in PAIRINGS]
         paired = _time(kernels, packings, pairings, PAIRING_ROWS, PAIRING_ROUNDS)
         best = _fastest(paired, pairings[0], PAIRING_BETTER_BY)
@@ -242,7 +248,7 @@ def choose(kernels, packings, mode: str, directory: Path | None) -> Choice:
     if mode not in MODES:
         raise ValueError(f"kernel tuning must be one of {MODES}, not {mode!r}")
     identity = cpu_identity()
-    if mode == "default" or (mode == "measure" and not packings):  # int4: nothing to time
+    if mode == "default" or (mode == "measure" and not packings):  # nothing to time
         choice = Choice(DEFAULT, "default")
     elif mode == "table":
         tuning = from_table(identity)
