@@ -100,7 +100,8 @@ def test_the_packed_cache_is_written_once_then_mapped(model_dir, quantization):
     path = cache.save(fresh)
     assert path is not None and path.parent == model_dir / ".packed"
     assert oct(path.stat().st_mode & 0o777) == "0o644"
-    assert path.name.startswith("gpt-int4-" if quantization == "int4" else "gpt-avx2-")
+    product = "int4" if quantization == "int4" else fresh.kernels.int8_instructions
+    assert path.name.startswith(f"gpt-{product}-")  # the CPU's product: vnni or avx2
 
     def mapped(kind: str) -> Transformer:
         return Transformer(
