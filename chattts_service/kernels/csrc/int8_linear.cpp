@@ -203,7 +203,7 @@ void gemm(int64_t rows, int64_t n, int64_t k, const uint8_t* xq, const int8_t* p
     // 207) pairs from 2 rows took 0.91-0.95 of the time at 2, 4 and 8 rows. One row walks a
     // block in four chains (gemm_row). The same bits every way.
     const int64_t blocks = (n + 15) / 16, block_bytes = 16 * k;
-    const int64_t span = rows >= tuning.pair_blocks_from || rows > 8 ? 2 : 1;
+    const int64_t span = rows >= tuning.pair_blocks_from ? 2 : 1;  // at most 9: valid_tuning
     const int64_t tasks = (blocks + span - 1) / span;
     const uintptr_t weights_end = reinterpret_cast<uintptr_t>(packed) + blocks * block_bytes;
     const int64_t prefetch_bytes = static_cast<int64_t>(tuning.prefetch_groups) * 64;
