@@ -100,7 +100,7 @@ def weights_read_seconds(transformer, rounds: int = 5) -> float | None:
             packing = getattr(linear, "packing", None)
             if packing is None or transformer.kernels is None:
                 return None
-            tensors += [value for value in vars(packing).values() if hasattr(value, "data_ptr")]
+            tensors += packing.tensors
     times = []
     transformer.kernels.read(tensors)  # once untimed: start the threads
     for _ in range(rounds):

@@ -103,8 +103,13 @@ class Int4Packing:
         return unpacked.permute(0, 2, 1, 3, 4).reshape(-1, self.in_features)
 
     @property
+    def tensors(self) -> tuple[torch.Tensor, ...]:
+        """What the product reads (not ``scale``, kept for ``dequantized``)."""
+        return self.packed, self.scales
+
+    @property
     def nbytes(self) -> int:
-        return self.packed.numel() + self.scales.numel() * 4
+        return sum(tensor.numel() * tensor.element_size() for tensor in self.tensors)
 
     def dequantized(self) -> torch.Tensor:
         """The weights the packing stands for, [out, in] float32."""

@@ -81,5 +81,10 @@ class Int8Packing:
         return packing
 
     @property
+    def tensors(self) -> tuple[torch.Tensor, ...]:
+        """What the product reads."""
+        return self.packed, self.offsets, self.weight_scale
+
+    @property
     def nbytes(self) -> int:
-        return self.packed.numel() + self.offsets.numel() * 4 + self.weight_scale.numel() * 4
+        return sum(tensor.numel() * tensor.element_size() for tensor in self.tensors)
