@@ -455,7 +455,7 @@ def report(data: dict) -> str:
         "",
         f"ours: {ours['quantize']} GPT on {ours['linear_kernel']}, C++ kernels {ours['kernels']}, "
         f"{ours['kv_cache_dtype']} KV cache, "
-        f"{ours['decoder_dtype']} decoder; weight prefetch: {ours.get('kernel_tuning') or '-'}",
+        f"{ours['decoder_dtype']} decoder; kernel tuning: {ours.get('kernel_tuning') or '-'}",
         f"GPT linears {ours['gpt_linear_mb']:.0f} MB ({ours['quantize']}): a torch sum reads "
         f"{ours['bandwidth_gb_per_s']:.1f} GB/s (the higher of "
         f"{' and '.join(f'{v:.1f}' for v in ours.get('bandwidth_readings_gb_per_s', []))}, "

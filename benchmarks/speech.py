@@ -39,6 +39,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from benchmarks.engine import (  # noqa: E402
+    RELEVANT_CPU_FLAGS,
     TEXT,
     audio_seconds,
     default_model,
@@ -125,6 +126,8 @@ def phase_ours(
         "total_seconds": [r[1] for r in runs],
         "chunks": runs[0][2],
         "context_steps": engine.context_steps,
+        "linear_kernel": engine.gpt_linear_kernel,
+        "kernel_tuning": engine.kernel_tuning,
     }
 
     result["fixed_costs"] = fixed_costs(engine, requests)
@@ -340,7 +343,9 @@ def report(data: dict) -> str:
     up_first = statistics.median(up["first_audio_seconds"])
     our_first = statistics.median(ours["first_audio_seconds"])
     lines = [
-        f"cpu {data.get('cpu', 'unknown')}",
+        f"cpu {data.get('cpu', 'unknown')}; flags: {' '.join(data.get('cpu_flags', [])) or '-'}",
+        f"ours: {data['quantize']} GPT on {ours.get('linear_kernel', '-')}, kernel tuning: "
+        f"{ours.get('kernel_tuning') or '-'}",
         f"streamed, {data['steps']} steps ({audio_seconds(data['steps']):.2f} s of audio), "
         f"median of {data['requests']}:",
         "                      first audio    whole",
@@ -453,9 +458,11 @@ def main() -> int:
     }
     if not args.no_http:
         data["http"] = run_child("http", args, ["--quantize", args.quantize])
-    from chattts_service.runtime.cpu import cpu_model
+    from chattts_service.runtime.cpu import cpu_flags, cpu_model
 
     data["cpu"] = cpu_model()
+    data["cpu_flags"] = sorted(RELEVANT_CPU_FLAGS & cpu_flags())
+    data["quantize"] = args.quantize
     print(json.dumps(data, indent=1) if args.json else report(data))
     return 0
 

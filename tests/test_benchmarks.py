@@ -116,6 +116,9 @@ def test_speech_benchmark_smoke(tiny_model_dir):
     text = report(data)
     assert "first audio over HTTP <= 0.5 s" in text and "2-step request" in text
     assert "a voice's first request" in text
+    # the header: the CPU, its flags and what the kernels chose on it
+    assert data["cpu"] in text and data["ours"]["kernel_tuning"] in text
+    assert data["ours"]["kernel_tuning"].startswith(("prefetch", "no software prefetch"))
 
 
 def test_cold_start_benchmark_smoke():
