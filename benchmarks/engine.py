@@ -94,13 +94,10 @@ def weights_read_seconds(transformer, rounds: int = 5) -> float | None:
     """The least time a loop that only reads them takes over the GPT's packed linear layers
     (``Kernels.read``: the same pages, threads and CPU as the step's products), fastest of
     several prefetch distances, interleaved; None without the kernels' packings."""
-    tensors = []
-    for layer in transformer.layers:
-        for linear in (layer.qkv, layer.out, layer.gate_up, layer.down):
-            packing = getattr(linear, "packing", None)
-            if packing is None or transformer.kernels is None:
-                return None
-            tensors += packing.tensors
+    packings = transformer.kernel_packings()
+    if len(packings) != 4 * len(transformer.layers):  # no kernels, or not every linear theirs
+        return None
+    tensors = [tensor for packing in packings for tensor in packing.tensors]
     times = []
     transformer.kernels.read(tensors)  # once untimed: start the threads
     for _ in range(rounds):
