@@ -278,7 +278,7 @@ class Transformer:
         self.decode_layers = self._gather_layers()
         if self.decode_layers is not None:
             self.norm = KernelRMSNorm(self.norm, self.kernels)
-        self.tuning = None  # how the int8 product prefetches, once chosen (kernels.tuning)
+        self.tuning = None  # how the products prefetch and pair blocks, once chosen (tuning.py)
         self.prefixes = PrefixStore()
 
     def kernel_packings(self) -> list:

@@ -35,9 +35,9 @@ from chattts_service.kernels.int4 import Int4Packing
 from chattts_service.kernels.int8 import INT8_INSTRUCTIONS, Int8Packing
 
 
-def _linear(packing, int4_instructions: str = "avx2") -> abi.LinearWeights:
-    """An ``Int8Packing`` or an ``Int4Packing`` (multiplied with ``int4_instructions``) as the
-    C step reads it."""
+def _linear(packing, int4_instructions: str) -> abi.LinearWeights:
+    """An ``Int8Packing`` or an ``Int4Packing`` (multiplied with ``int4_instructions``, the
+    kernels' int8 product) as the C step reads it."""
     if isinstance(packing, Int4Packing):
         return abi.LinearWeights(
             packed=packing.packed.data_ptr(),
@@ -166,7 +166,7 @@ class DecodeLayers:
         draw = SampleCall(logits, *sampling)
         if draw.tokens.shape[0] != count:
             raise ValueError("one sampling row per row")
-        weights = _linear(head)
+        weights = _linear(head, self.kernels.int8_instructions)
         tail = {
             "final_gain": self.final_gain.data_ptr(),
             "hiddens": hiddens.data_ptr(),

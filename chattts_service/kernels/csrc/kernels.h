@@ -21,7 +21,7 @@ enum ChattsStatus : int32_t {
     CHATTS_TOO_MANY_LEVELS = 5,        // int8 linear: activation levels beyond the product's
     CHATTS_UNKNOWN_PRODUCT = 6,        // int8 linear: not one of ChattsProduct
     CHATTS_BAD_SAMPLING = 7,           // sample: empty vocabulary or min_keep < 1
-    CHATTS_BAD_TUNING = 8,             // int8 linear: prefetch distance, hint or pairing out of range
+    CHATTS_BAD_TUNING = 8,             // int8/int4 linear: prefetch or pairing out of range
     CHATTS_BAD_GROUP = 9,              // int4 linear: group not 8..64 in 8s, or not dividing k
     CHATTS_BAD_READ = 10,              // read buffers: a negative count or prefetch, no thread
 };
