@@ -112,6 +112,43 @@ class Settings:
         "gunicorn threads accepting requests (each waits on the scheduler)",
         low=1,
     )
+    http_idle_timeout_s: int = _env_field(
+        "HTTP_IDLE_TIMEOUT_S",
+        5,
+        "seconds a connection may stay open with no request begun (a new one, or kept alive "
+        "between requests); then it is closed",
+        low=1,
+        high=3600,
+    )
+    http_header_timeout_s: int = _env_field(
+        "HTTP_HEADER_TIMEOUT_S",
+        10,
+        "seconds a request's line and headers may take to arrive from its first byte; then 408",
+        low=1,
+        high=600,
+    )
+    http_body_timeout_s: int = _env_field(
+        "HTTP_BODY_TIMEOUT_S",
+        60,
+        "seconds a request's body may take to arrive after its headers; then 408",
+        low=1,
+        high=3600,
+    )
+    http_send_timeout_s: int = _env_field(
+        "HTTP_SEND_TIMEOUT_S",
+        60,
+        "seconds a client may go without taking any of its answer's bytes; then it is cut off",
+        low=1,
+        high=3600,
+    )
+    http_max_connections: int = _env_field(
+        "HTTP_MAX_CONNECTIONS",
+        1000,
+        "open connections at most; a new one beyond closes the one that has waited longest "
+        "without a request being answered",
+        low=2,
+        high=100000,
+    )
     worker_timeout: int = _env_field(
         "WORKER_TIMEOUT",
         300,

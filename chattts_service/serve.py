@@ -4,26 +4,34 @@ from __future__ import annotations
 
 import logging
 import os
+import resource
 import sys
 import threading
 
 from gunicorn.app.base import BaseApplication
-from gunicorn.workers.gthread import ThreadWorker
 
 from chattts_service.api.auth import ApiKeys
+from chattts_service.api.intake import MAX_REQUEST_LINE, IntakeLimits, IntakeWorker
 from chattts_service.config import Settings, SettingsError
 from chattts_service.runtime import heap
 
 log = logging.getLogger(__name__)
 
 
-class DrainingWorker(ThreadWorker):
-    """gunicorn's threaded worker with a drain before its graceful stop.
+class DrainingWorker(IntakeWorker):
+    """The intake worker (whole requests before threads) with a drain before its graceful stop.
 
     On SIGTERM the service first answers 503 to readiness and to new requests for
     ``CHATTTS_DRAIN_SECONDS`` (load balancers take it out of rotation; a retrying proxy sends
     the new requests elsewhere) while in-flight requests go on; then gunicorn stops accepting
     and gives in-flight requests the rest of the grace period before the process exits."""
+
+    def run(self):
+        state = getattr(self.wsgi, "extensions", {}).get("chattts")
+        if state is not None:
+            self.limits = IntakeLimits.from_settings(state.settings)
+            state.metrics.connections.source = self.update_stats
+        super().run()
 
     def handle_exit(self, sig, frame):
         state = getattr(self.wsgi, "extensions", {}).get("chattts")
@@ -55,6 +63,21 @@ def pin_compute_threads(settings: Settings) -> None:
         os.environ.setdefault(name, threads)
 
 
+def raise_open_file_limit(wanted: int) -> None:
+    """Each connection is a descriptor: a soft limit of 1,024 (many containers' default)
+    would refuse connections long before ``CHATTTS_HTTP_MAX_CONNECTIONS``. Raised towards
+    the hard limit, never above it."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft == resource.RLIM_INFINITY:
+        return
+    target = wanted if hard == resource.RLIM_INFINITY else min(wanted, hard)
+    if soft < target:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+        log.info("open file limit raised from %d to %d", soft, target)
+    if target < wanted:
+        log.warning("open file limit %d is below what %d connections need", target, wanted)
+
+
 class _Gunicorn(BaseApplication):
     def __init__(self, settings: Settings):
         self.settings = settings
@@ -72,7 +95,11 @@ class _Gunicorn(BaseApplication):
             "timeout": s.worker_timeout,
             # the arbiter's limit for the whole stop: the drain, then the in-flight requests
             "graceful_timeout": s.drain_seconds + s.graceful_timeout_s,
-            "keepalive": 5,
+            # the intake loop times connections out itself (the HTTP timeout settings); gunicorn's
+            # keep-alive only has to be on, and its request line limit equal to the loop's
+            "keepalive": s.http_idle_timeout_s,
+            "limit_request_line": MAX_REQUEST_LINE,
+            "worker_connections": s.http_max_connections,
             "accesslog": None,
             "errorlog": "-",
             "control_socket_disable": True,
@@ -96,6 +123,7 @@ def main() -> int:
         print(f"error: {error}", file=sys.stderr)
         return 2
     configure_logging(settings.log_level)
+    raise_open_file_limit(settings.http_max_connections + 256)
     heap.limit_arenas()
     heap.bound_native_caches()
     pin_compute_threads(settings)

@@ -124,29 +124,35 @@ OPENAI_ERROR_TYPES = {
     401: "authentication_error",
     404: "not_found_error",
     405: "invalid_request_error",
+    408: "timeout",
     409: "invalid_request_error",
     413: "invalid_request_error",
+    414: "invalid_request_error",
     415: "invalid_request_error",
     422: "invalid_request_error",
     429: "rate_limit_error",
+    431: "invalid_request_error",
     503: "server_busy",
     504: "timeout",
 }
 
 
-def error_response(message: str, status: int, headers: dict | None = None):
+def error_body(message: str, status: int, path: str) -> dict:
     """``{"error": "..."}``, or OpenAI's error object on the /v1/ paths."""
-    if request.path.startswith("/v1/"):
-        response = jsonify(
-            error={
+    if path.startswith("/v1/"):
+        return {
+            "error": {
                 "message": message,
                 "type": OPENAI_ERROR_TYPES.get(status, "server_error"),
                 "param": None,
                 "code": status,
             }
-        )
-    else:
-        response = jsonify(error=message)
+        }
+    return {"error": message}
+
+
+def error_response(message: str, status: int, headers: dict | None = None):
+    response = jsonify(error_body(message, status, request.path))
     response.status_code = status
     response.headers.update(headers or {})
     return response

@@ -154,8 +154,11 @@ def client_gone(environ) -> Callable[[], bool] | None:
 
     def gone() -> bool:
         try:
-            readable, _, _ = select.select([connection], [], [], 0)
-            if not readable:
+            # poll, not select: select fails on descriptors above 1023, which a server
+            # holding hundreds of connections hands out
+            poller = select.poll()
+            poller.register(connection, select.POLLIN)
+            if not poller.poll(0):
                 return False
             return connection.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) == b""
         except (BlockingIOError, InterruptedError):

@@ -57,6 +57,54 @@ class PrefixCollector:
         )
 
 
+class ConnectionCollector:
+    """The HTTP intake's connections (``chattts_service.api.intake``), read at each scrape
+    from ``source`` (a callable the serving worker sets; absent under a test client):
+    ``chatts_http_connections{state}`` open ones, ``chatts_http_timeouts_total{phase}``
+    connections closed by a timeout (408 for header and body), ``chatts_http_rejected_total
+    {status}`` requests refused before a thread saw them, ``chatts_http_evicted_total``
+    connections closed to make room at the limit."""
+
+    def __init__(self):
+        self.source = None
+
+    def collect(self):
+        if self.source is None:
+            return
+        stats = self.source()
+        open_now = GaugeMetricFamily(
+            "chatts_http_connections",
+            "Open connections: waiting (idle, or a request still arriving) or in_request "
+            "(a whole request being answered)",
+            labels=["state"],
+        )
+        open_now.add_metric(["waiting"], float(stats.waiting))
+        open_now.add_metric(["in_request"], float(stats.in_threads))
+        yield open_now
+        timeouts = CounterMetricFamily(
+            "chatts_http_timeouts",
+            "Connections closed because a request's part did not arrive in time (idle: none "
+            "begun; header, body: answered 408) or its answer was not read (send)",
+            labels=["phase"],
+        )
+        for phase, count in stats.timeouts.items():
+            timeouts.add_metric([phase], float(count))
+        yield timeouts
+        rejected = CounterMetricFamily(
+            "chatts_http_rejected",
+            "Requests refused as they arrived: 413 body, 414 request line, 431 headers too large",
+            labels=["status"],
+        )
+        for status, count in stats.rejected.items():
+            rejected.add_metric([str(status)], float(count))
+        yield rejected
+        yield CounterMetricFamily(
+            "chatts_http_evicted",
+            "Connections closed at the connection limit to admit a new one",
+            value=float(stats.evicted),
+        )
+
+
 # The metric names keep the seed design's spelling, chatts_* (one "t"): its dashboards use them.
 class Metrics:
     """Every metric of one app, in its own registry. ``__init__`` is one long list of
@@ -155,6 +203,8 @@ class Metrics:
         r.register(HeapCollector())
         self.prompt_prefixes = PrefixCollector()
         r.register(self.prompt_prefixes)
+        self.connections = ConnectionCollector()
+        r.register(self.connections)
 
     def observe_step(self, rows: int, seconds: float) -> None:
         self.step_duration.observe(seconds)
