@@ -47,12 +47,13 @@ RUN mkdir -p /models/chattts \
 
 FROM ${BASE_IMAGE} AS runtime
 ARG TORCH_INDEX_URL=""
-# libgomp1: OpenMP runtime torch uses on CPU; numactl: CPU/memory node pinning. Debian's torch
+# libgomp1: OpenMP runtime torch uses on CPU; numactl: CPU/memory node pinning; libjemalloc2:
+# the allocator the server preloads (glibc's fragments under steady load). Debian's torch
 # takes its BLAS from the system: OpenBLAS (on torch's OpenMP threads), not the reference BLAS
 # the package falls back to, which decodes audio 40x slower
 # hadolint ignore=DL3008
 RUN apt-get update \
- && apt-get install -y --no-install-recommends python3 libgomp1 numactl \
+ && apt-get install -y --no-install-recommends python3 libgomp1 numactl libjemalloc2 \
  && if [ -z "${TORCH_INDEX_URL}" ]; then \
         apt-get install -y --no-install-recommends \
             python3-torch python3-torchaudio libopenblas0-openmp ; \

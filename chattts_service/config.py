@@ -32,6 +32,7 @@ KERNEL_TUNINGS = ("measure", "table", "default")
 KV_CACHE_DTYPES = ("bf16", "int8")
 DECODER_DTYPES = ("auto", "bf16", "fp32")
 DOWNLOAD_MODES = ("auto", "never")
+ALLOCATORS = ("auto", "jemalloc", "system")
 LOG_LEVELS = tuple(logging.getLevelNamesMapping())
 
 
@@ -111,6 +112,13 @@ class Settings:
         32,
         "gunicorn threads accepting requests (each waits on the scheduler)",
         low=1,
+    )
+    allocator: str = _env_field(
+        "ALLOCATOR",
+        "auto",
+        "the server's malloc: jemalloc (flat memory under steady load), auto (jemalloc where "
+        "installed) or system (glibc's)",
+        choices=ALLOCATORS,
     )
     http_idle_timeout_s: int = _env_field(
         "HTTP_IDLE_TIMEOUT_S",

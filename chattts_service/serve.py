@@ -123,6 +123,12 @@ def main() -> int:
         print(f"error: {error}", file=sys.stderr)
         return 2
     configure_logging(settings.log_level)
+    try:
+        heap.use_allocator(settings.allocator)  # may re-execute this process on jemalloc
+    except heap.AllocatorMissing as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    log.info("memory allocator: %s", heap.allocator())
     raise_open_file_limit(settings.http_max_connections + 256)
     heap.limit_arenas()
     heap.bound_native_caches()

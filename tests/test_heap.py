@@ -1,4 +1,5 @@
 import os
+from pathlib import Path
 
 from benchmarks.engine import rss_mb
 from chattts_service.runtime import heap
@@ -77,3 +78,27 @@ def test_bound_native_caches_leaves_operator_choices_alone():
         "LRU_CACHE_CAPACITY": "8",
         "ONEDNN_PRIMITIVE_CACHE_CAPACITY": str(heap.NATIVE_CACHE_ENTRIES),
     }
+
+
+def _serves_malloc(pid: int) -> str:
+    maps = Path(f"/proc/{pid}/maps").read_text(encoding="utf-8")
+    return "jemalloc" if "libjemalloc" in maps else "system"
+
+
+def test_the_server_runs_on_jemalloc_unless_told_otherwise(start_server):
+    import requests
+
+    chosen = start_server()  # CHATTTS_ALLOCATOR=auto; script/test installs libjemalloc2
+    system = start_server(CHATTTS_ALLOCATOR="system")
+    for server, expected in ((chosen, "jemalloc"), (system, "system")):
+        server.wait_ready()
+        assert [_serves_malloc(pid) for pid in server.pids()] == [expected, expected]
+        assert requests.get(server.url + "/status", timeout=5).json()["allocator"] == expected
+        requests.post(server.url + "/synthesize", json={"text": "内存。"}, timeout=60)
+        families = requests.get(server.url + "/metrics", timeout=5).text
+        in_use = next(
+            float(line.split()[-1])
+            for line in families.splitlines()
+            if line.startswith('chatts_heap_bytes{kind="in_use"}')
+        )
+        assert in_use > 50 * 2**20  # the model's live memory, counted by either allocator

@@ -1,17 +1,24 @@
-"""Native memory discipline: fewer glibc arenas, freed memory handed back, bounded oneDNN
-caches, and the numbers to watch.
+"""Native memory discipline: the allocator, freed memory handed back, bounded oneDNN caches,
+and the numbers to watch.
 
 A long-running worker that allocates buffers of many sizes from several threads can keep RSS
-far above what it uses: freed memory stays in glibc's arenas. These helpers limit the arenas,
-trim them, and report ``mallinfo2`` (in use / free in the arenas / mmapped) so that a rising
-RSS can be told apart: live memory growing (a leak) or freed memory not returned
-(fragmentation). Everything is a no-op where the C library is not glibc.
+far above what it uses: freed memory stays in glibc's arenas, scattered between live blocks
+(fragmentation: soaks measured glibc's free-but-kept memory growing ~57 MB/h while the memory
+in use fell). jemalloc, preloaded into the server (``use_allocator``), keeps it flat. These
+helpers choose the allocator, limit glibc's arenas where glibc stays, hand freed memory back,
+and report the allocator's own counts (in use / free but kept / mmapped) so that a rising RSS
+can be told apart: live memory growing (a leak) or freed memory not returned.
 """
 
 from __future__ import annotations
 
 import ctypes
+import ctypes.util
+import logging
 import os
+import sys
+
+log = logging.getLogger(__name__)
 
 M_ARENA_MAX = -8
 # oneDNN's primitive cache and ideep's cache each keep up to 1,024 entries keyed on tensor
@@ -22,6 +29,14 @@ M_ARENA_MAX = -8
 NATIVE_CACHE_ENTRIES = 64
 NATIVE_CACHE_VARIABLES = ("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "LRU_CACHE_CAPACITY")
 KINDS = ("in_use", "free", "mmapped")  # what ``stats`` reports
+# jemalloc's purging of freed pages runs on its own thread, so a service that falls quiet
+# still hands memory back (without it, only the next allocations would)
+JEMALLOC_CONF = "background_thread:true"
+MALLCTL_ARENAS_ALL = 4096  # jemalloc's "every arena" index in mallctl names
+
+
+class AllocatorMissing(RuntimeError):
+    """CHATTTS_ALLOCATOR=jemalloc, and no jemalloc library is installed."""
 
 
 class _MallInfo2(ctypes.Structure):
@@ -53,6 +68,58 @@ _LIBC = _libc()
 _MALLINFO2 = getattr(_LIBC, "mallinfo2", None)  # glibc 2.33+
 if _MALLINFO2 is not None:
     _MALLINFO2.restype = _MallInfo2
+# jemalloc's control interface, where it was preloaded into this process
+_MALLCTL = getattr(ctypes.CDLL(None), "mallctl", None)
+
+
+def allocator() -> str:
+    """The allocator serving malloc in this process: ``jemalloc`` or ``system``."""
+    return "jemalloc" if _MALLCTL is not None else "system"
+
+
+def use_allocator(choice: str, environ=os.environ) -> None:
+    """Run this process on jemalloc: re-execute it with the library preloaded (``auto``:
+    where it is installed; ``jemalloc``: or raise ``AllocatorMissing``; ``system``: leave
+    glibc). Call it first thing in ``main``, before threads or heavy imports; it does not
+    return when it re-executes. ``MALLOC_CONF`` in the environment wins over ours."""
+    if choice == "system" or allocator() == "jemalloc":
+        return
+    library = ctypes.util.find_library("jemalloc")
+    if library is None:
+        if choice == "jemalloc":
+            raise AllocatorMissing(
+                "CHATTTS_ALLOCATOR=jemalloc, but no jemalloc library is installed "
+                "(Debian: apt-get install libjemalloc2)"
+            )
+        log.warning("jemalloc is not installed: memory may creep up on glibc's allocator")
+        return
+    preloaded = environ.get("LD_PRELOAD", "")
+    if library in preloaded.split(":"):  # preloaded, yet not serving malloc: do not loop
+        log.warning("%s is in LD_PRELOAD but does not serve malloc", library)
+        return
+    child = dict(environ)
+    child["LD_PRELOAD"] = ":".join(filter(None, (library, preloaded)))
+    child.setdefault("MALLOC_CONF", JEMALLOC_CONF)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.execve(sys.executable, [sys.executable, *sys.argv], child)
+
+
+def _mallctl_size(name: str) -> int:
+    value = ctypes.c_size_t(0)
+    size = ctypes.c_size_t(ctypes.sizeof(value))
+    if _MALLCTL(name.encode(), ctypes.byref(value), ctypes.byref(size), None, 0) != 0:
+        raise OSError(f"mallctl {name} failed")
+    return value.value
+
+
+def _jemalloc_stats() -> dict[str, int]:
+    epoch = ctypes.c_uint64(1)  # writing the epoch refreshes jemalloc's cached statistics
+    size = ctypes.c_size_t(ctypes.sizeof(epoch))
+    _MALLCTL(b"epoch", ctypes.byref(epoch), ctypes.byref(size), ctypes.byref(epoch), size)
+    allocated = _mallctl_size("stats.allocated")
+    resident = _mallctl_size("stats.resident")
+    return {"in_use": allocated, "free": max(0, resident - allocated), "mmapped": 0}
 
 
 def limit_arenas(arenas: int = 2) -> None:
@@ -80,7 +147,10 @@ def bound_native_caches(environ=os.environ, entries: int = NATIVE_CACHE_ENTRIES)
 def release() -> None:
     """Hand freed heap memory back to the OS. glibc keeps large freed blocks in its arenas, so
     without this a burst of long requests leaves RSS high long after their caches are gone
-    (hundreds of MB after loading the full model)."""
+    (hundreds of MB after loading the full model); jemalloc purges its arenas' dirty pages."""
+    if _MALLCTL is not None:
+        _MALLCTL(f"arena.{MALLCTL_ARENAS_ALL}.purge".encode(), None, None, None, 0)
+        return
     try:
         _LIBC.malloc_trim(0)
     except AttributeError:  # not glibc
@@ -88,9 +158,12 @@ def release() -> None:
 
 
 def stats() -> dict[str, int] | None:
-    """Bytes in use (``in_use``: live small and medium allocations; ``mmapped``: live large
-    ones) and held free inside the arenas (``free``), over all arenas; None without glibc
-    2.33+."""
+    """Bytes in use (``in_use``: live allocations, on glibc the small and medium ones;
+    ``mmapped``: on glibc the live large ones, 0 on jemalloc, whose ``in_use`` counts them)
+    and held free by the allocator, not returned to the OS (``free``); None where neither
+    glibc 2.33+ nor jemalloc can tell."""
+    if _MALLCTL is not None:
+        return _jemalloc_stats()
     if _MALLINFO2 is None:
         return None
     info = _MALLINFO2()

@@ -12,15 +12,15 @@ LATENCY_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2, 4, 8, 15, 30, 60, 120)
 
 
 class HeapCollector:
-    """``chatts_heap_bytes{kind}``: one ``mallinfo2`` walk of the arenas per scrape, for all
-    three kinds (NaN where the C library cannot tell)."""
+    """``chatts_heap_bytes{kind}``: the allocator's counts at each scrape (``heap.stats``),
+    for all three kinds (NaN where the allocator cannot tell)."""
 
     def collect(self):
         numbers = heap.stats()
         family = GaugeMetricFamily(
             "chatts_heap_bytes",
-            "glibc heap: in_use (live allocations), mmapped (live large "
-            "ones), free (held in the arenas, not returned to the OS)",
+            "The allocator's heap (jemalloc or glibc, as /status says): in_use (live "
+            "allocations), mmapped (glibc: live large ones), free (held, not returned to the OS)",
             labels=["kind"],
         )
         for kind in heap.KINDS:

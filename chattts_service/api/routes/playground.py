@@ -7,6 +7,8 @@ from importlib import resources
 
 from flask import Blueprint, Response, current_app, jsonify
 
+from chattts_service.runtime import heap
+
 blueprint = Blueprint("playground", __name__)
 
 
@@ -32,6 +34,7 @@ def status():
         "kernels": engine.kernels,
         "kernel_tuning": engine.kernel_tuning,  # the int8 product's prefetching, and why
         "decoder": settings.resolved_decoder_dtype,
+        "allocator": heap.allocator(),  # jemalloc, or the system's (glibc)
         "degraded": state.degraded,
         "cpu_percent": round(state.pressure.last_percent, 1) if state.pressure else None,
         "queue_depth": engine.scheduler.depth,
