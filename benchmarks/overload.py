@@ -1,6 +1,7 @@
 """Overload test: far more concurrent clients than the batch holds, for a few minutes.
 
     python benchmarks/overload.py [--model-dir DIR | --tiny] [--clients 32] [--seconds 180]
+                                  [--slow-clients N]
 
 Starts the server (loopback only) with its default settings unless overridden, then keeps
 ``--clients`` requests in flight (4x the default batch of 8) until ``--seconds`` have passed,
@@ -8,6 +9,10 @@ each with a new seed so the cache stays out of it, half of them streamed. It che
 service promises under overload: every answer is audio (a valid WAV) or a deliberate 503 with
 Retry-After; no other 5xx; no reset or refused connection; and the accepted requests' p95
 latency stays bounded. Exit status 0 only if all of that held. ``--json`` for a JSON object.
+
+``--slow-clients N`` runs the same load twice on the same server, side by side: alone, then
+with N idle connections, N that send their headers a line a second and N/10 that stop their
+body halfway held open throughout (``benchmarks.slowclients``), and reports both.
 """
 
 from __future__ import annotations
@@ -30,6 +35,7 @@ sys.path.insert(0, str(REPO))
 
 from benchmarks.engine import default_model  # noqa: E402
 from benchmarks.serverproc import Server  # noqa: E402
+from benchmarks.slowclients import SlowClients  # noqa: E402
 
 TEXTS = (
     "今天天气很好，我们一起去公园散步吧。",
@@ -135,6 +141,55 @@ def summarise(results: list[dict], wall: float, rss: list[float]) -> dict:
     return summary
 
 
+def run_phase(server: Server, args, mix: SlowClients | None) -> dict:
+    """The ordinary load for ``args.seconds``, with the slow-client ``mix`` held open."""
+    rss: list[float] = []
+    sampling = threading.Event()
+
+    def sample():
+        while not sampling.wait(2.0):
+            rss.append(server.rss_mb())
+
+    sampler = threading.Thread(target=sample, daemon=True)
+    sampler.start()
+    if mix is not None:
+        with mix:
+            time.sleep(1.0)  # every slow connection open before the load starts
+            results, wall = drive(server.url, args.clients, args.seconds, args.timeout)
+    else:
+        results, wall = drive(server.url, args.clients, args.seconds, args.timeout)
+    sampling.set()
+    summary = summarise(results, wall, rss)
+    if mix is not None:
+        summary["slow_connections_opened"] = mix.opened
+        summary["answers_to_slow_connections"] = mix.answers
+        summary["passed"] = summary["passed"] and mix.answers.get("refused", 0) == 0
+    return summary
+
+
+def report(prefix: str, summary: dict, clients: int) -> None:
+    print(
+        f"{prefix}{summary['requests']} requests from {clients} clients in "
+        f"{summary['wall_seconds']:.0f} s: statuses {summary['statuses']}"
+    )
+    print(
+        f"{prefix}accepted: p50 {summary['latency_p50']:.2f} s, p95 "
+        f"{summary['latency_p95']:.2f} s, max {summary['latency_max']:.2f} s; "
+        f"{summary['audio_seconds_per_wall_second']:.2f} audio s per wall s"
+    )
+    print(
+        f"{prefix}invalid audio {summary['invalid_audio']}, connection errors "
+        f"{summary['connection_errors']}, other 5xx {summary['unexpected_5xx']}, "
+        f"503 without Retry-After {summary['503_without_retry_after']}; "
+        f"server RSS max {summary['server_rss_mb_max']:.0f} MB"
+    )
+    if "slow_connections_opened" in summary:
+        print(
+            f"{prefix}{summary['slow_connections_opened']} slow connections opened, "
+            f"the server's answers to them: {summary['answers_to_slow_connections']}"
+        )
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument(
@@ -150,6 +205,9 @@ def main() -> int:
         default=[],
         help="CHATTTS_NAME=value for the server (repeatable)",
     )
+    parser.add_argument(
+        "--slow-clients", type=int, default=0, help="also run the load with this slow-client mix"
+    )
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
 
@@ -164,45 +222,35 @@ def main() -> int:
         server = Server(model_dir, Path(scratch) / "server.log", **settings)
         try:
             ready = server.wait_ready()
-            rss: list[float] = []
-            sampling = threading.Event()
-
-            def sample():
-                while not sampling.wait(2.0):
-                    rss.append(server.rss_mb())
-
-            sampler = threading.Thread(target=sample, daemon=True)
-            sampler.start()
-            results, wall = drive(server.url, args.clients, args.seconds, args.timeout)
-            sampling.set()
-            summary = summarise(results, wall, rss)
+            summaries = {}
+            for phase in ("alone", "with slow clients")[: 2 if args.slow_clients else 1]:
+                counts = (args.slow_clients, args.slow_clients, args.slow_clients // 10)
+                mix = (
+                    SlowClients("127.0.0.1", server.port, *counts, seconds=args.seconds + 30)
+                    if phase != "alone"
+                    else None
+                )
+                summaries[phase] = run_phase(server, args, mix)
+            summary = summaries["alone"]
+            if args.slow_clients:
+                summary["with_slow_clients"] = summaries["with slow clients"]
             summary.update(
                 clients=args.clients,
                 model_dir=str(model_dir),
                 ready_seconds=ready,
                 worker_alive=server.process.poll() is None,
             )
-            summary["passed"] = summary["passed"] and summary["worker_alive"]
+            summary["passed"] = (
+                all(phase["passed"] for phase in summaries.values()) and summary["worker_alive"]
+            )
         finally:
             server.stop()
     if args.json:
         print(json.dumps(summary))
     else:
-        print(
-            f"{summary['requests']} requests from {args.clients} clients in "
-            f"{summary['wall_seconds']:.0f} s: statuses {summary['statuses']}"
-        )
-        print(
-            f"accepted: p50 {summary['latency_p50']:.2f} s, p95 {summary['latency_p95']:.2f} s,"
-            f" max {summary['latency_max']:.2f} s; "
-            f"{summary['audio_seconds_per_wall_second']:.2f} audio s per wall s"
-        )
-        print(
-            f"invalid audio {summary['invalid_audio']}, connection errors "
-            f"{summary['connection_errors']}, other 5xx {summary['unexpected_5xx']}, "
-            f"503 without Retry-After {summary['503_without_retry_after']}; "
-            f"server RSS max {summary['server_rss_mb_max']:.0f} MB"
-        )
+        report("", summary, args.clients)
+        if args.slow_clients:
+            report("with slow clients: ", summary["with_slow_clients"], args.clients)
         print("PASSED" if summary["passed"] else "FAILED")
     return 0 if summary["passed"] else 1
 

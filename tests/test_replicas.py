@@ -2,7 +2,8 @@
 addresses are changed, see ``benchmarks.serverproc.Nginx``), all on loopback: the
 load spreads over both; one replica killed mid-load costs no request more than a deliberate
 503, except an answer it was in the middle of writing, which the client sees cut short; the
-replica rejoins once it is ready again."""
+replica rejoins once it is ready again; idle and slow clients starve neither nginx nor a
+replica."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ import requests
 from conftest import ServerProcess
 
 from benchmarks.serverproc import Nginx
+from benchmarks.slowclients import check
 
 NGINX = shutil.which("nginx") or "/usr/sbin/nginx"
 
@@ -128,3 +130,18 @@ def test_load_spreads_survives_a_killed_replica_and_it_rejoins(replicas, tmp_pat
         assert all(status == 200 and ok for status, ok, _ in outcomes)
     finally:
         back.stop()
+
+
+def test_slow_and_idle_clients_through_nginx_leave_both_replicas_serving(replicas):
+    servers, proxy, _ = replicas
+    # through the proxy, and straight at a replica (as a probe or a pod's neighbour would be)
+    for url in (proxy.url, servers[0].url):
+        result = check(url, idle=150, slow_headers=150, slow_bodies=20, seconds=14)
+        assert result["passed"], result
+        # nginx and the replica both close the slow ones once their header timeout (10 s) passed
+        closed = sum(
+            n for answer, n in result["answers_to_slow_connections"].items() if answer != "refused"
+        )
+        assert closed >= 150, result
+    for server in servers:
+        assert requests.get(server.url + "/healthz", timeout=5).status_code == 200
