@@ -168,6 +168,13 @@ def main() -> int:
         parser.error("slow clients are only sent to loopback")
     result = check(args.url, args.idle, args.slow_headers, args.slow_bodies, args.seconds)
     print(json.dumps(result))
+    print(
+        f"{result['connections_opened']} slow connections opened, the server's answers "
+        f"{result['answers_to_slow_connections']}; {result['probes']} probes, the slowest "
+        f"{result['probe_seconds_max'] or 0:.3f} s; speech {result['speech']}: "
+        + ("passed" if result["passed"] else "FAILED"),
+        file=sys.stderr,
+    )
     return 0 if result["passed"] else 1
 
 

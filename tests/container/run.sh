@@ -210,6 +210,13 @@ status=$(curl -s -o /dev/null -w '%{http_code}' -X POST -H 'Content-Type: applic
     -d '{"text":""}' "http://127.0.0.1:$PORT/synthesize")
 [ "$status" = 400 ] || fail "empty text gave $status, not 400"
 
+# slow and idle clients held open while probes and speech go on (a short version of the suite's)
+"$PYTHON" "$REPO/benchmarks/slowclients.py" --url "http://127.0.0.1:$PORT" \
+    --idle 100 --slow-headers 100 --slow-bodies 10 --seconds 13 \
+    > "$WORK/slow.json" 2> "$WORK/slow.txt" \
+    || { cat "$WORK/slow.json" "$WORK/slow.txt"; fail "slow and idle clients starved the service"; }
+log "slow clients: $(cat "$WORK/slow.txt")"
+
 # -- 7. checks from inside ------------------------------------------------------------------
 inside() { podman exec "$CONTAINER" sh -c "$1"; }
 uid=$(inside 'id -u')
@@ -217,6 +224,7 @@ uid=$(inside 'id -u')
 cmdline=$(inside 'tr "\0" " " < /proc/1/cmdline')
 case "$cmdline" in *server.py*) ;; *) fail "PID 1 is not the server ($cmdline)" ;; esac
 inside 'grep -q "bind:0" /proc/1/numa_maps' || fail "the server's memory is not bound to node 0 (numactl)"
+inside 'grep -q libjemalloc /proc/1/maps' || fail "the server does not run on jemalloc"
 if inside 'test -f /sys/fs/cgroup/memory/memory.limit_in_bytes'; then
     limit=$(inside 'cat /sys/fs/cgroup/memory/memory.limit_in_bytes')
 else
