@@ -16,6 +16,7 @@ import requests
 
 from chattts_service.api.intake import (
     MAX_BODY_BYTES,
+    MAX_BUFFERED_BYTES,
     MAX_HEAD_BYTES,
     MAX_REQUEST_LINE,
     Rejected,
@@ -216,6 +217,7 @@ def test_idle_and_slow_clients_leave_probes_and_speech_served(server):
     assert grew('chatts_http_timeouts_total{phase="idle"}') >= IDLE
     assert grew('chatts_http_timeouts_total{phase="header"}') == SLOW_HEADERS
     assert grew('chatts_http_timeouts_total{phase="body"}') == SLOW_BODIES
+    assert after_metrics["chatts_http_buffered_bytes"] == 0
 
     # nothing left behind: descriptors, threads, and memory back to their level
     time.sleep(3)
@@ -337,3 +339,38 @@ def test_at_the_connection_limit_the_longest_waiting_make_room(start_server):
     for sock in held:
         sock.close()
     assert metrics(server)["chatts_http_evicted_total"] >= 60
+
+
+def test_a_crowd_of_large_uploads_is_held_to_the_memory_budget(server):
+    """Uploads of the largest body, all left one byte short: the bytes held stop at the
+    budget, the uploads beyond it get 503 with Retry-After, and the rest time out."""
+    size = MAX_BODY_BYTES - 1024
+    count = MAX_BUFFERED_BYTES // size + 2
+    body = b"x" * (size - 1)
+    uploads = []
+    for _ in range(count):
+        sock = connect(server)
+        sock.sendall(POST_HEAD + b"Content-Length: %d\r\n\r\n" % size)
+        uploads.append(sock)
+    senders = [threading.Thread(target=_send_quietly, args=(sock, body)) for sock in uploads]
+    for sender in senders:
+        sender.start()
+    answers = []
+    for sock in uploads:
+        answer = read_answer(sock, seconds=20)
+        head = answer.partition(b"\r\n\r\n")[0]
+        answers.append((int(head.split(b" ", 2)[1]), b"Retry-After: 5" in head))
+        sock.close()
+    for sender in senders:
+        sender.join(timeout=20)
+    statuses = sorted(status for status, _ in answers)
+    assert statuses.count(503) >= 1 and set(statuses) <= {408, 503}, statuses
+    assert all(retry for status, retry in answers if status == 503)
+    assert metrics(server)["chatts_http_buffered_bytes"] == 0
+
+
+def _send_quietly(sock: socket.socket, data: bytes) -> None:
+    try:
+        sock.sendall(data)
+    except OSError:
+        pass  # refused half-way: the answer says why

@@ -29,7 +29,7 @@ from gunicorn.http.message import Request
 from gunicorn.http.parser import RequestParser
 from gunicorn.workers.gthread import TConn, ThreadWorker
 
-from chattts_service.api.errors import error_body
+from chattts_service.api.errors import RETRY_AFTER_SECONDS, error_body
 
 # Paths answered by their own threads: liveness, readiness and metrics stay prompt however
 # many syntheses hold the request threads.
@@ -41,6 +41,9 @@ MAX_HEAD_BYTES = 64 * 1024  # the request line and all headers (431 beyond)
 # framing; every JSON route sets its own, far lower, limit after this
 MAX_BODY_BYTES = 16 * 1024 * 1024
 TOO_LARGE_BODY = f"request body over {MAX_BODY_BYTES // (1024 * 1024)} MiB"
+# request bytes held over all connections at once: a request arriving beyond it gets 503, so a
+# crowd of large uploads cannot take the process's memory (16 uploads of the largest body)
+MAX_BUFFERED_BYTES = 256 * 1024 * 1024
 RECV_BYTES = 64 * 1024
 LINGER_SECONDS = 2.0  # after an error answer: reading what the client still sends, then close
 TIMEOUT_PHASES = ("idle", "header", "body", "send")
@@ -50,8 +53,9 @@ REASONS = {
     413: "Content Too Large",
     414: "URI Too Long",
     431: "Request Header Fields Too Large",
+    503: "Service Unavailable",
 }
-TOO_LARGE = (413, 414, 431)
+REFUSED = (413, 414, 431, 503)
 
 
 @dataclass(frozen=True)
@@ -210,9 +214,10 @@ def _chunked_end(data: bytearray, start: int) -> int | None:
 def rejection(status: int, message: str, path: str) -> bytes:
     """A whole HTTP/1.1 answer that closes the connection, in the route's error shape."""
     body = json.dumps(error_body(message, status, path)).encode()
+    retry = f"Retry-After: {RETRY_AFTER_SECONDS}\r\n" if status == 503 else ""
     return (
         f"HTTP/1.1 {status} {REASONS[status]}\r\n"
-        "Content-Type: application/json\r\n"
+        f"Content-Type: application/json\r\n{retry}"
         f"Content-Length: {len(body)}\r\n"
         "Connection: close\r\n\r\n"
     ).encode() + body
@@ -232,10 +237,11 @@ class IntakeStats:
     """What the loop did with connections; read by ``/metrics`` (written by one thread)."""
 
     timeouts: dict[str, int] = field(default_factory=lambda: dict.fromkeys(TIMEOUT_PHASES, 0))
-    rejected: dict[int, int] = field(default_factory=lambda: dict.fromkeys(TOO_LARGE, 0))
+    rejected: dict[int, int] = field(default_factory=lambda: dict.fromkeys(REFUSED, 0))
     evicted: int = 0
     waiting: int = 0  # open, no request in a thread: idle or still arriving
     in_threads: int = 0
+    buffered: int = 0  # bytes of requests held, not yet in a thread
 
 
 class IntakeConnection(TConn):
@@ -267,6 +273,7 @@ class IntakeWorker(ThreadWorker):
         super().__init__(*args, **kwargs)
         self.waiting: dict[IntakeConnection, None] = {}  # insertion order: oldest first
         self.lingering: dict[socket.socket, float] = {}
+        self.buffered = 0  # bytes of requests held in connections' buffers
         self.stats = IntakeStats()
         self.probe_pool: futures.ThreadPoolExecutor | None = None
 
@@ -316,6 +323,10 @@ class IntakeWorker(ThreadWorker):
             self._close(conn)
             return
         conn.buffer.feed(chunk)
+        self.buffered += len(chunk)
+        if self.buffered > MAX_BUFFERED_BYTES:
+            self._reject(conn, 503, "too many requests arriving at once; try again shortly")
+            return
         self._advance(conn, time.monotonic())
 
     def _advance(self, conn: IntakeConnection, now: float) -> None:
@@ -329,6 +340,7 @@ class IntakeWorker(ThreadWorker):
         if end is not None:
             self._forget(conn)
             conn.request = conn.buffer.take(end)
+            self.buffered -= end
             conn.probe = head.method in ("GET", "HEAD") and head.path in PROBE_PATHS
             self.enqueue_req(conn)
             return
@@ -405,6 +417,7 @@ class IntakeWorker(ThreadWorker):
         head = conn.buffer.head
         path = head.path if head is not None else _path_of(conn.buffer.data)
         self.log.info("answered %s %d: %s", conn.client, status, message)
+        self._drop_buffer(conn)
         try:
             conn.sock.send(rejection(status, message, path))
             conn.sock.shutdown(socket.SHUT_WR)
@@ -443,8 +456,13 @@ class IntakeWorker(ThreadWorker):
             self.poller.unregister(conn.sock)
 
     def _close(self, conn: IntakeConnection) -> None:
+        self._drop_buffer(conn)
         self.nr_conns -= 1
         conn.close()
+
+    def _drop_buffer(self, conn: IntakeConnection) -> None:
+        self.buffered -= len(conn.buffer)
+        conn.buffer = RequestBuffer()
 
     def _evict_oldest(self) -> bool:
         """Close the connection that has waited longest without a request in a thread."""
@@ -503,6 +521,7 @@ class IntakeWorker(ThreadWorker):
 
     def update_stats(self) -> IntakeStats:
         self.stats.waiting = len(self.waiting)
+        self.stats.buffered = self.buffered
         return self.stats
 
 

@@ -62,8 +62,9 @@ class ConnectionCollector:
     from ``source`` (a callable the serving worker sets; absent under a test client):
     ``chatts_http_connections{state}`` open ones, ``chatts_http_timeouts_total{phase}``
     connections closed by a timeout (408 for header and body), ``chatts_http_rejected_total
-    {status}`` requests refused before a thread saw them, ``chatts_http_evicted_total``
-    connections closed to make room at the limit."""
+    {status}`` requests refused before a thread saw them, ``chatts_http_buffered_bytes``
+    requests held while they arrive, ``chatts_http_evicted_total`` connections closed to make
+    room at the limit."""
 
     def __init__(self):
         self.source = None
@@ -92,12 +93,18 @@ class ConnectionCollector:
         yield timeouts
         rejected = CounterMetricFamily(
             "chatts_http_rejected",
-            "Requests refused as they arrived: 413 body, 414 request line, 431 headers too large",
+            "Requests refused as they arrived: 413 body, 414 request line, 431 headers too "
+            "large; 503 too many request bytes arriving at once",
             labels=["status"],
         )
         for status, count in stats.rejected.items():
             rejected.add_metric([str(status)], float(count))
         yield rejected
+        yield GaugeMetricFamily(
+            "chatts_http_buffered_bytes",
+            "Bytes of requests read and held while they arrive (at most 256 MiB)",
+            value=float(stats.buffered),
+        )
         yield CounterMetricFamily(
             "chatts_http_evicted",
             "Connections closed at the connection limit to admit a new one",
