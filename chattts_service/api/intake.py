@@ -271,7 +271,7 @@ class IntakeWorker(ThreadWorker):
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
-        self.waiting: dict[IntakeConnection, None] = {}  # insertion order: oldest first
+        self.waiting: dict[IntakeConnection, None] = {}  # no request in a thread
         self.lingering: dict[socket.socket, float] = {}
         self.buffered = 0  # bytes of requests held in connections' buffers
         self.stats = IntakeStats()
