@@ -80,10 +80,14 @@ def one(session: requests.Session, url: str, index: int, timeout: float) -> dict
     return result
 
 
-def drive(url: str, clients: int, seconds: float, timeout: float) -> tuple[list[dict], float]:
+def drive(
+    url: str, clients: int, seconds: float, timeout: float, first: int = 0
+) -> tuple[list[dict], float]:
+    """Requests numbered from ``first`` (their seeds follow: a second run on the same server
+    must start past the first's, or it would be answered from the cache)."""
     results: list[dict] = []
     lock = threading.Lock()
-    counter = iter(range(10**9))
+    counter = iter(range(first, 10**9))
     deadline = time.monotonic() + seconds
 
     def client():
@@ -141,7 +145,7 @@ def summarise(results: list[dict], wall: float, rss: list[float]) -> dict:
     return summary
 
 
-def run_phase(server: Server, args, mix: SlowClients | None) -> dict:
+def run_phase(server: Server, args, mix: SlowClients | None, first: int) -> dict:
     """The ordinary load for ``args.seconds``, with the slow-client ``mix`` held open."""
     rss: list[float] = []
     sampling = threading.Event()
@@ -155,9 +159,9 @@ def run_phase(server: Server, args, mix: SlowClients | None) -> dict:
     if mix is not None:
         with mix:
             time.sleep(1.0)  # every slow connection open before the load starts
-            results, wall = drive(server.url, args.clients, args.seconds, args.timeout)
+            results, wall = drive(server.url, args.clients, args.seconds, args.timeout, first)
     else:
-        results, wall = drive(server.url, args.clients, args.seconds, args.timeout)
+        results, wall = drive(server.url, args.clients, args.seconds, args.timeout, first)
     sampling.set()
     summary = summarise(results, wall, rss)
     if mix is not None:
@@ -223,14 +227,15 @@ def main() -> int:
         try:
             ready = server.wait_ready()
             summaries = {}
-            for phase in ("alone", "with slow clients")[: 2 if args.slow_clients else 1]:
+            phases = ("alone", "with slow clients")[: 2 if args.slow_clients else 1]
+            for number, phase in enumerate(phases):
                 counts = (args.slow_clients, args.slow_clients, args.slow_clients // 10)
                 mix = (
                     SlowClients("127.0.0.1", server.port, *counts, seconds=args.seconds + 30)
                     if phase != "alone"
                     else None
                 )
-                summaries[phase] = run_phase(server, args, mix)
+                summaries[phase] = run_phase(server, args, mix, first=number * 10**6)
             summary = summaries["alone"]
             if args.slow_clients:
                 summary["with_slow_clients"] = summaries["with slow clients"]
