@@ -25,14 +25,24 @@ def _nullable(kind: str, **schema) -> dict:
 
 
 def voice_schema(voices: list[str], required: bool) -> dict:
-    choices = [
+    names = [
         {"enum": sorted(voices)},
         {"type": "string", "pattern": seed_voice_pattern()},
         {"type": "string", "pattern": blend_pattern(voices)},
     ]
+    choices = [
+        *names,
+        {  # OpenAI's custom-voice reference; any voice's name is its id here
+            "type": "object",
+            "required": ["id"],
+            "additionalProperties": False,
+            "properties": {"id": {"anyOf": names}},
+        },
+    ]
     description = (
         "A named voice (GET /v1/audio/voices), seed:N, or a blend of them such as "
-        "alloy(2)+echo(1) (weights normalised; 422 when none is above 0)."
+        "alloy(2)+echo(1) (weights normalised; 422 when none is above 0); or any of them as "
+        'OpenAI\'s voice object {"id": "..."}.'
     ) + ("" if required else " Without it the voice of 'seed'.")
     if not required:
         choices.append({"type": "null"})

@@ -40,7 +40,7 @@ STREAM_FORMAT_CHOICES = ("audio", "sse")  # OpenAI's: raw audio, or Server-Sent 
 SYNTHESIZE_FIELDS = {"text", "format"} | OPTION_FIELDS
 SPEECH_FIELDS = {"model", "input", "response_format", "instructions"} | OPTION_FIELDS
 # Model names an OpenAI client may send; they all mean the one model this service runs.
-MODEL_IDS = ("chattts", "tts-1", "tts-1-hd", "gpt-4o-mini-tts")
+MODEL_IDS = ("chattts", "tts-1", "tts-1-hd", "gpt-4o-mini-tts", "gpt-4o-mini-tts-2025-12-15")
 _WHITESPACE = re.compile(r"\s+")
 
 
@@ -195,6 +195,16 @@ def _text(body, name, settings):
     return text
 
 
+def voice_reference(value: Any) -> Any:
+    """A voice as a string, or as OpenAI's voice object ``{"id": "..."}`` (any voice's name
+    or id): the string either way. Anything else is handed on for the voice store to refuse."""
+    if isinstance(value, dict):
+        if set(value) != {"id"} or not isinstance(value["id"], str):
+            raise BadRequest('a \'voice\' object must be {"id": "<a voice\'s name or id>"}')
+        return value["id"]
+    return value
+
+
 # Long: one check per field, in the order of the README's field table.
 def synthesis_options(
     body: dict[str, Any],
@@ -221,7 +231,7 @@ def synthesis_options(
         if voices is None:
             raise BadRequest("voices are not available until the model is loaded")
         try:
-            voice = voices.get(body["voice"])
+            voice = voices.get(voice_reference(body["voice"]))
         except UnusableBlend as error:
             raise Unprocessable(str(error)) from None
         except VoiceError as error:

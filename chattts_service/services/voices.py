@@ -31,14 +31,22 @@ NAME = re.compile(r"^[a-z0-9][a-z0-9_-]{0,63}$")
 SEED_VOICE = re.compile(r"^seed:(\d+)$")
 # a real embedding is ~1,000 characters; the bound keeps the longest valid body under 64 KiB
 MAX_EMBEDDING_CHARS = 4096
-# OpenAI's voice names -> the seeds their embeddings are drawn from
+# OpenAI's 13 built-in voice names -> the seeds their embeddings are drawn from (each its own
+# voice; a test reads the names from the installed openai package)
 DEFAULT_VOICES = {
     "alloy": 2222,
+    "ash": 3301,
+    "ballad": 4417,
+    "coral": 5531,
     "echo": 7869,
     "fable": 6653,
-    "onyx": 4099,
+    "marin": 8819,
+    "cedar": 9907,
     "nova": 5099,
+    "onyx": 4099,
+    "sage": 6173,
     "shimmer": 1111,
+    "verse": 7243,
 }
 MAX_SEED = 2**31 - 1
 MAX_BLEND_PARTS = 8

@@ -82,7 +82,7 @@ def register_voice():
     replace = body.get("replace", False)
     if not isinstance(replace, bool):
         raise BadRequest("'replace' must be true or false")
-    source = body.get("voice")
+    source = validation.voice_reference(body.get("voice"))
     if source is not None and not isinstance(source, str):
         raise BadRequest("'voice' must be a string")
     try:
