@@ -109,7 +109,7 @@ def test_a_method_a_route_does_not_take_gets_405_with_allow(start_server):
     answer = requests.put(server.url + "/v1/audio/speech", json={}, timeout=10)
     assert answer.status_code == 405
     assert {method.strip() for method in answer.headers["Allow"].split(",")} == {"POST", "OPTIONS"}
-    assert answer.json()["error"]["code"] == 405
+    assert answer.json()["error"]["code"] == "method_not_allowed"
 
 
 # -- the document's patterns say what the service enforces -----------------------------------

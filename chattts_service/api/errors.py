@@ -119,21 +119,23 @@ def from_engine_error(error: EngineError) -> ApiError:
     raise TypeError(f"not an engine error: {error!r}")
 
 
-OPENAI_ERROR_TYPES = {
-    400: "invalid_request_error",
-    401: "authentication_error",
-    404: "not_found_error",
-    405: "invalid_request_error",
-    408: "timeout",
-    409: "invalid_request_error",
-    413: "invalid_request_error",
-    414: "invalid_request_error",
-    415: "invalid_request_error",
-    422: "invalid_request_error",
-    429: "rate_limit_error",
-    431: "invalid_request_error",
-    503: "server_busy",
-    504: "timeout",
+# OpenAI's error object by status: its ``type`` and its ``code`` (a string, as the official
+# clients' ErrorObject types it; the status itself is on the response)
+OPENAI_ERRORS = {
+    400: ("invalid_request_error", "invalid_request"),
+    401: ("authentication_error", "invalid_api_key"),
+    404: ("not_found_error", "not_found"),
+    405: ("invalid_request_error", "method_not_allowed"),
+    408: ("timeout", "request_timeout"),
+    409: ("invalid_request_error", "conflict"),
+    413: ("invalid_request_error", "request_too_large"),
+    414: ("invalid_request_error", "request_line_too_long"),
+    415: ("invalid_request_error", "unsupported_media_type"),
+    422: ("invalid_request_error", "unprocessable"),
+    429: ("rate_limit_error", "rate_limit_exceeded"),
+    431: ("invalid_request_error", "headers_too_large"),
+    503: ("server_busy", "server_busy"),
+    504: ("timeout", "timeout"),
 }
 
 
@@ -143,9 +145,9 @@ def error_body(message: str, status: int, path: str) -> dict:
         return {
             "error": {
                 "message": message,
-                "type": OPENAI_ERROR_TYPES.get(status, "server_error"),
+                "type": OPENAI_ERRORS.get(status, ("server_error",))[0],
                 "param": None,
-                "code": status,
+                "code": OPENAI_ERRORS.get(status, (None, "server_error"))[1],
             }
         }
     return {"error": message}

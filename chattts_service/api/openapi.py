@@ -255,8 +255,8 @@ def document(settings: Settings, voices: list[str], limits: dict) -> dict:
                             "properties": {
                                 "message": {"type": "string"},
                                 "type": {"type": "string"},
-                                "param": {},
-                                "code": {},
+                                "param": {"type": ["string", "null"]},
+                                "code": {"type": ["string", "null"]},
                             },
                         }
                     },
