@@ -33,6 +33,7 @@ KV_CACHE_DTYPES = ("bf16", "int8")
 DECODER_DTYPES = ("auto", "bf16", "fp32")
 DOWNLOAD_MODES = ("auto", "never")
 ALLOCATORS = ("auto", "jemalloc", "system")
+INSTRUCTION_MODES = ("ignore", "refuse")
 LOG_LEVELS = tuple(logging.getLevelNamesMapping())
 
 
@@ -112,6 +113,13 @@ class Settings:
         32,
         "gunicorn threads accepting requests (each waits on the scheduler)",
         low=1,
+    )
+    instructions: str = _env_field(
+        "INSTRUCTIONS",
+        "ignore",
+        "OpenAI's free-text 'instructions', which ChatTTS cannot follow: ignore (speak the text, "
+        "say so in X-Instructions) or refuse (400)",
+        choices=INSTRUCTION_MODES,
     )
     allocator: str = _env_field(
         "ALLOCATOR",

@@ -293,6 +293,32 @@ def test_openai_errors_have_openai_shape(client):
     assert missing.value.code == "not_found"
 
 
+def test_instructions_are_taken_spoken_without_and_said_so(api, client):
+    """Home Assistant's integration always sends instructions; LiveKit's and Pipecat's
+    plugins do when a user sets them."""
+
+    def ignored() -> float:
+        text = requests.get(api.url + "/metrics", timeout=10).text
+        line = next(li for li in text.splitlines() if li.startswith("chatts_instructions_ignored"))
+        return float(line.split()[-1])
+
+    body = {"model": "gpt-4o-mini-tts", "voice": "marin", "input": "你好。"}
+    before = ignored()
+    plain = client.audio.speech.with_raw_response.create(
+        **body, response_format="wav", extra_body={"seed": 21}
+    )
+    told = client.audio.speech.with_raw_response.create(
+        **body,
+        response_format="wav",
+        instructions="Speak in a cheerful and positive tone.",
+        extra_body={"seed": 21},
+    )
+    assert told.status_code == 200 and told.headers["X-Instructions"] == "ignored"
+    assert "X-Instructions" not in plain.headers
+    assert told.content == plain.content  # the same speech: nothing of them was applied
+    assert ignored() == before + 1
+
+
 def test_openai_model_listing(client):
     names = {model.id for model in client.models.list()}
     assert {"chattts", "tts-1", "tts-1-hd"} <= names

@@ -108,13 +108,20 @@ def test_openai_request_fields(tmp_path):
         ({"model": "whisper", "input": "a", "voice": "alloy"}, "unknown model"),
         ({"model": "tts-1", "input": "a"}, "'voice' is required"),
         ({"model": "tts-1", "text": "a", "voice": "alloy"}, "unknown fields: text"),
+        ({"model": "tts-1", "input": "a", "voice": "alloy", "instructions": 3}, "a string"),
         (
-            {"model": "tts-1", "input": "a", "voice": "alloy", "instructions": "whisper"},
-            "not supported",
+            {"model": "tts-1", "input": "a", "voice": "alloy", "instructions": "x" * 4097},
+            "longer than 4096",
         ),
     ]:
         with pytest.raises(BadRequest, match=message):
             speech_request(body, SETTINGS, voices)
+    # instructions are taken (and not applied) unless the operator refuses them
+    whisper = {"model": "tts-1", "input": "a", "voice": "alloy", "instructions": "whisper"}
+    assert speech_request(whisper, SETTINGS, voices)[0].text == "a"
+    refusing = Settings.from_env({"CHATTTS_INSTRUCTIONS": "refuse"})
+    with pytest.raises(BadRequest, match="not supported"):
+        speech_request(whisper, refusing, voices)
 
 
 def test_body_parsing():

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from chattts_service.api.schemas import blend_pattern, seed_voice_pattern, text_patterns
 from chattts_service.api.validation import (
+    MAX_INSTRUCTIONS_CHARS,
     MODEL_IDS,
     SEED,
     SPEED,
@@ -116,7 +117,15 @@ def speech_request(settings, voices, text_field, format_field, default_format, o
     if openai:
         properties["model"] = {"type": "string", "enum": list(MODEL_IDS)}
         properties["instructions"] = _nullable(
-            "string", maxLength=0, description="Not supported; must be empty."
+            "string",
+            maxLength=0 if settings.instructions == "refuse" else MAX_INSTRUCTIONS_CHARS,
+            description="OpenAI's voice instructions. ChatTTS cannot follow free text: the text "
+            "is spoken as it would be without them and the answer says X-Instructions: ignored"
+            + (
+                " (refused here: CHATTTS_INSTRUCTIONS=refuse)."
+                if settings.instructions == "refuse"
+                else "."
+            ),
         )
         required = ["model", text_field, "voice"]
     stream_then = {"properties": {format_field: {"enum": list(STREAM_FORMATS)}}}

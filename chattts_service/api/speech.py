@@ -37,6 +37,8 @@ def speak(parse) -> Response:
             )
         body = validation.json_body(request.mimetype, request.get_data(cache=False))
         synthesis_request, output = parse(body, state.settings, state.engine.voices)
+        # accepted, so not refused: ChatTTS cannot follow them, and the answer will say so
+        g.instructions_ignored = bool(body.get("instructions"))
         plan = pipeline.plan(synthesis_request, degraded=state.degraded)
         g.degraded = plan.degraded
         should_stop = client_gone(request.environ)
@@ -62,6 +64,9 @@ def speak(parse) -> Response:
 
 
 def _headers(response: Response, cache_status: str, seconds: float | None, segments=None):
+    if g.get("instructions_ignored"):
+        response.headers["X-Instructions"] = "ignored"
+        current_app.extensions["chattts"].metrics.instructions_ignored.inc()
     response.headers["X-Cache"] = cache_status
     if seconds is not None:
         response.headers["X-Audio-Seconds"] = f"{seconds:.3f}"

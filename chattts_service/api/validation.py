@@ -40,6 +40,8 @@ STREAM_FORMAT_CHOICES = ("audio", "sse")  # OpenAI's: raw audio, or Server-Sent 
 SYNTHESIZE_FIELDS = {"text", "format"} | OPTION_FIELDS
 SPEECH_FIELDS = {"model", "input", "response_format", "instructions"} | OPTION_FIELDS
 # Model names an OpenAI client may send; they all mean the one model this service runs.
+# OpenAI's free-text voice instructions: taken (and not applied) up to this length
+MAX_INSTRUCTIONS_CHARS = 4096
 MODEL_IDS = ("chattts", "tts-1", "tts-1-hd", "gpt-4o-mini-tts", "gpt-4o-mini-tts-2025-12-15")
 _WHITESPACE = re.compile(r"\s+")
 
@@ -330,7 +332,11 @@ def speech_request(
     if body.get("voice") is None:
         raise BadRequest("'voice' is required")
     instructions = body.get("instructions")
-    if instructions not in (None, ""):
+    if instructions is not None and not isinstance(instructions, str):
+        raise BadRequest("'instructions' must be a string")
+    if instructions and len(instructions) > MAX_INSTRUCTIONS_CHARS:
+        raise BadRequest(f"'instructions' is longer than {MAX_INSTRUCTIONS_CHARS} characters")
+    if instructions and settings.instructions == "refuse":
         raise BadRequest(
             "'instructions' is not supported; ChatTTS is steered with control "
             "tokens in the text and 'refine_prompt'"

@@ -169,6 +169,11 @@ class Metrics:
             ["setting"],
             registry=r,
         )
+        self.instructions_ignored = Counter(
+            "chatts_instructions_ignored",
+            "Speech requests whose free-text instructions were not applied (answered all the same)",
+            registry=r,
+        )
         self.auth_failures = Counter(
             "chatts_auth_failures", "Requests refused for a missing or wrong API key", registry=r
         )
