@@ -299,7 +299,7 @@ def test_instructions_are_taken_spoken_without_and_said_so(api, client):
 
     def ignored() -> float:
         text = requests.get(api.url + "/metrics", timeout=10).text
-        line = next(li for li in text.splitlines() if li.startswith("chatts_instructions_ignored"))
+        line = next(li for li in text.splitlines() if li.startswith("chatts_instructions_ignored_t"))
         return float(line.split()[-1])
 
     body = {"model": "gpt-4o-mini-tts", "voice": "marin", "input": "你好。"}
