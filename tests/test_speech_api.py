@@ -299,8 +299,8 @@ def test_instructions_are_taken_spoken_without_and_said_so(api, client):
 
     def ignored() -> float:
         text = requests.get(api.url + "/metrics", timeout=10).text
-        line = next(li for li in text.splitlines() if li.startswith("chatts_instructions_ignored_t"))
-        return float(line.split()[-1])
+        name = "chatts_instructions_ignored_total "
+        return float(next(line for line in text.splitlines() if line.startswith(name)).split()[-1])
 
     body = {"model": "gpt-4o-mini-tts", "voice": "marin", "input": "你好。"}
     before = ignored()
