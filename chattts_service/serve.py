@@ -27,6 +27,7 @@ class DrainingWorker(IntakeWorker):
     and gives in-flight requests the rest of the grace period before the process exits."""
 
     def run(self):
+        heap.purge_in_background()
         state = getattr(self.wsgi, "extensions", {}).get("chattts")
         if state is not None:
             self.limits = IntakeLimits.from_settings(state.settings)

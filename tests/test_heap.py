@@ -93,6 +93,10 @@ def test_the_server_runs_on_jemalloc_unless_told_otherwise(start_server):
     for server, expected in ((chosen, "jemalloc"), (system, "system")):
         server.wait_ready()
         assert [_serves_malloc(pid) for pid in server.pids()] == [expected, expected]
+        tasks = Path(f"/proc/{server.pids()[1]}/task")
+        worker_threads = [path.read_text().strip() for path in tasks.glob("*/comm")]
+        # the worker purges freed pages on a thread of its own, as its parent does
+        assert ("jemalloc_bg_thd" in worker_threads) == (expected == "jemalloc")
         assert requests.get(server.url + "/status", timeout=5).json()["allocator"] == expected
         requests.post(server.url + "/synthesize", json={"text": "内存。"}, timeout=60)
         families = requests.get(server.url + "/metrics", timeout=5).text

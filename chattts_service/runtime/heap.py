@@ -30,7 +30,8 @@ NATIVE_CACHE_ENTRIES = 64
 NATIVE_CACHE_VARIABLES = ("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "LRU_CACHE_CAPACITY")
 KINDS = ("in_use", "free", "mmapped")  # what ``stats`` reports
 # jemalloc's purging of freed pages runs on its own thread, so a service that falls quiet
-# still hands memory back (without it, only the next allocations would)
+# still hands memory back (without it, only the next allocations would); a forked worker
+# starts its own (``purge_in_background``)
 JEMALLOC_CONF = "background_thread:true"
 MALLCTL_ARENAS_ALL = 4096  # jemalloc's "every arena" index in mallctl names
 
@@ -103,6 +104,16 @@ def use_allocator(choice: str, environ=os.environ) -> None:
     sys.stdout.flush()
     sys.stderr.flush()
     os.execve(sys.executable, [sys.executable, *sys.argv], child)
+
+
+def purge_in_background() -> bool:
+    """Start jemalloc's purging thread in this process: a fork (gunicorn's worker) does not
+    inherit its parent's. True where it runs; a no-op on glibc."""
+    if _MALLCTL is None:
+        return False
+    enabled = ctypes.c_bool(True)
+    size = ctypes.c_size_t(ctypes.sizeof(enabled))
+    return _MALLCTL(b"background_thread", None, None, ctypes.byref(enabled), size) == 0
 
 
 def _mallctl_size(name: str) -> int:
