@@ -290,6 +290,37 @@ def test_expect_continue_gets_its_100_before_the_body(server):
     assert answer.startswith(b"HTTP/1.1 200 ") and b"100 Continue" not in answer
 
 
+def test_chunked_and_pipelined_requests_are_answered_in_order(server):
+    body = json.dumps({"text": "分块发送。", "seed": 8}).encode()
+
+    def pieces():  # requests sends a generator's pieces with chunked transfer encoding
+        for start in range(0, len(body), 7):
+            yield body[start : start + 7]
+
+    answer = requests.post(
+        server.url + "/synthesize",
+        data=pieces(),
+        headers={"Content-Type": "application/json"},
+        timeout=60,
+    )
+    assert answer.status_code == 200 and answer.content[:4] == b"RIFF"
+
+    # three requests in one write, each answered on the same connection, in order
+    sock = connect(server)
+    sock.sendall(
+        b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n"
+        + POST_HEAD
+        + b"Content-Length: %d\r\n\r\n" % len(body)
+        + body
+        + b"GET /nowhere HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n"
+    )
+    answers = read_answer(sock, seconds=30)
+    sock.close()
+    lines = answers.split(b"\r\n")
+    statuses = [int(line.split(b" ")[1]) for line in lines if line.startswith(b"HTTP/1.1 ")]
+    assert statuses == [200, 200, 404], answers[:300]
+
+
 def test_a_client_that_stops_reading_is_cut_off_and_probes_still_answer(server):
     """Pipelined requests for a 30 KB document, never read: the server's send buffer fills,
     its thread waits, and after the send timeout the connection is closed; probes answer
