@@ -45,6 +45,10 @@ class Unauthorized(ApiError):
     status = 401
 
 
+class Forbidden(ApiError):
+    status = 403
+
+
 class NotFound(ApiError):
     status = 404
 
@@ -124,6 +128,7 @@ def from_engine_error(error: EngineError) -> ApiError:
 OPENAI_ERRORS = {
     400: ("invalid_request_error", "invalid_request"),
     401: ("authentication_error", "invalid_api_key"),
+    403: ("permission_error", "forbidden"),
     404: ("not_found_error", "not_found"),
     405: ("invalid_request_error", "method_not_allowed"),
     408: ("timeout", "request_timeout"),

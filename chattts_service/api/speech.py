@@ -30,7 +30,9 @@ def speak(parse) -> Response:
     try:
         if state.draining:
             state.metrics.rejected.labels(reason="draining").inc()
-            raise NotReady("the server is shutting down", headers={"Retry-After": "1"})
+            raise NotReady(
+                "the server is shutting down", headers={"Retry-After": RETRY_AFTER_SECONDS}
+            )
         if not state.ready:
             raise NotReady(
                 f"model is not ready ({state.phase})", headers={"Retry-After": RETRY_AFTER_SECONDS}

@@ -12,7 +12,7 @@ import logging
 from flask import Blueprint, current_app, jsonify, request
 
 from chattts_service.api import validation
-from chattts_service.api.errors import ApiError, BadRequest
+from chattts_service.api.errors import RETRY_AFTER_SECONDS, BadRequest, Forbidden, NotReady
 from chattts_service.inference.policy import PolicyError
 
 blueprint = Blueprint("admin", __name__)
@@ -22,11 +22,11 @@ log = logging.getLogger(__name__)
 def _policy():
     state = current_app.extensions["chattts"]
     if not state.api_keys.enabled:
-        raise ApiError(
-            "the admin endpoint needs API keys (CHATTTS_API_KEYS); none are set", status=403
-        )
+        raise Forbidden("the admin endpoint needs API keys (CHATTTS_API_KEYS); none are set")
     if not state.engine.loaded:
-        raise ApiError(f"model is not ready ({state.phase})", status=503)
+        raise NotReady(
+            f"model is not ready ({state.phase})", headers={"Retry-After": RETRY_AFTER_SECONDS}
+        )
     return state.engine.policy
 
 
