@@ -149,7 +149,7 @@ def test_omitted_seed_uses_the_default_so_the_same_request_gives_the_same_audio(
         ({"text": "hi", "seed": -5}, 400, "between 0 and"),
         ({"text": "hi", "refine_text": 1}, 400, "'refine_text'"),
         ({"text": "hi", "pitch": 3}, 400, "unknown fields: pitch"),
-        ({"text": "hi", "voice": "nobody"}, 400, "unknown voice 'nobody'; voices: alloy, echo"),
+        ({"text": "hi", "voice": "nobody"}, 400, "unknown voice 'nobody'; voices: alloy, ash"),
         ({"text": "hi", "voice": "../../etc/passwd"}, 400, "voice names are"),
         ({"text": "长" * 51}, 413, "the limit is 50"),
         ({"text": "1+1=2", "normalize": False}, 422, "nothing speakable"),
