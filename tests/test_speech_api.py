@@ -97,10 +97,39 @@ def test_streaming_sends_audio_as_it_is_made_and_fills_the_cache(api):
     assert data[:4] == b"RIFF" and riff == 0xFFFFFFFF and data_size == 0xFFFFFFFF
     assert len(arrivals) >= 2, "the audio came in one piece"
     assert arrivals[0] - started < arrivals[-1] - started
-    # the finished stream is cached: the same request, whole, is a HIT with the same samples
+    # the finished stream is cached: the same request, whole, is a HIT with the same samples;
+    # the stream then has silence up to a whole 4 KiB block (FFmpeg reads it in such packets)
     whole = post(api, "/synthesize", {k: v for k, v in body.items() if k != "stream"})
     assert whole.headers["X-Cache"] == "HIT"
-    assert whole.content[44:] == data[44:]
+    samples = whole.content[44:]
+    assert data[44 : 44 + len(samples)] == samples
+    assert (len(data) - 44) % 4096 == 0 and len(data) - 44 - len(samples) < 4096
+    assert not any(data[44 + len(samples) :])
+    _every_wav_reader_takes(data, len(samples) // 2)
+
+
+def _every_wav_reader_takes(data: bytes, at_least: int) -> None:
+    """A streamed WAV (open-ended header) read by FFmpeg as strictly as it reads anything,
+    libsndfile and Python's wave module, each finding every sample; a browser's <audio>
+    plays one in the playground's test."""
+    import shutil
+    import subprocess
+    import wave
+
+    if shutil.which("ffmpeg"):  # script/test installs it; a bare checkout may lack it
+        strict = subprocess.run(
+            ["ffmpeg", "-v", "error", "-xerror", "-i", "pipe:0", "-f", "s16le", "pipe:1"],
+            input=data,
+            capture_output=True,
+            timeout=60,
+        )
+        assert strict.returncode == 0 and not strict.stderr, strict.stderr.decode()
+        assert len(strict.stdout) // 2 >= at_least
+    audio, rate = soundfile.read(io.BytesIO(data), dtype="int16")
+    assert rate == 24000 and len(audio) >= at_least
+    with wave.open(io.BytesIO(data)) as reader:
+        assert reader.getframerate() == 24000
+        assert len(reader.readframes(reader.getnframes())) // 2 >= at_least
 
 
 def test_streaming_refuses_formats_it_cannot_stream(api):
@@ -397,7 +426,9 @@ def test_voices_listing_registration_and_use(api, client):
         "/synthesize",
         {"text": "注册的声音。", "voice": "narrator", "format": "wav", "seed": 1234},
     )
-    assert decode(first.content)[0].shape == decode(again.content)[0].shape
+    streamed, whole = decode(first.content)[0], decode(again.content)[0]
+    # the client's answer streamed (a WAV stream ends on a whole 4 KiB block of silence)
+    assert 0 <= len(streamed) - len(whole) < 2048 and not streamed[len(whole) :].any()
 
     exists = post(api, "/v1/audio/voices", {"name": "narrator", "embedding": embedding})
     assert exists.status_code == 409 and "exists" in exists.json()["error"]["message"]
@@ -479,7 +510,16 @@ def test_openai_client_streams_server_sent_events(api, client):
         events = _events(response.iter_lines())
     pcm = _joined(events)
     assert len(events) >= 2  # deltas as the audio is decoded, then done
-    assert events[-1]["usage"]["output_tokens"] == -(-len(pcm) // 2 // 512)
+    usage = events[-1]["usage"]
+    assert usage["output_tokens"] == -(-len(pcm) // 2 // 512)
+    # the text tokens the model read: more for a longer text
+    assert usage["input_tokens"] > 0
+    assert usage["total_tokens"] == usage["input_tokens"] + usage["output_tokens"]
+    with client.audio.speech.with_streaming_response.create(
+        **{**body, "input": body["input"] * 3}, stream_format="sse", extra_body={"seed": 31}
+    ) as response:
+        longer = _events(response.iter_lines())[-1]["usage"]
+    assert longer["input_tokens"] > usage["input_tokens"]
     # the finished stream filled the cache with what it sent: the plain answer is those bytes
     plain = post(api, "/v1/audio/speech", {**body, "seed": 31})
     assert plain.headers["X-Cache"] == "HIT" and plain.content == pcm
@@ -532,3 +572,87 @@ def test_a_voices_next_prompts_reuse_its_kept_beginning(api):
     assert value("chatts_prompt_prefixes_total", 'outcome="hit"') >= hits + 1
     assert value("chatts_prompt_prefixes_total", 'outcome="miss"') >= misses
     assert value("chatts_prompt_prefixes_kept") >= 1
+
+
+def _steps_run(server) -> float:
+    for line in requests.get(server.url + "/metrics", timeout=10).text.splitlines():
+        if line.startswith("chatts_step_duration_seconds_count"):
+            return float(line.split()[-1])
+    raise AssertionError("no step count in /metrics")
+
+
+def test_openai_speech_streams_by_default_as_openais_endpoint_does(api, client):
+    """No field asks for it: the official client's streaming response gets its first audio
+    while later audio is still being generated (OpenAI's endpoint always answers chunked).
+    The text has more segments than a batch has rows, so its last ones start only after the
+    first ones end."""
+    sentence = "第{}句：流式的回答先到，后面的还在生成。"
+    text = "".join(sentence.format(index) for index in range(1, 61))
+    for voice, fmt in (("coral", "pcm"), ("marin", "wav"), ("ash", "mp3")):
+        started = time.monotonic()
+        arrivals, data, steps_at_first = [], b"", None
+        with client.audio.speech.with_streaming_response.create(
+            model="gpt-4o-mini-tts", voice=voice, input=text, response_format=fmt
+        ) as response:
+            assert "content-length" not in response.headers
+            assert response.headers["transfer-encoding"] == "chunked"
+            assert response.headers["x-cache"] == "MISS"
+            for piece in response.iter_bytes():
+                if steps_at_first is None:
+                    steps_at_first = _steps_run(api)
+                arrivals.append(time.monotonic() - started)
+                data += piece
+        # by order: the model ran more steps after the first audio reached the client...
+        assert _steps_run(api) > steps_at_first
+        # ...and by time: the first audio left long before the last was made
+        assert arrivals[0] < 0.5 * arrivals[-1], (fmt, arrivals[0], arrivals[-1])
+        # the same speech asked whole: a Content-Length, and the samples the stream carried
+        body = {"model": "tts-1", "voice": voice, "input": text, "response_format": fmt}
+        whole = post(api, "/v1/audio/speech", {**body, "stream": False})
+        assert whole.headers["X-Cache"] == "HIT"
+        assert int(whole.headers["Content-Length"]) == len(whole.content)
+        if fmt == "pcm":
+            assert whole.content == data
+        elif fmt == "wav":
+            assert data[44 : len(whole.content)] == whole.content[44:]
+        else:
+            assert abs(len(_decoded(data)[0]) - len(_decoded(whole.content)[0])) < 2 * 1152
+    # FLAC cannot stream: it comes whole unless the request insists (then a 400)
+    flac = {"model": "tts-1", "voice": "sage", "input": "整段。", "response_format": "flac"}
+    whole = post(api, "/v1/audio/speech", flac)
+    assert whole.status_code == 200 and "Content-Length" in whole.headers
+    assert post(api, "/v1/audio/speech", {**flac, "stream": True}).status_code == 400
+
+
+def test_a_streamed_answers_log_line_and_metrics_describe_the_whole_request(api):
+    def duration_sum():
+        for line in requests.get(api.url + "/metrics", timeout=10).text.splitlines():
+            if line.startswith("chatts_request_duration_seconds_sum"):
+                return float(line.split()[-1])
+        raise AssertionError("no request duration in /metrics")
+
+    before = duration_sum()
+    body = {
+        "model": "tts-1",
+        "voice": "verse",
+        "input": "日志应该记录整个请求。",
+        "response_format": "pcm",
+    }
+    started = time.monotonic()
+    with requests.post(
+        api.url + "/v1/audio/speech", json=body, stream=True, timeout=60
+    ) as response:
+        data = b"".join(response.iter_content(chunk_size=None))
+    elapsed = time.monotonic() - started
+    seconds = len(data) / 2 / 24000
+    time.sleep(0.3)  # the line is written as the connection's answer closes
+    lines = [
+        line
+        for line in api.log_path.read_text().splitlines()
+        if "POST /v1/audio/speech 200" in line
+    ]
+    logged = lines[-1].split("POST /v1/audio/speech 200 ")[1].split()
+    logged_duration, logged_audio = float(logged[0].rstrip("s")), float(logged[1][6:-1])
+    assert abs(logged_audio - seconds) < 0.01, (lines[-1], seconds)
+    assert logged_duration > 0.5 * elapsed - 0.01, (lines[-1], elapsed)
+    assert duration_sum() - before > 0.5 * elapsed - 0.01

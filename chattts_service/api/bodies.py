@@ -127,6 +127,13 @@ def speech_request(settings, voices, text_field, format_field, default_format, o
                 else "."
             ),
         )
+        properties["stream"] = _nullable(
+            "boolean",
+            default=True,
+            description="As OpenAI's endpoint: audio is sent while it is generated (chunked) "
+            f"in {', '.join(STREAM_FORMATS)}; flac comes whole. false asks for the whole file "
+            "with a Content-Length.",
+        )
         required = ["model", text_field, "voice"]
     stream_then = {"properties": {format_field: {"enum": list(STREAM_FORMATS)}}}
     if default_format not in STREAM_FORMATS:

@@ -41,16 +41,33 @@ def log_requests(app: Flask) -> None:
     def log_request(response):
         if g.get("degraded"):
             response.headers["X-Degraded"] = "1"
-        duration = time.perf_counter() - g.get("started", time.perf_counter())
         if request.path in QUIET_PATHS:
             return response
-        log.info(
-            "%s %s %d %.3fs audio=%.2fs cache=%s",
-            request.method,
-            request.path,
-            response.status_code,
-            duration,
-            g.get("audio_seconds", 0.0),
-            g.get("cache", "-"),
-        )
+        started = g.get("started", time.perf_counter())
+        method, path, cache = request.method, request.path, g.get("cache", "-")
+        stream = g.get("stream")
+        if stream is not None and response.is_streamed:
+            # written when the last byte has left (or the client has gone): the whole request
+
+            def log_stream():
+                status = stream.status or response.status_code
+                seconds = stream.seconds or 0.0
+                _line(method, path, status, time.perf_counter() - started, seconds, cache)
+
+            response.call_on_close(log_stream)
+            return response
+        duration = time.perf_counter() - started
+        _line(method, path, response.status_code, duration, g.get("audio_seconds", 0.0), cache)
         return response
+
+
+def _line(method, path, status, duration, audio_seconds, cache) -> None:
+    log.info(
+        "%s %s %d %.3fs audio=%.2fs cache=%s",
+        method,
+        path,
+        status,
+        duration,
+        audio_seconds,
+        cache,
+    )

@@ -47,7 +47,8 @@ def speak(parse) -> Response:
         try:
             if output.stream:
                 stream = pipeline.stream(plan, output, record, should_stop)
-                return _streamed(stream, events=output.events)
+                tokens = _input_tokens(state, plan) if output.events else 0
+                return _streamed(stream, events=output.events, input_tokens=tokens)
             if output.captions:
                 captioned = pipeline.captioned(plan, output, should_stop)
                 record.finish(200, captioned.seconds, captioned.cache)
@@ -56,13 +57,22 @@ def speak(parse) -> Response:
         except EngineError as error:
             raise from_engine_error(error) from None
         record.finish(200, speech.seconds, speech.cache)
-        return _whole(speech, events=output.events)
+        tokens = _input_tokens(state, plan) if output.events else 0
+        return _whole(speech, events=output.events, input_tokens=tokens)
     except ApiError as error:
         record.finish(error.status)
         raise
     except BaseException:
         record.finish(500)
         raise
+
+
+def _input_tokens(state, plan) -> int:
+    """The text tokens the model read for it: OpenAI's usage.input_tokens."""
+    try:
+        return state.engine.input_tokens(plan.request)
+    except EngineError:  # it was spoken, so this cannot happen; usage is no reason to fail
+        return 0
 
 
 def _headers(response: Response, cache_status: str, seconds: float | None, segments=None):
@@ -77,11 +87,12 @@ def _headers(response: Response, cache_status: str, seconds: float | None, segme
     response.headers["Cache-Control"] = "no-store"
 
 
-def _whole(speech: Speech, events: bool = False) -> Response:
+def _whole(speech: Speech, events: bool = False, input_tokens: int = 0) -> Response:
     g.audio_seconds, g.cache = speech.seconds, speech.cache
     if events:  # a format that cannot stream: the whole file in one delta
         response = Response(
-            _events([speech.body], lambda: speech.seconds), content_type=EVENT_STREAM
+            _events([speech.body], lambda: speech.seconds, input_tokens),
+            content_type=EVENT_STREAM,
         )
     else:
         response = Response(speech.body, content_type=speech.content_type)
@@ -109,8 +120,8 @@ def _captioned(speech: CaptionedSpeech, output: Output) -> Response:
     return response
 
 
-def _streamed(stream: SpeechStream, events: bool = False) -> Response:
-    g.cache = stream.cache
+def _streamed(stream: SpeechStream, events: bool = False, input_tokens: int = 0) -> Response:
+    g.cache, g.stream = stream.cache, stream  # the access log waits for its end
     began = []  # set once the server starts sending the body
 
     def body():
@@ -119,7 +130,7 @@ def _streamed(stream: SpeechStream, events: bool = False) -> Response:
         # events, without speech.audio.done), so the client sees a broken stream, not a
         # complete but short one
         if events:
-            yield from _events(stream.chunks, lambda: stream.seconds)
+            yield from _events(stream.chunks, lambda: stream.seconds, input_tokens)
         else:
             yield from stream.chunks
 
@@ -129,7 +140,9 @@ def _streamed(stream: SpeechStream, events: bool = False) -> Response:
             stream.close_unsent()
 
     content_type = EVENT_STREAM if events else stream.content_type
-    response = Response(body(), content_type=content_type, direct_passthrough=True)
+    # not direct_passthrough: Werkzeug then hands the server the bare generator, and the
+    # callbacks below (the unsent stream's clean-up, the access log) would never run
+    response = Response(body(), content_type=content_type)
     response.call_on_close(never_sent)
     _headers(response, stream.cache, stream.seconds)
     response.headers["X-Accel-Buffering"] = "no"  # a proxy in front must not hold chunks back
@@ -139,17 +152,21 @@ def _streamed(stream: SpeechStream, events: bool = False) -> Response:
 EVENT_STREAM = "text/event-stream"
 
 
-def _events(chunks, seconds: Callable[[], float]):
+def _events(chunks, seconds: Callable[[], float], input_tokens: int):
     """Audio as OpenAI's speech events: ``speech.audio.delta`` with base64 audio, then
-    ``speech.audio.done`` with usage (ChatTTS has no tokens to bill: ``output_tokens`` counts
-    the GPT steps' worth of audio, 512 samples each; ``input_tokens`` is 0). ``seconds()`` is
+    ``speech.audio.done`` with usage: ``input_tokens`` the text tokens the model read,
+    ``output_tokens`` the GPT steps' worth of audio (512 samples each). ``seconds()`` is
     the audio's length, asked once every chunk is out (an encoded chunk's size says nothing
     of its samples)."""
     for chunk in chunks:
         delta = {"type": "speech.audio.delta", "audio": base64.b64encode(chunk).decode("ascii")}
         yield f"data: {json.dumps(delta)}\n\n".encode()
     steps = -(-round(seconds() * SAMPLE_RATE) // SAMPLES_PER_STEP)
-    usage = {"input_tokens": 0, "output_tokens": steps, "total_tokens": steps}
+    usage = {
+        "input_tokens": input_tokens,
+        "output_tokens": steps,
+        "total_tokens": input_tokens + steps,
+    }
     yield f"data: {json.dumps({'type': 'speech.audio.done', 'usage': usage})}\n\n".encode()
 
 

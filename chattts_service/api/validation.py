@@ -217,8 +217,10 @@ def synthesis_options(
     format_field: str,
     default_format: str,
     accepted: set[str],
+    default_stream: bool = False,
 ) -> tuple[SynthesisRequest, Output]:
-    """The options /synthesize and /v1/audio/speech share, checked one by one."""
+    """The options /synthesize and /v1/audio/speech share, checked one by one. Without a
+    ``stream`` field, a format that streams is streamed when ``default_stream``."""
     unknown = sorted(set(body) - accepted)
     if unknown:
         raise BadRequest(
@@ -244,7 +246,7 @@ def synthesis_options(
         audio_format = default_format
     if not isinstance(audio_format, str) or audio_format not in FORMATS:
         raise BadRequest(f"'{format_field}' must be one of {', '.join(FORMATS)}")
-    stream = _flag(body, "stream", False)
+    stream = _flag(body, "stream", None)
     if stream and audio_format not in STREAM_FORMATS:
         raise BadRequest(
             f"streaming sends {' or '.join(STREAM_FORMATS)}; "
@@ -279,10 +281,15 @@ def synthesis_options(
     stream_format = body.get("stream_format")
     if stream_format is not None and stream_format not in STREAM_FORMAT_CHOICES:
         raise BadRequest(f"'stream_format' must be one of {', '.join(STREAM_FORMAT_CHOICES)}")
+    # asked for: chunks from the first steps on; by default, a segment at a time (as cheap as
+    # a whole answer)
+    early = bool(stream) or stream_format is not None
+    if stream is None:
+        stream = default_stream and audio_format in STREAM_FORMATS
     events = stream_format == "sse"
     # events carry the audio as it is decoded where the format streams, else the whole file
     stream = stream or (events and audio_format in STREAM_FORMATS)
-    return request, Output(format=audio_format, stream=stream, events=events)
+    return request, Output(format=audio_format, stream=stream, events=events, early=early)
 
 
 def synthesize_request(
@@ -323,7 +330,8 @@ def captioned_speech_request(
 def speech_request(
     body: dict[str, Any], settings: Settings, voices, accepted: set[str] = SPEECH_FIELDS
 ) -> tuple[SynthesisRequest, Output]:
-    """POST /v1/audio/speech: OpenAI's fields (MP3 by default), plus this service's options."""
+    """POST /v1/audio/speech: OpenAI's fields (MP3 by default, streamed unless
+    ``"stream": false`` or FLAC, as OpenAI's endpoint answers), plus this service's options."""
     model = body.get("model")
     if model is None:
         raise BadRequest("'model' is required")
@@ -349,4 +357,5 @@ def speech_request(
         format_field="response_format",
         default_format="mp3",
         accepted=accepted,
+        default_stream=True,
     )

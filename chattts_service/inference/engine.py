@@ -159,6 +159,10 @@ class Engine:
         """The request's text as the model will read it (see ``Prompts.segments``)."""
         return self.prompts.segments(request)
 
+    def input_tokens(self, request: SynthesisRequest) -> int:
+        """The request's text tokens, as OpenAI's usage counts input (see ``Prompts``)."""
+        return self.prompts.input_tokens(request)
+
     def estimated_wait(self, segments: int = 1) -> float | None:
         return self.admission.estimated_wait(self.scheduler, segments)
 
@@ -168,11 +172,13 @@ class Engine:
         fixed_steps: int | None = None,
         stream: bool = False,
         step_cap: int | None = None,
+        early: bool = True,
     ) -> Run:
         """Queue every segment of a request; they generate together, in one batch when
         there is room. Raises Overloaded when the queue cannot take them all or the estimated
         wait is longer than the policy allows. ``step_cap`` lowers the per-segment step
-        cap (degraded mode)."""
+        cap (degraded mode). A stream sends chunks from its first steps on when ``early``,
+        else each segment's audio once it is decoded whole."""
         if self.model is None:
             raise EngineError("model is not loaded")
         segments, layout = self.prompts.split(request)
@@ -188,6 +194,7 @@ class Engine:
                 stream,
                 step_cap,
                 on_finished=self.admission.job_finished,
+                early=early,
             )
             for text in segments
         ]

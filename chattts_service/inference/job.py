@@ -52,6 +52,7 @@ class SynthesisJob:
         stream: bool,
         step_cap: int | None = None,
         on_finished: Callable[[float], None] | None = None,
+        early: bool = True,
     ):
         self.prompts, self.decode = prompts, decoder
         self.context_steps = decoder.context_steps
@@ -61,6 +62,7 @@ class SynthesisJob:
         self.started: float | None = None
         self.future = JobFuture()
         self.chunks: queue.SimpleQueue | None = queue.SimpleQueue() if stream else None
+        self.early = early  # a stream: chunks as it generates, else its whole audio at the end
         self._parts: list[np.ndarray] = []
         self._emitted = 0  # steps whose audio has been sent
         self._next_chunk = FIRST_CHUNK_STEPS
@@ -77,7 +79,7 @@ class SynthesisJob:
         )
 
     def progress(self, sequence) -> None:
-        if self.chunks is None or sequence.kind != "code":
+        if self.chunks is None or not self.early or sequence.kind != "code":
             return
         ready = sequence.steps - self.context_steps
         if ready - self._emitted >= self._next_chunk:
@@ -103,12 +105,15 @@ class SynthesisJob:
             return self._code_sequence()
         if finished.steps == 0:
             raise EngineError("the model ended speech before producing any audio")
-        if self.chunks is not None:
+        if self.chunks is not None and self.early:
             self._emit(finished, finished.steps, final=True)
             self.chunks.put(None)
             audio = np.concatenate(self._parts)
         else:
             audio = self.decode(finished.result_hiddens())
+            if self.chunks is not None:  # a stream that takes its audio a segment at a time
+                self.chunks.put(audio)
+                self.chunks.put(None)
         truncated = self.fixed_steps is None and finished.steps >= finished.max_steps
         if truncated:
             log.warning(

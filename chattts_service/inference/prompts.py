@@ -76,6 +76,15 @@ class Prompts:
         """The request's text as the model will read it (see ``split``)."""
         return self.split(request)[0]
 
+    def input_tokens(self, request: SynthesisRequest) -> int:
+        """How many text tokens the model reads for the request (every segment's text)."""
+        wrapper = self.chat.tokenizer._tokenizer  # ours, or transformers' (as upstream picks)
+        encode = wrapper.encode_plus if hasattr(wrapper, "encode_plus") else wrapper._encode_plus
+        return sum(
+            encode(text, return_tensors="pt", add_special_tokens=False)["input_ids"].shape[-1]
+            for text in self.segments(request)
+        )
+
     def split(self, request: SynthesisRequest) -> tuple[list[str], list[tuple[str, int]] | None]:
         """The segments: normalised sentences packed into segments of at most the configured
         length; with ``sentence_segments``, every sentence its own segment(s), so each one's

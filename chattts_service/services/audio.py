@@ -4,7 +4,7 @@ Whole MP3, Opus and FLAC files go through ``soundfile`` (libsndfile, with LAME a
 its wheels). Streams, and AAC, go through ``StreamEncoder`` (PyAV: FFmpeg's LAME, libopus and
 AAC encoders), which encodes each chunk as it comes and hands back the bytes the muxer has
 written so far, never seeking back. Every format carries the model's own rate (24 kHz, mono):
-nothing is resampled. A WAV stream has an open-ended header.
+nothing is resampled. A WAV stream has an open-ended header and ends on a whole 4 KiB block.
 """
 
 from __future__ import annotations
@@ -162,19 +162,28 @@ class StreamEncoder:
                 self._container.mux(packet)
 
 
-class _RawWriter:
-    """PCM as it comes; a WAV stream is the same after a header of unknown length."""
+# A WAV stream's data ends on a multiple of this many bytes (2,048 samples, 85 ms): FFmpeg's
+# WAV reader asks for 4,096-byte packets up to the size a header declares, and flags a short
+# last packet of an open-ended file as corrupt (``ffmpeg -xerror`` stops on it)
+WAV_STREAM_BLOCK = 4096
 
-    def __init__(self, header: bytes = b""):
-        self._header = header
+
+class _RawWriter:
+    """PCM as it comes; a WAV stream is the same after a header of unknown length, with
+    silence after its last sample up to a whole ``block`` of bytes (0 for none)."""
+
+    def __init__(self, header: bytes = b"", block: int = 0):
+        self._header, self._block, self._sent = header, block, 0
 
     def encode(self, pcm: bytes) -> bytes:
         header, self._header = self._header, b""
+        self._sent += len(pcm)
         return header + pcm
 
     def finish(self) -> bytes:
         header, self._header = self._header, b""
-        return header
+        padding = -self._sent % self._block if self._block else 0
+        return header + bytes(padding)
 
 
 def stream_writer(audio_format: str, sample_rate: int):
@@ -183,7 +192,7 @@ def stream_writer(audio_format: str, sample_rate: int):
     if audio_format not in STREAM_FORMATS:
         raise ValueError(f"{audio_format} cannot be streamed")
     if audio_format == "wav":
-        return _RawWriter(wav_header(sample_rate, None))
+        return _RawWriter(wav_header(sample_rate, None), WAV_STREAM_BLOCK)
     if audio_format == "pcm":
         return _RawWriter()
     return StreamEncoder(audio_format, sample_rate)

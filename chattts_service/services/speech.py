@@ -34,6 +34,10 @@ class Output:
     stream: bool
     events: bool = False  # Server-Sent Events (OpenAI's stream_format "sse"), else raw audio
     captions: str | None = None  # json, srt or vtt: the audio comes in JSON with its captions
+    # a stream asked for (``stream: true``, a ``stream_format``): audio in chunks from the
+    # first steps on; else (OpenAI's endpoint streams by default) each segment is decoded whole
+    # and sent as soon as it is, which costs no more than a whole answer
+    early: bool = True
 
 
 @dataclass(frozen=True)
@@ -104,6 +108,7 @@ class SpeechStream:
     ):
         self.chunks, self.content_type, self.cache = chunks, content_type, cache
         self.seconds, self.close_unsent = seconds, close_unsent
+        self.status: int | None = None  # how it ended, once it has
 
 
 class StreamBroken(Exception):
@@ -239,7 +244,7 @@ class SpeechPipeline:
         pcm_key = cache_key(plan.request, self.engine.identity, "pcm")
         writer = stream_writer(output.format, rate)
         cached = self.cache.get(pcm_key)
-        run = None if cached is not None else self._start(plan, stream=True)
+        run = None if cached is not None else self._start(plan, stream=True, early=output.early)
         cache_status = "HIT" if cached is not None else "MISS"
 
         def chunks() -> Iterator[bytes]:
@@ -270,13 +275,14 @@ class SpeechPipeline:
                     seconds = seconds or sum(len(part) for part in parts) / 2 / rate
                 metrics.audio_seconds.inc(seconds)
                 record.finish(status, seconds, cache_status)
-                speech.seconds = seconds
+                speech.seconds, speech.status = seconds, status
 
         def close_unsent() -> None:
             if run is not None:
                 run.cancel()
                 metrics.queue_depth.dec()
             record.finish(499)
+            speech.status = 499
 
         speech = SpeechStream(
             chunks(),
@@ -318,10 +324,12 @@ class SpeechPipeline:
 
     # -- shared --------------------------------------------------------------------------------
 
-    def _start(self, plan: Plan, stream: bool) -> Run:
+    def _start(self, plan: Plan, stream: bool, early: bool = True) -> Run:
         """Queue a request's segments; the queue depth gauge counts it until it is answered."""
         try:
-            run = self.engine.start(plan.request, stream=stream, step_cap=plan.step_cap)
+            run = self.engine.start(
+                plan.request, stream=stream, step_cap=plan.step_cap, early=early
+            )
         except EngineError as error:
             self._count_failure(error)
             raise
