@@ -291,9 +291,11 @@ def phase_fidelity(
     int8_product: str = "auto",
     kv_cache_dtype: str = "bf16",
     quantize: str = "int8",
+    sampled: bool = False,
 ) -> dict:
     """fp32 generates; the ``quantize`` GPT (int8 or int4, with the service's int8 heads) is
-    teacher-forced along the same tokens and compared step by step."""
+    teacher-forced along the same tokens and compared step by step. ``sampled``: each prompt
+    in a voice made from a 10 s recording (its codes in the prompt) instead of an embedding."""
     import numpy as np
     import torch
     from transformers import LlamaModel
@@ -303,7 +305,7 @@ def phase_fidelity(
     from chattts_service.inference.generation import Batch
     from chattts_service.inference.quantize import make_linear
     from chattts_service.inference.transformer import Transformer
-    from chattts_service.inference.types import SynthesisRequest
+    from chattts_service.inference.types import SpeakerSample, SynthesisRequest
 
     engine = Engine(
         Settings.from_env({}, model_dir=model_dir, verify_model=False, quantize="none", max_batch=1)
@@ -321,11 +323,11 @@ def phase_fidelity(
     agreements, distances, snrs, decoder_errors = [], [], [], []
     for seed in range(seeds):
         request = SynthesisRequest(TEXT, seed)
+        speaker = engine.speaker_embedding(seed)
+        if sampled:
+            speaker = SpeakerSample(engine.sample_encoder(_recording(seed)), TEXT)
         sequence = engine.prompts.code_sequence(
-            engine.prompts.normalise(TEXT),
-            request,
-            engine.speaker_embedding(seed),
-            fixed_steps=steps,
+            engine.prompts.normalise(TEXT), request, speaker, fixed_steps=steps
         )
         batch = Batch(reference, heads, 1)
         batch.add(sequence)
@@ -364,6 +366,18 @@ def phase_fidelity(
         "waveform_snr_db": statistics.mean(snrs),
         "bf16_decoder_relative_l2": statistics.mean(decoder_errors),
     }
+
+
+def _recording(seed: int, seconds: float = 10.0):
+    """A speech-like stand-in recording (a voiced tone with a wavering pitch and noise): what
+    the DVAE encodes into a speaker prompt; random weights make any recording as good."""
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    t = np.arange(int(24_000 * seconds)) / 24_000
+    pitch = 2 * np.pi * (140 + 30 * np.sin(2 * np.pi * 0.7 * t)).cumsum() / 24_000
+    voiced = 0.3 * np.sin(pitch) * (0.6 + 0.4 * np.sin(2 * np.pi * 4 * t))
+    return (voiced + rng.normal(0, 0.02, len(t))).astype(np.float32)
 
 
 # -- the parent: run the phases in children and compare ----------------------------------------

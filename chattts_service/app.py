@@ -7,7 +7,15 @@ from flask import Flask
 from chattts_service.api.auth import ApiKeys
 from chattts_service.api.errors import from_engine_error, register_error_handlers
 from chattts_service.api.hooks import log_requests, require_api_key
-from chattts_service.api.routes import admin, document, health, openai, playground, synthesis
+from chattts_service.api.routes import (
+    admin,
+    document,
+    health,
+    openai,
+    playground,
+    synthesis,
+    voices,
+)
 from chattts_service.config import Settings
 from chattts_service.inference.engine import Engine
 from chattts_service.inference.policy import KNOBS
@@ -18,7 +26,7 @@ from chattts_service.services.speech import SpeechPipeline
 from chattts_service.state import ServiceState
 
 MAX_BODY_BYTES = 64 * 1024
-BLUEPRINTS = (health, synthesis, openai, playground, admin, document)
+BLUEPRINTS = (health, synthesis, openai, voices, playground, admin, document)
 
 
 def create_app(

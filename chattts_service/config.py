@@ -34,6 +34,7 @@ DECODER_DTYPES = ("auto", "bf16", "fp32")
 DOWNLOAD_MODES = ("auto", "never")
 ALLOCATORS = ("auto", "jemalloc", "system")
 INSTRUCTION_MODES = ("ignore", "refuse")
+LONG_TEXT_VOICES = ("embedding", "first_segment")
 LOG_LEVELS = tuple(logging.getLevelNamesMapping())
 
 
@@ -194,7 +195,23 @@ class Settings:
     voices_dir: Path = _env_field(
         "VOICES_DIR",
         Path("voices"),
-        "directory of named voices (<name>.json); created when a voice is registered",
+        "directory of named voices (<name>.json), voices made from recordings and their "
+        "consents (consents/); created when a voice is registered",
+    )
+    max_stored_voices: int = _env_field(
+        "MAX_STORED_VOICES",
+        1000,
+        "most voices kept in CHATTTS_VOICES_DIR, and most consents: one more is a 409",
+        low=1,
+        high=100_000,
+    )
+    long_text_voice: str = _env_field(
+        "LONG_TEXT_VOICE",
+        "embedding",
+        "a text of several segments: every segment from the voice's embedding (embedding), or, "
+        "as upstream's Chat.infer, the first segment first and its audio as the recording "
+        "the others are spoken from (first_segment; voices from a recording are unchanged)",
+        choices=LONG_TEXT_VOICES,
     )
     normalize: bool = _env_field(
         "NORMALIZE", True, "default for the per-request normalize option (wetext)"

@@ -25,8 +25,28 @@ if not (Path(CHROMIUM).exists() and Path(CHROMEDRIVER).exists()):
     )
 
 
+def _voiced(seconds: float, rate: int):
+    """A speech-like stand-in (a voiced tone whose pitch wavers, and some noise)."""
+    import numpy as np
+
+    t = np.arange(int(rate * seconds)) / rate
+    pitch = 2 * np.pi * (150 + 40 * np.sin(2 * np.pi * 0.8 * t)).cumsum() / rate
+    noise = np.random.default_rng(3).normal(0, 0.02, len(t))
+    return (0.3 * np.sin(pitch) * (0.6 + 0.4 * np.sin(2 * np.pi * 4 * t)) + noise).astype("f4")
+
+
 @pytest.fixture(scope="module")
-def browser(tmp_path_factory):
+def microphone(tmp_path_factory) -> Path:
+    """What Chromium's fake microphone plays, in a loop."""
+    import soundfile
+
+    path = tmp_path_factory.mktemp("microphone") / "voice.wav"
+    soundfile.write(path, _voiced(4.0, 48_000), 48_000, subtype="PCM_16")
+    return path
+
+
+@pytest.fixture(scope="module")
+def browser(tmp_path_factory, microphone):
     from selenium import webdriver
     from selenium.webdriver.chrome.service import Service
 
@@ -42,6 +62,10 @@ def browser(tmp_path_factory):
         "--disable-component-update",
         "--disable-sync",
         "--autoplay-policy=no-user-gesture-required",
+        # getUserMedia answered without a prompt, by a microphone that plays this file
+        "--use-fake-ui-for-media-stream",
+        "--use-fake-device-for-media-stream",
+        f"--use-file-for-fake-audio-capture={microphone}",
         "--window-size=1100,1400",
         f"--user-data-dir={tmp_path_factory.mktemp('chromium-profile')}",
     ):
@@ -293,3 +317,49 @@ def test_captions_follow_the_player_and_voices_blend(browser, server):
         )
     )
     browser.find_element("id", "captions-on").click()  # off again for the other tests
+
+
+def test_a_voice_from_a_recording_is_made_used_and_deleted(browser, server, microphone):
+    """Record the sample with the microphone (MediaRecorder), upload the consent as a file,
+    create the voice, speak with it, delete it."""
+    browser.get(server.url + "/")
+    wait_for(lambda: text_of(browser, "s-state") == "ready")
+    browser.find_element("id", "clone-name").send_keys("mic-voice")
+    browser.find_element("id", "clone-transcript").send_keys("今天天气很好。")
+    record = browser.find_element("id", "sample-record")
+    record.click()
+    wait_for(lambda: "Recording" in text_of(browser, "sample-state"))
+    time.sleep(2.5)
+    record.click()
+    wait_for(lambda: "Recorded" in text_of(browser, "sample-state"))
+    browser.find_element("id", "consent-file").send_keys(str(microphone))
+    browser.find_element("id", "clone-create").click()
+
+    def outcome():
+        """the voice's creation reported, done or refused"""
+        text = text_of(browser, "clone-message")
+        return text if text.startswith(("Created", "Voice:", "Consent:", "The request")) else ""
+
+    created = wait_for(outcome)
+    assert created.startswith("Created mic-voice (voice_"), created
+    assert browser.find_element("id", "voice").get_attribute("value") == "mic-voice"
+    stored = text_of(browser, "custom-voices")
+    assert "mic-voice" in stored and "from a recording" in stored
+    ARTIFACTS.mkdir(exist_ok=True)
+    browser.save_screenshot(str(ARTIFACTS / "playground-voice-from-a-recording.png"))
+
+    speak(browser, "用录下来的声音说话。")
+    wait_for(lambda: player_duration(browser))
+    assert text_of(browser, "r-voice") == "mic-voice"
+    listing = requests.get(server.url + "/v1/audio/voices", timeout=10).json()
+    assert "mic-voice" in listing["voices"]
+
+    browser.find_element("css selector", "[aria-label='Delete mic-voice']").click()
+    wait_for(lambda: "Deleted mic-voice" in text_of(browser, "clone-message"))
+    wait_for(lambda: "mic-voice" not in text_of(browser, "custom-voices"))
+    options = browser.execute_script(
+        "return [...document.querySelectorAll('#voice option')].map(o => o.value);"
+    )
+    assert "mic-voice" not in options
+    listing = requests.get(server.url + "/v1/audio/voices", timeout=10).json()
+    assert "mic-voice" not in listing["voices"]

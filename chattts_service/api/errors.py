@@ -17,6 +17,7 @@ from chattts_service.inference.types import (
 )
 from chattts_service.services.voices import (
     NotAnEmbedding,
+    TooManyVoices,
     UnknownVoice,
     UnusableBlend,
     VoiceError,
@@ -99,6 +100,7 @@ ENGINE_ERRORS: list[tuple[type[EngineError], type[ApiError], str]] = [
 VOICE_ERRORS: list[tuple[type[VoiceError], type[ApiError]]] = [
     (UnknownVoice, NotFound),
     (VoiceExists, Conflict),
+    (TooManyVoices, Conflict),
     (NotAnEmbedding, Unprocessable),
     (UnusableBlend, Unprocessable),
     (VoiceError, BadRequest),

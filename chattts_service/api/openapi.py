@@ -13,6 +13,12 @@ from chattts_service.api.validation import MODEL_IDS
 from chattts_service.config import Settings
 from chattts_service.inference.policy import KNOBS
 from chattts_service.services.audio import FORMATS
+from chattts_service.services.consents import CONSENT_ID, LANGUAGE, MAX_LABEL_CHARS, MAX_PAGE
+from chattts_service.services.recordings import (
+    MAX_SAMPLE_SECONDS,
+    MAX_TRANSCRIPT_CHARS,
+    MIN_SAMPLE_SECONDS,
+)
 from chattts_service.services.voices import MAX_EMBEDDING_CHARS
 
 
@@ -29,11 +35,15 @@ def _errors(openai: bool, *codes: int) -> dict:
         401: "API keys are configured and the request has none or a wrong one",
         403: "The endpoint needs API keys to be configured (CHATTTS_API_KEYS)",
         404: "No such resource",
-        409: "A voice of that name exists (send replace: true)",
-        413: "A text longer than CHATTTS_MAX_CHARS, or a body over 64 KiB",
-        415: "Content-Type is not application/json",
+        409: "A voice of that name exists (send replace: true), or as many voices or "
+        "consents are kept as CHATTTS_MAX_STORED_VOICES allows",
+        413: "A text longer than CHATTTS_MAX_CHARS, a JSON body over 64 KiB, or a recording "
+        "over 10 MiB",
+        415: "Content-Type is not application/json (or multipart/form-data where a recording "
+        "is sent), or a recording of a type that is not audio",
         422: "Well-formed but not usable: nothing speakable after normalisation, too many "
-        "control tokens, or a string that is not a speaker embedding",
+        "control tokens, a string that is not a speaker embedding, or a recording that is not "
+        "audio, is silent, or is too short or too long",
         503: "Not ready (loading, warming up), the queue has no room, the estimated wait is "
         "too long, or shutting down; Retry-After says when to try again",
         504: "Not finished within CHATTTS_REQUEST_TIMEOUT_S; the work was dropped",
@@ -90,6 +100,27 @@ def _json_body(name: str) -> dict:
 
 def _ok(description: str) -> dict:
     return {"200": {"description": description}}
+
+
+def _ref(name: str) -> dict:
+    return {"$ref": f"#/components/schemas/{name}"}
+
+
+def _object(description: str) -> dict:
+    return {"description": description, "content": {"application/json": {"schema": {}}}}
+
+
+def _query(name: str, schema: dict) -> dict:
+    return {"name": name, "in": "query", "required": False, "schema": schema}
+
+
+def _consent_id() -> list:
+    schema = {"type": "string", "pattern": CONSENT_ID.pattern}
+    return [{"name": "consent_id", "in": "path", "required": True, "schema": schema}]
+
+
+# what a recording may be labelled (services/recordings.py takes these, and unlabelled bytes)
+AUDIO_TYPES = "audio/mpeg, audio/wav, audio/ogg, audio/aac, audio/flac, audio/webm, audio/mp4"
 
 
 # Long: the whole document as one literal shows every path beside its neighbours; field types
@@ -151,21 +182,90 @@ def document(settings: Settings, voices: list[str], limits: dict) -> dict:
                     "responses": {**_ok("{voices: [names]}"), **_errors(True, 401, 503)},
                 },
                 "post": {
-                    "summary": "Register a voice from a ChatTTS speaker embedding string or "
-                    "from a voice (a blend, seed:N)",
-                    "requestBody": _json_body("VoiceRequest"),
+                    "summary": "A voice from a recording (multipart, as OpenAI's clients send "
+                    "it: audio_sample, consent, name, and the sample's transcript), or a named "
+                    "voice from a ChatTTS speaker embedding string or another voice (JSON)",
+                    "requestBody": {
+                        "required": True,
+                        "content": {
+                            "application/json": {"schema": _ref("VoiceRequest")},
+                            "multipart/form-data": {
+                                "schema": _ref("VoiceSampleRequest"),
+                                "encoding": {"audio_sample": {"contentType": AUDIO_TYPES}},
+                            },
+                        },
+                    },
                     "responses": {
-                        "201": {"description": "Registered"},
-                        **_errors(True, *BODY_ERRORS, 409, 422, 503),
+                        "201": _object("The voice (OpenAI's Voice object for a recording)"),
+                        **_errors(True, *BODY_ERRORS, 404, 409, 422, 503),
                     },
                 },
             },
             "/v1/audio/voices/{name}": {
-                "delete": {
-                    "summary": "Delete a registered voice",
+                "get": {
+                    "summary": "One voice, by name or id",
                     "parameters": _path_name(pattern=VOICE_NAME, example="narrator"),
-                    "responses": {**_ok("Deleted"), **_errors(True, 400, 401, 404, 503)},
-                }
+                    "responses": {**_ok("The voice"), **_errors(True, 400, 401, 404, 503)},
+                },
+                "delete": {
+                    "summary": "Delete a stored voice, by name or id",
+                    "parameters": _path_name(pattern=VOICE_NAME, example="narrator"),
+                    "responses": {
+                        **_ok("OpenAI's VoiceDeleted object"),
+                        **_errors(True, 400, 401, 404, 503),
+                    },
+                },
+            },
+            "/v1/audio/voice_consents": {
+                "get": {
+                    "summary": "Voice consents, newest first (OpenAI's cursor paging)",
+                    "parameters": [
+                        _query("after", {"type": "string", "pattern": CONSENT_ID.pattern}),
+                        _query(
+                            "limit",
+                            {"type": "integer", "minimum": 1, "maximum": MAX_PAGE, "default": 20},
+                        ),
+                    ],
+                    "responses": {**_ok("A list page"), **_errors(True, 400, 401, 404)},
+                },
+                "post": {
+                    "summary": "Record a speaker's consent to voices made from them (the "
+                    "recording is kept for audit)",
+                    "requestBody": {
+                        "required": True,
+                        "content": {
+                            "multipart/form-data": {
+                                "schema": _ref("VoiceConsentRequest"),
+                                "encoding": {"recording": {"contentType": AUDIO_TYPES}},
+                            }
+                        },
+                    },
+                    "responses": {
+                        "201": _object("OpenAI's VoiceConsent object"),
+                        **_errors(True, *BODY_ERRORS, 409, 422),
+                    },
+                },
+            },
+            "/v1/audio/voice_consents/{consent_id}": {
+                "get": {
+                    "summary": "One consent",
+                    "parameters": _consent_id(),
+                    "responses": {**_ok("VoiceConsent"), **_errors(True, 401, 404)},
+                },
+                "post": {
+                    "summary": "Rename a consent",
+                    "parameters": _consent_id(),
+                    "requestBody": _json_body("VoiceConsentUpdate"),
+                    "responses": {
+                        **_ok("VoiceConsent"),
+                        **_errors(True, *BODY_ERRORS, 404),
+                    },
+                },
+                "delete": {
+                    "summary": "Delete a consent and its recording",
+                    "parameters": _consent_id(),
+                    "responses": {**_ok("VoiceConsentDeleted"), **_errors(True, 401, 404)},
+                },
             },
             "/admin/config": {
                 "get": {
@@ -238,6 +338,48 @@ def document(settings: Settings, voices: list[str], limits: dict) -> dict:
                             "alloy(2)+echo(1), seed:N, or another voice.",
                         },
                         "replace": {"type": "boolean", "default": False},
+                    },
+                },
+                "VoiceSampleRequest": {
+                    "type": "object",
+                    "additionalProperties": False,
+                    "required": ["audio_sample", "consent", "name"],
+                    "properties": {
+                        "audio_sample": {
+                            "type": "string",
+                            "format": "binary",
+                            "description": "The recording: mp3, wav, ogg/opus, aac, flac, webm "
+                            f"or mp4, at most 10 MiB, {MIN_SAMPLE_SECONDS:g} to "
+                            f"{MAX_SAMPLE_SECONDS:g} s of clear speech",
+                        },
+                        "consent": {"type": "string", "pattern": CONSENT_ID.pattern},
+                        "name": {"type": "string", "pattern": VOICE_NAME},
+                        "type": {"type": "string", "enum": ["audio_sample"]},
+                        "transcript": {
+                            "type": "string",
+                            "maxLength": MAX_TRANSCRIPT_CHARS,
+                            "pattern": r"^[^\[\]]*$",
+                            "description": "The words spoken in the sample (ChatTTS's txt_smp; "
+                            "OpenAI clients send it through extra_body)",
+                        },
+                    },
+                },
+                "VoiceConsentRequest": {
+                    "type": "object",
+                    "additionalProperties": False,
+                    "required": ["recording", "name", "language"],
+                    "properties": {
+                        "recording": {"type": "string", "format": "binary"},
+                        "name": {"type": "string", "maxLength": MAX_LABEL_CHARS, "pattern": r"\S"},
+                        "language": {"type": "string", "pattern": LANGUAGE.pattern},
+                    },
+                },
+                "VoiceConsentUpdate": {
+                    "type": "object",
+                    "additionalProperties": False,
+                    "required": ["name"],
+                    "properties": {
+                        "name": {"type": "string", "maxLength": MAX_LABEL_CHARS, "pattern": r"\S"}
                     },
                 },
                 "TuningRequest": _tuning(limits),

@@ -30,6 +30,7 @@ from chattts_service.inference.types import (
     EngineError,
     NothingToSay,
     Overloaded,
+    SpeakerSample,
     Synthesis,
     SynthesisRequest,
 )
@@ -54,6 +55,7 @@ class Engine:
         self.model = None  # a loader.LoadedModel once loaded
         self.prompts = None  # a prompts.Prompts once loaded
         self.voices: VoiceStore | None = None
+        self.sample_encoder = None  # a sample_encoder.SampleEncoder once loaded
         self.sample_rate = SAMPLE_RATE
         self.text_normaliser = Normaliser()
         self._normaliser_ready: threading.Thread | None = None
@@ -85,6 +87,7 @@ class Engine:
         # torch and ChatTTS are imported here, when the model loads, not when the app is built
         from chattts_service.inference.loader import load_model
         from chattts_service.inference.prompts import Prompts
+        from chattts_service.inference.sample_encoder import SampleEncoder
 
         model = load_model(self.settings)
         self.prompts = Prompts(
@@ -95,8 +98,12 @@ class Engine:
             self.text_normaliser,
         )
         self.voices = VoiceStore(
-            self.settings.voices_dir, model.chat.speaker.dim, self.prompts.speaker_embedding
+            self.settings.voices_dir,
+            model.chat.speaker.dim,
+            self.prompts.speaker_embedding,
+            limit=self.settings.max_stored_voices,
         )
+        self.sample_encoder = SampleEncoder(model.dvae_file, model.chat.config)
         self.scheduler.attach(model.batch, model.kv_positions)
         self.model = model
 
@@ -141,6 +148,7 @@ class Engine:
             f"{self.model_name}/gpt-{self.settings.quantize}"
             f"/decoder-{self.settings.resolved_decoder_dtype}/kernels-{self.kernels}"
             f"/kv-{self.kv_cache_dtype}"
+            + ("/long-first" if self.settings.long_text_voice == "first_segment" else "")
         )
 
     def tune(self, **changes: int) -> dict[str, int]:
@@ -158,6 +166,15 @@ class Engine:
     def segments(self, request: SynthesisRequest) -> list[str]:
         """The request's text as the model will read it (see ``Prompts.segments``)."""
         return self.prompts.segments(request)
+
+    def encode_sample(self, samples: np.ndarray):
+        """A recording (float32 mono, 24 kHz) -> ChatTTS's speaker prompt codes. Runs on the
+        calling thread, one recording at a time, beside generation (which it slows, never
+        stops); refused like a request when the queue is full or the wait too long."""
+        if self.model is None:
+            raise EngineError("model is not loaded")
+        self.admission.check(self.scheduler, 1)
+        return self.sample_encoder(samples)
 
     def input_tokens(self, request: SynthesisRequest) -> int:
         """The request's text tokens, as OpenAI's usage counts input (see ``Prompts``)."""
@@ -183,13 +200,20 @@ class Engine:
             raise EngineError("model is not loaded")
         segments, layout = self.prompts.split(request)
         voice = request.voice if request.voice is not None else self.voices.from_seed(request.seed)
+        speaker = voice.speaker
+        if (
+            self.settings.long_text_voice == "first_segment"
+            and len(segments) > 1
+            and voice.sample is None
+        ):
+            speaker = self._first_segment_sample(segments[0], request, voice, fixed_steps, step_cap)
         jobs = [
             SynthesisJob(
                 self.prompts,
                 self.model.decoder,
                 text,
                 request,
-                voice.embedding,
+                speaker,
                 fixed_steps,
                 stream,
                 step_cap,
@@ -207,6 +231,32 @@ class Engine:
             run.cancel()
             raise Overloaded(str(error)) from None
         return run
+
+    def _first_segment_sample(self, text, request, voice, fixed_steps, step_cap) -> SpeakerSample:
+        """Upstream's long text (``Chat.infer(split_text=True)``): the first segment alone in
+        the voice, its audio encoded as a recording (``sample_audio_speaker``), and that with
+        the first segment's words as the sample every segment is then spoken from, the
+        embedding kept as well. Waits for that segment here, on the caller's thread."""
+        reference = SynthesisJob(
+            self.prompts,
+            self.model.decoder,
+            text,
+            request,
+            voice.embedding,
+            fixed_steps,
+            False,
+            step_cap,
+            on_finished=self.admission.job_finished,
+        )
+        self.admission.check(self.scheduler, 1)
+        run = Run([reference], 0.0)
+        try:
+            self.scheduler.submit(reference)
+        except QueueFull as error:
+            raise Overloaded(str(error)) from None
+        first = run.result(self.settings.request_timeout_s)
+        codes = self.sample_encoder(first.audio)
+        return SpeakerSample(codes, first.spoken_text, embedding=voice.embedding)
 
     def submit(self, request: SynthesisRequest, fixed_steps: int | None = None) -> Future:
         """Queue a one-segment request; the future gives its Synthesis."""

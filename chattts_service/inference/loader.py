@@ -44,6 +44,7 @@ class LoadedModel:
     kv_positions: int  # KV-cache budget in positions
     name: str
     seconds: float
+    dvae_file: Path | None = None  # the DVAE's encoder (voices from a recording) is built from it
 
     @property
     def kernels(self) -> str:
@@ -130,6 +131,7 @@ def _load_modules(settings: Settings, paths: model_files.ModelPaths, architectur
         kv_positions=kv_positions,
         name="chattts",
         seconds=0.0,
+        dvae_file=paths.dvae,
     )
 
 

@@ -15,6 +15,7 @@ from chattts_service.inference.types import (
     TEXT_SAMPLING,
     EngineError,
     NothingToSay,
+    SpeakerSample,
     SynthesisRequest,
     speakable,
 )
@@ -98,10 +99,15 @@ class Prompts:
         segments = [piece for group in pieces for piece in group]
         return segments, [(text, len(group)) for (text, _), group in zip(sentences, pieces)]
 
-    def _prompt(self, decorated: str):
+    def _prompt(self, decorated: str, codes: torch.Tensor | None = None):
+        """Token ids and embeddings of a decorated prompt; ``codes`` (a recording's speaker
+        prompt, ``[num_vq, frames]``) go after its last token, as upstream's tokenizer puts
+        them, and are embedded as audio codes."""
         chat = self.chat
         with torch.inference_mode():
-            input_ids, _, text_mask = chat.tokenizer.encode([decorated], chat.config.gpt.num_vq)
+            input_ids, _, text_mask = chat.tokenizer.encode(
+                [decorated], chat.config.gpt.num_vq, prompt=codes
+            )
             embeddings = chat.embed(input_ids, text_mask)
         return input_ids, embeddings
 
@@ -114,14 +120,22 @@ class Prompts:
         step_cap: int | None = None,
     ) -> Sequence:
         chat = self.chat
-        decorated = chat.speaker.decorate_code_prompts(
-            [text], f"[speed_{request.speed}]", None, voice
-        )[0]
-        input_ids, embeddings = self._prompt(decorated)
-        with torch.inference_mode():
-            chat.speaker.apply(
-                embeddings, voice, input_ids, chat.tokenizer.spk_emb_ids, torch.device("cpu")
-            )
+        speed = f"[speed_{request.speed}]"
+        # upstream's spk_smp and txt_smp (with spk_emb too where the sample has one), or spk_emb
+        sample = voice if isinstance(voice, SpeakerSample) else None
+        embedding = sample.embedding if sample is not None else voice
+        transcript = sample.transcript or None if sample is not None else None
+        decorated = chat.speaker.decorate_code_prompts([text], speed, transcript, embedding)[0]
+        input_ids, embeddings = self._prompt(decorated, sample.codes if sample else None)
+        if embedding is not None:
+            with torch.inference_mode():
+                chat.speaker.apply(
+                    embeddings,
+                    embedding,
+                    input_ids,
+                    chat.tokenizer.spk_emb_ids,
+                    torch.device("cpu"),
+                )
         room = self.max_positions - embeddings.shape[1]  # the position table bounds it all
         if room < 1:
             raise EngineError(f"text is too long for the model ({embeddings.shape[1]} tokens)")

@@ -8,7 +8,12 @@ A voice is one of
   statistics (a file with the same name takes precedence);
 - ``seed:N``: the voice drawn from seed N, without touching the global RNG;
 - a blend ``name(weight)+name(weight)`` of any of these (Kokoro-FastAPI's form): the weighted
-  mean of their embeddings, weights normalised to sum to 1 (a part without a weight counts 1).
+  mean of their embeddings, weights normalised to sum to 1 (a part without a weight counts 1);
+- a voice made from a recording (OpenAI's ``POST /v1/audio/voices`` with an audio sample):
+  ``<name>.json`` holds ChatTTS's speaker prompt of the recording (``spk_smp``) and its
+  transcript instead of an embedding, and the id OpenAI clients refer to it by
+  (``voice_...``; ``ids/<id>`` names the voice it belongs to). It has no embedding, so it
+  cannot be blended.
 
 Names are checked against a strict pattern before they come near a path.
 """
@@ -20,15 +25,18 @@ import json
 import lzma
 import re
 import threading
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 
+from chattts_service.inference.types import SpeakerSample
 from chattts_service.runtime.files import replace_atomically
 
 NAME = re.compile(r"^[a-z0-9][a-z0-9_-]{0,63}$")
 SEED_VOICE = re.compile(r"^seed:(\d+)$")
+VOICE_ID = re.compile(r"^voice_[0-9a-f]{24}$")  # a voice made from a recording, as OpenAI's
 # a real embedding is ~1,000 characters; the bound keeps the longest valid body under 64 KiB
 MAX_EMBEDDING_CHARS = 4096
 # OpenAI's 13 built-in voice names -> the seeds their embeddings are drawn from (each its own
@@ -74,14 +82,34 @@ class UnusableBlend(VoiceError):
     """A well-formed blend whose weights are all 0."""
 
 
+class TooManyVoices(VoiceError):
+    """As many voices are stored as the server keeps."""
+
+
 @dataclass(frozen=True)
 class Voice:
     name: str
     embedding: object = field(compare=False, repr=False)  # float32 torch tensor [hidden]
-    digest: str = ""  # sha256 of the embedding: part of the cache key
+    digest: str = ""  # sha256 of the embedding (or of the sample): part of the cache key
+    sample: SpeakerSample | None = field(default=None, compare=False, repr=False)
+    id: str = ""  # a voice made from a recording: its OpenAI id
+    created_at: int = 0
+
+    @property
+    def speaker(self):
+        """What a prompt carries: the speaker prompt of a recording, else the embedding."""
+        return self.sample if self.sample is not None else self.embedding
 
     def describe(self) -> dict:
-        return {"name": self.name, "digest": self.digest}
+        if self.sample is None:
+            return {"name": self.name, "digest": self.digest}
+        return {
+            "id": self.id,
+            "object": "audio.voice",
+            "name": self.name,
+            "created_at": self.created_at,
+            "type": "audio_sample",
+        }
 
 
 def decode_embedding(text: str, dim: int):
@@ -128,12 +156,18 @@ def _digest(embedding) -> str:
     return hashlib.sha256(embedding.numpy().astype("<f4").tobytes()).hexdigest()[:32]
 
 
+def _sample_digest(sample: SpeakerSample) -> str:
+    data = sample.codes.numpy().astype("<u2").tobytes() + sample.transcript.encode("utf-8")
+    return hashlib.sha256(data).hexdigest()[:32]
+
+
 class VoiceStore:
     """Resolves voice names; ``sampler(seed)`` draws a seed's voice from the loaded model."""
 
-    def __init__(self, directory: Path, dim: int, sampler):
+    def __init__(self, directory: Path, dim: int, sampler, limit: int | None = None):
         self.directory = Path(directory)
         self.dim = dim
+        self.limit = limit  # how many voices may be stored (None: no bound)
         self._sampler = sampler
         self._lock = threading.Lock()
         self._memo: dict[str, tuple[float, Voice]] = {}
@@ -145,10 +179,23 @@ class VoiceStore:
         return sorted(stored | set(DEFAULT_VOICES))
 
     def listing(self) -> list[dict]:
-        return [
-            {"name": name, "source": "file" if self._path(name).is_file() else "default"}
-            for name in self.names()
-        ]
+        items = []
+        for name in self.names():
+            item = {"name": name, "source": "file" if self._path(name).is_file() else "default"}
+            if item["source"] == "file":
+                try:
+                    voice = self._single(name)
+                except VoiceError:
+                    continue  # removed meanwhile, or unreadable: not a voice to offer
+                if voice.sample is not None:
+                    item.update(id=voice.id, type="audio_sample", created_at=voice.created_at)
+            items.append(item)
+        return items
+
+    def stored(self) -> int:
+        if not self.directory.is_dir():
+            return 0
+        return sum(1 for path in self.directory.glob("*.json") if NAME.match(path.stem))
 
     def get(self, name: str) -> Voice:
         if not isinstance(name, str):
@@ -182,11 +229,19 @@ class VoiceStore:
         for name, weight in named:
             weights[name] = weights.get(name, 0.0) + weight / total
         voices = {name: self._single(name) for name in weights if weights[name] > 0}
+        for name, voice in voices.items():
+            if voice.sample is not None:
+                raise VoiceError(
+                    f"{name!r} is made from a recording: ChatTTS speaks it from the recording's "
+                    "codes, not from an embedding, so it cannot be blended"
+                )
         embedding = sum(weights[name] * voices[name].embedding for name in sorted(voices))
         label = "+".join(f"{name}({weights[name]:.4g})" for name in sorted(voices))
         return Voice(label, embedding, _digest(embedding))
 
     def _single(self, name: str) -> Voice:
+        if VOICE_ID.match(name):
+            name = self._name_of(name)
         seed = SEED_VOICE.match(name)
         if seed:
             digits = seed.group(1).lstrip("0") or "0"
@@ -215,10 +270,13 @@ class VoiceStore:
                 return memo[1]
         try:
             record = json.loads(path.read_text(encoding="utf-8"))
-            embedding = decode_embedding(record["embedding"], self.dim)
+            if "sample" in record:
+                voice = _sampled(name, record)
+            else:
+                embedding = decode_embedding(record["embedding"], self.dim)
+                voice = Voice(name, embedding, _digest(embedding))
         except (OSError, ValueError, KeyError, TypeError) as error:
             raise VoiceError(f"voice file for {name!r} is unusable: {error}") from None
-        voice = Voice(name, embedding, _digest(embedding))
         with self._lock:
             self._memo[name] = (mtime, voice)
         return voice
@@ -240,28 +298,129 @@ class VoiceStore:
         if (embedding_text is None) == (voice is None):
             raise VoiceError("send either 'embedding' or 'voice' (a blend, seed:N or a name)")
         if voice is not None:
-            embedding = self.get(voice).embedding
+            source = self.get(voice)
+            if source.sample is not None:
+                raise VoiceError(
+                    f"{source.name!r} is made from a recording and has no embedding to store; "
+                    f"refer to it by its name or its id, {source.id}"
+                )
+            embedding = source.embedding
         else:
             embedding = decode_embedding(embedding_text, self.dim)
+        if VOICE_ID.match(name):
+            raise VoiceError("names of the form voice_<24 hex digits> are voice ids")
         self.directory.mkdir(parents=True, exist_ok=True)
         path = self._path(name)
         with self._lock:
             if path.exists() and not replace:
                 raise VoiceExists(f'voice {name!r} exists; send "replace": true to overwrite it')
+            if not path.exists():
+                self._check_room()
+            self._forget_id(path)  # replacing a voice made from a recording
             record = {"name": name, "embedding": encode_embedding(embedding)}
             replace_atomically(path, lambda out: json.dump(record, out), binary=False, shared=False)
             self._memo.pop(name, None)
         return self.get(name)
 
-    def delete(self, name: str) -> None:
+    def create_from_sample(self, name, sample: SpeakerSample, prompt: str, consent: str) -> Voice:
+        """Store a voice made from a recording: ``prompt`` is ChatTTS's string of the sample's
+        codes (``Speaker.encode_prompt``), ``consent`` the consent it was made under."""
+        from secrets import token_hex
+
         if not isinstance(name, str) or not NAME.match(name):
+            raise VoiceError(
+                "'name' must be 1-64 characters of a-z, 0-9, '-' and '_', starting with a "
+                "letter or digit: requests name the voice by it"
+            )
+        if VOICE_ID.match(name):
+            raise VoiceError("names of the form voice_<24 hex digits> are voice ids")
+        self.directory.mkdir(parents=True, exist_ok=True)
+        path = self._path(name)
+        with self._lock:
+            if path.exists():
+                raise VoiceExists(f"voice {name!r} exists; delete it or choose another name")
+            self._check_room()
+            record = {
+                "id": f"voice_{token_hex(12)}",
+                "object": "audio.voice",
+                "name": name,
+                "type": "audio_sample",
+                "created_at": int(time.time()),
+                "consent": consent,
+                "sample": prompt,
+                "transcript": sample.transcript,
+            }
+            ids = self.directory / "ids"
+            ids.mkdir(exist_ok=True)
+            # the voice, then its id: an id always names a voice that is there
+            replace_atomically(path, lambda out: json.dump(record, out), binary=False, shared=False)
+            try:
+                replace_atomically(
+                    ids / record["id"], lambda out: out.write(name), binary=False, shared=False
+                )
+            except BaseException:
+                path.unlink(missing_ok=True)
+                raise
+            self._memo.pop(name, None)
+        return self.get(name)
+
+    def delete(self, name: str) -> Voice:
+        """Remove a stored voice, named or by its id; the voice it was."""
+        if not isinstance(name, str):
+            raise VoiceError("invalid voice name")
+        name = name.strip().lower()
+        if VOICE_ID.match(name):
+            name = self._name_of(name)
+        if not NAME.match(name):
             raise VoiceError("invalid voice name")
         path = self._path(name)
         if not path.is_file():
             raise UnknownVoice(f"no stored voice {name!r}")
-        path.unlink()
+        try:
+            voice = self._single(name)
+        except VoiceError:  # an unreadable file is still removed
+            voice = Voice(name, None)
         with self._lock:
+            self._forget_id(path)
+            path.unlink(missing_ok=True)
             self._memo.pop(name, None)
+        return voice
+
+    def _check_room(self) -> None:
+        if self.limit is not None and self.stored() >= self.limit:
+            raise TooManyVoices(
+                f"{self.limit} voices are stored, the most this server keeps "
+                "(CHATTTS_MAX_STORED_VOICES); delete one first"
+            )
+
+    def _name_of(self, voice_id: str) -> str:
+        try:
+            return (self.directory / "ids" / voice_id).read_text(encoding="utf-8").strip()
+        except FileNotFoundError:
+            raise UnknownVoice(f"no voice with the id {voice_id!r}") from None
+
+    def _forget_id(self, path: Path) -> None:
+        """The id file of the voice stored at ``path``, if it was made from a recording."""
+        try:
+            record = json.loads(path.read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            return
+        if isinstance(record, dict) and VOICE_ID.match(str(record.get("id", ""))):
+            (self.directory / "ids" / record["id"]).unlink(missing_ok=True)
 
     def _path(self, name: str) -> Path:
         return self.directory / f"{name}.json"
+
+
+def _sampled(name: str, record: dict) -> Voice:
+    from chattts_service.inference.sample_encoder import decode_prompt
+
+    sample = SpeakerSample(decode_prompt(record["sample"]), record.get("transcript") or "")
+    return Voice(
+        name,
+        None,
+        _sample_digest(sample),
+        sample=sample,
+        id=record["id"],
+        created_at=int(record.get("created_at", 0)),
+    )

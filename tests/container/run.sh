@@ -206,6 +206,29 @@ print(encode_embedding(torch.ones(TINY["gpt"]["hidden_size"])))')
 status=$(curl -s -o /dev/null -w '%{http_code}' -X POST -H 'Content-Type: application/json' \
     -d "{\"name\":\"ct-voice\",\"embedding\":\"$embedding\"}" "http://127.0.0.1:$PORT/v1/audio/voices")
 [ "$status" = 201 ] || fail "registering a voice gave $status, not 201"
+# a voice from a recording: the image's PyAV decodes it, its DVAE encoder (vector_quantize_pytorch
+# on the image's torch) encodes it, and speech in it comes back (the recording: out.wav, twice)
+"$PYTHON" - "$WORK/out.wav" "$WORK/sample.wav" <<'PY' || fail "could not make a 2 s sample"
+import sys, wave
+with wave.open(sys.argv[1]) as source:
+    frames = source.readframes(source.getnframes())
+with wave.open(sys.argv[2], "wb") as sample:
+    sample.setparams(source.getparams())
+    sample.writeframes(frames * max(1, int(2 * 48000 / max(1, len(frames))) + 1))
+PY
+consent=$(curl -sf -F "recording=@$WORK/sample.wav;type=audio/wav" -F name=container -F language=zh-CN \
+    "http://127.0.0.1:$PORT/v1/audio/voice_consents" | "$PYTHON" -c 'import json,sys; print(json.load(sys.stdin)["id"])') \
+    || fail "POST /v1/audio/voice_consents"
+voice=$(curl -sf -F "audio_sample=@$WORK/sample.wav;type=audio/wav" -F "consent=$consent" \
+    -F name=ct-sampled -F "transcript=你好，容器测试。" "http://127.0.0.1:$PORT/v1/audio/voices" \
+    | "$PYTHON" -c 'import json,sys; print(json.load(sys.stdin)["id"])') \
+    || fail "POST /v1/audio/voices with an audio sample"
+curl -sf -X POST -H 'Content-Type: application/json' \
+    -d "{\"model\":\"tts-1\",\"voice\":{\"id\":\"$voice\"},\"input\":\"录音的声音。\",\"response_format\":\"wav\",\"stream\":false}" \
+    "http://127.0.0.1:$PORT/v1/audio/speech" -o "$WORK/sampled.wav" || fail "speech in $voice"
+"$PYTHON" -c 'import sys, wave; assert wave.open(sys.argv[1]).getnframes() > 0' "$WORK/sampled.wav" \
+    || fail "speech in a voice from a recording is not a WAV"
+log "a voice from a recording: $voice"
 status=$(curl -s -o /dev/null -w '%{http_code}' -X POST -H 'Content-Type: application/json' \
     -d '{"text":""}' "http://127.0.0.1:$PORT/synthesize")
 [ "$status" = 400 ] || fail "empty text gave $status, not 400"

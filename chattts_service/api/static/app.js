@@ -268,17 +268,154 @@ async function loadVoices() {
   try {
     const response = await fetch("/v1/audio/voices", { headers: authHeaders() });
     if (!response.ok) return;
-    const names = (await response.json()).voices;
+    const listing = await response.json();
     for (const select of [$("voice"), $("blend")]) {
+      const chosen = select.value;
       select.replaceChildren(select.options[0]);
-      for (const name of names) {
+      for (const name of listing.voices) {
         const option = document.createElement("option");
         option.value = option.textContent = name;
         select.appendChild(option);
       }
+      select.value = listing.voices.includes(chosen) ? chosen : "";
     }
+    showStoredVoices(listing.details.filter((voice) => voice.source === "file"));
   } catch (ignored) { /* the seed's voice still works */ }
 }
+
+// -- voices from a recording: a sample and a consent, each a file or a microphone recording --
+
+const recorded = { sample: null, consent: null };
+let recorder = null;
+
+function recordingOf(target) {
+  const file = $(`${target}-file`).files[0];
+  return recorded[target] || file || null;
+}
+
+async function toggleRecording(event) {
+  const button = event.currentTarget, target = button.dataset.target;
+  const label = target === "sample" ? "Record sample" : "Record consent";
+  if (recorder && recorder.target === target) { recorder.stop(); return; }
+  if (recorder) return;  // one recording at a time
+  let stream;
+  try {
+    stream = await navigator.mediaDevices.getUserMedia({ audio: true });
+  } catch (error) {
+    $(`${target}-state`).textContent = "No microphone: " + error.message + ". Upload a file instead.";
+    return;
+  }
+  const chunks = [];
+  recorder = new MediaRecorder(stream);
+  recorder.target = target;
+  recorder.addEventListener("dataavailable", (e) => { if (e.data.size) chunks.push(e.data); });
+  recorder.addEventListener("stop", () => {
+    stream.getTracks().forEach((track) => track.stop());
+    recorded[target] = new Blob(chunks, { type: recorder.mimeType || "audio/webm" });
+    $(`${target}-state`).textContent =
+      `Recorded ${(recorded[target].size / 1024).toFixed(0)} KB.`;
+    button.textContent = label;
+    button.classList.remove("recording");
+    recorder = null;
+  });
+  recorder.start();
+  button.textContent = "Stop";
+  button.classList.add("recording");
+  $(`${target}-state`).textContent = "Recording… press Stop when done.";
+}
+
+function cloneMessage(text) {
+  const box = $("clone-message");
+  box.textContent = text;
+  box.hidden = !text;
+}
+
+async function postForm(path, fields) {
+  const form = new FormData();
+  for (const [name, value] of Object.entries(fields)) {
+    if (value instanceof Blob) form.append(name, value, value.name || `${name}.webm`);
+    else form.append(name, value);
+  }
+  return fetch(path, { method: "POST", headers: authHeaders(), body: form });
+}
+
+async function createVoice(event) {
+  event.preventDefault();
+  const name = $("clone-name").value.trim();
+  const sample = recordingOf("sample"), consent = recordingOf("consent");
+  if (!/^[a-z0-9][a-z0-9_-]{0,63}$/.test(name)) {
+    cloneMessage("Give the voice a name: a-z, 0-9, - and _."); $("clone-name").focus(); return;
+  }
+  if (!sample || !consent) {
+    cloneMessage("Add a sample and a consent recording: upload or record each."); return;
+  }
+  const button = $("clone-create");
+  button.disabled = true;
+  cloneMessage("Creating the voice…");
+  try {
+    const consentAnswer = await postForm("/v1/audio/voice_consents", {
+      recording: consent, name, language: $("clone-language").value.trim() || "zh-CN",
+    });
+    if (!consentAnswer.ok) { cloneMessage("Consent: " + await errorText(consentAnswer)); return; }
+    const consentId = (await consentAnswer.json()).id;
+    const fields = { audio_sample: sample, consent: consentId, name };
+    const transcript = $("clone-transcript").value.trim();
+    if (transcript) fields.transcript = transcript;
+    const answer = await postForm("/v1/audio/voices", fields);
+    if (!answer.ok) { cloneMessage("Voice: " + await errorText(answer)); return; }
+    const voice = await answer.json();
+    cloneMessage(`Created ${voice.name} (${voice.id}): pick it under Voice.`);
+    recorded.sample = recorded.consent = null;
+    await loadVoices();
+    $("voice").value = voice.name;
+  } catch (error) {
+    cloneMessage("The request failed: " + error.message);
+  } finally {
+    button.disabled = false;
+  }
+}
+
+function showStoredVoices(voices) {
+  $("custom-voices").replaceChildren(...voices.map((voice) => {
+    const item = document.createElement("li");
+    const label = document.createElement("span");
+    label.textContent = voice.name + " ";
+    const kind = document.createElement("span");
+    kind.className = "kind";
+    kind.textContent = voice.type === "audio_sample" ? `from a recording, ${voice.id}`
+      : "from an embedding";
+    label.appendChild(kind);
+    const remove = document.createElement("button");
+    remove.type = "button";
+    remove.className = "secondary";
+    remove.textContent = "Delete";
+    remove.setAttribute("aria-label", `Delete ${voice.name}`);
+    remove.addEventListener("click", async () => {
+      const response = await fetch(`/v1/audio/voices/${encodeURIComponent(voice.id || voice.name)}`,
+                                   { method: "DELETE", headers: authHeaders() });
+      cloneMessage(response.ok ? `Deleted ${voice.name}.` : await errorText(response));
+      loadVoices();
+    });
+    item.append(label, remove);
+    return item;
+  }));
+  if (!voices.length) {
+    const empty = document.createElement("li");
+    empty.textContent = "None yet.";
+    $("custom-voices").replaceChildren(empty);
+  }
+}
+
+$("sample-record").addEventListener("click", toggleRecording);
+$("consent-record").addEventListener("click", toggleRecording);
+for (const target of ["sample", "consent"]) {
+  $(`${target}-file`).addEventListener("change", () => {
+    recorded[target] = null;
+    const file = $(`${target}-file`).files[0];
+    $(`${target}-state`).textContent = file ? `File: ${file.name}` : "";
+  });
+}
+$("clone-form").addEventListener("submit", createVoice);
 
 $("mix").addEventListener("input", () => {
   $("mix-value").textContent = $("mix").value + "%";
