@@ -363,3 +363,35 @@ def test_a_voice_from_a_recording_is_made_used_and_deleted(browser, server, micr
     assert "mic-voice" not in options
     listing = requests.get(server.url + "/v1/audio/voices", timeout=10).json()
     assert "mic-voice" not in listing["voices"]
+
+
+def test_the_browser_plays_a_streamed_wav(browser, server):
+    """A WAV streamed by /v1/audio/speech (open-ended header, a whole last block) decodes in
+    the browser's own <audio> element, as ffmpeg, libsndfile and wave take it in
+    test_speech_api."""
+    browser.get(server.url + "/")
+    wait_for(lambda: text_of(browser, "s-state") == "ready")
+    browser.set_script_timeout(60)
+    outcome = browser.execute_async_script(
+        """
+        const done = arguments[arguments.length - 1];
+        const body = {model: "tts-1", voice: "alloy", input: "浏览器播放流式的WAV。",
+                      response_format: "wav"};
+        fetch("/v1/audio/speech", {method: "POST", headers: {"Content-Type": "application/json"},
+                                   body: JSON.stringify(body)})
+          .then(async (response) => {
+            const streamed = !response.headers.has("Content-Length");
+            const blob = await response.blob();
+            const audio = new Audio();
+            audio.addEventListener("loadedmetadata", () => done(
+              {streamed, duration: audio.duration, bytes: blob.size}));
+            audio.addEventListener("error", () => done({streamed, error: audio.error.code}));
+            audio.src = URL.createObjectURL(blob);
+          })
+          .catch((error) => done({error: String(error)}));
+        """
+    )
+    assert "error" not in outcome, outcome
+    assert outcome["streamed"] and outcome["duration"] > 0.1
+    # the duration the browser reads is the samples sent (padding included), within a block
+    assert abs(outcome["duration"] - (outcome["bytes"] - 44) / 2 / 24_000) < 0.1
