@@ -42,7 +42,7 @@ RUN /opt/venv/bin/python -m chattts_service.kernels.build
 RUN mkdir -p /models/chattts \
  && if [ "${DOWNLOAD_MODEL}" = "1" ]; then \
         HF_ENDPOINT="${HF_ENDPOINT}" \
-        /opt/venv/bin/python -m chattts_service.inference.model_files download /models/chattts ; \
+        /opt/venv/bin/python -m chattts_service.tools.model download /models/chattts ; \
     fi
 
 FROM ${BASE_IMAGE} AS runtime

@@ -301,11 +301,12 @@ def phase_fidelity(
     from transformers import LlamaModel
 
     from chattts_service.config import Settings
+    from chattts_service.domain.voices import SpeakerSample
     from chattts_service.inference.engine import Engine
     from chattts_service.inference.generation import Batch
     from chattts_service.inference.quantize import make_linear
     from chattts_service.inference.transformer import Transformer
-    from chattts_service.inference.types import SpeakerSample, SynthesisRequest
+    from chattts_service.inference.types import SynthesisRequest
 
     engine = Engine(
         Settings.from_env({}, model_dir=model_dir, verify_model=False, quantize="none", max_batch=1)

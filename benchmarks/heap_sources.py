@@ -62,8 +62,8 @@ def _workload(suspect: str, model_dir: Path):
         import torch
 
         from chattts_service.config import Settings
+        from chattts_service.domain.text import Normaliser, pack, split_sentences
         from chattts_service.inference.engine import Engine
-        from chattts_service.services.text import Normaliser, pack, split_sentences
 
         torch.set_num_threads(1)
         engine = Engine(Settings.from_env(model_dir=model_dir, verify_model=False))

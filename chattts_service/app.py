@@ -5,7 +5,7 @@ from __future__ import annotations
 from flask import Flask
 
 from chattts_service.api.auth import ApiKeys
-from chattts_service.api.errors import from_engine_error, register_error_handlers
+from chattts_service.api.errors import register_error_handlers
 from chattts_service.api.hooks import log_requests, require_api_key
 from chattts_service.api.routes import (
     admin,
@@ -68,14 +68,7 @@ def build_state(settings: Settings, engine: Engine | None = None) -> ServiceStat
         api_keys=ApiKeys.from_settings(settings),
         pressure=Pressure(settings.degrade_cpu_percent, settings.degrade_after_s),
     )
-    state.speech = SpeechPipeline(
-        settings,
-        engine,
-        state.cache,
-        metrics,
-        state.recent,
-        status_of=lambda error: from_engine_error(error).status,
-    )
+    state.speech = SpeechPipeline(settings, engine, state.cache, metrics)
     # gauges read when scraped
     metrics.degraded.set_function(lambda: float(state.degraded))
     for name in KNOBS:

@@ -2,9 +2,9 @@ from dataclasses import fields, replace
 
 import torch
 
+from chattts_service.domain.voices import Voice
 from chattts_service.inference.types import SynthesisRequest
 from chattts_service.services.cache import AudioCache, cache_key
-from chattts_service.services.voices import Voice
 
 BASE = SynthesisRequest(text="你好", seed=1, refine_text=False)
 VOICE = Voice("nova", torch.zeros(4), "d1")

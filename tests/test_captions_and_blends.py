@@ -12,14 +12,14 @@ import requests
 import soundfile
 import torch
 
-from chattts_service.services.captions import captions, srt, vtt
-from chattts_service.services.voices import (
+from chattts_service.domain.voices import (
     MAX_BLEND_PARTS,
     UnknownVoice,
     UnusableBlend,
     VoiceError,
     VoiceStore,
 )
+from chattts_service.services.captions import captions, srt, vtt
 
 RATE = 24_000
 

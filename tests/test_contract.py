@@ -22,8 +22,8 @@ from hypothesis import strategies as st
 
 from chattts_service.api.schemas import seed_voice_pattern, text_patterns
 from chattts_service.api.validation import json_body
-from chattts_service.services.text import TextError, check_tokens
-from chattts_service.services.voices import SEED_VOICE
+from chattts_service.domain.text import TextError, check_tokens
+from chattts_service.domain.voices import SEED_VOICE
 
 KEY = "contract-key-0123456789abcdef"
 CONFIG = Path(__file__).with_name("schemathesis.toml")
@@ -60,7 +60,7 @@ def _schemathesis(server, *extra: str) -> subprocess.CompletedProcess:
 def _register_voice(server, headers: dict) -> None:
     import torch
 
-    from chattts_service.services.voices import encode_embedding
+    from chattts_service.domain.voices import encode_embedding
     from chattts_service.tools.testmodel import TINY
 
     dim = TINY["gpt"]["hidden_size"]
@@ -176,7 +176,7 @@ def test_the_blend_pattern_is_what_the_service_resolves(spec):
     import torch
 
     from chattts_service.api.schemas import blend_pattern
-    from chattts_service.services.voices import UnusableBlend, VoiceError, VoiceStore
+    from chattts_service.domain.voices import UnusableBlend, VoiceError, VoiceStore
 
     store = VoiceStore(Path("/nonexistent-voices"), 4, lambda seed: torch.full((4,), float(seed)))
     try:

@@ -82,7 +82,7 @@ def test_every_segment_of_a_long_text_has_the_same_voice(engine, voice_name):
 
 def _sentences_of(engine, request) -> list[str]:
     """For each segment of the request, the sentences (as written) it packs."""
-    from chattts_service.services.text import pack
+    from chattts_service.domain.text import pack
 
     sentences = engine.prompts.sentences(request)
     limit = engine.settings.max_segment_chars

@@ -7,6 +7,7 @@ import pytest
 
 from chattts_service.inference import model_files
 from chattts_service.inference.model_files import MODEL_FILES, ModelFilesError
+from chattts_service.tools import model as model_tool
 
 
 def test_shipped_checksums_cover_every_file():
@@ -61,7 +62,7 @@ def test_download_from_an_unreachable_hub_is_a_clear_error(tmp_path, monkeypatch
     monkeypatch.setenv("HF_HUB_ETAG_TIMEOUT", "2")
     monkeypatch.setenv("HF_HUB_DOWNLOAD_TIMEOUT", "2")
     with pytest.raises(ModelFilesError) as caught:
-        model_files.download(tmp_path / "weights", endpoint=endpoint)
+        model_tool.download(tmp_path / "weights", endpoint=endpoint)
     message = str(caught.value)
     assert "2Noise/ChatTTS" in message and endpoint in message
 
@@ -72,7 +73,7 @@ def test_download_command_line(tmp_path):
         [
             sys.executable,
             "-m",
-            "chattts_service.inference.model_files",
+            "chattts_service.tools.model",
             "download",
             str(tmp_path / "w"),
             "--endpoint",
@@ -85,7 +86,7 @@ def test_download_command_line(tmp_path):
     assert result.returncode == 1
     assert result.stderr.splitlines()[-1].startswith("error: could not download 2Noise/ChatTTS")
     bad = subprocess.run(
-        [sys.executable, "-m", "chattts_service.inference.model_files", "fetch"],
+        [sys.executable, "-m", "chattts_service.tools.model", "fetch"],
         capture_output=True,
         text=True,
         timeout=60,
@@ -98,7 +99,7 @@ def test_verify_command_line(tiny_model_dir):
         [
             sys.executable,
             "-m",
-            "chattts_service.inference.model_files",
+            "chattts_service.tools.model",
             "verify",
             str(tiny_model_dir),
         ],

@@ -18,10 +18,10 @@ import pytest
 import torch
 
 from chattts_service.config import Settings
+from chattts_service.domain.voices import SpeakerSample, Voice
 from chattts_service.inference.engine import Engine
 from chattts_service.inference.sample_encoder import encode_prompt
-from chattts_service.inference.types import SpeakerSample, SynthesisRequest
-from chattts_service.services.voices import Voice
+from chattts_service.inference.types import SynthesisRequest
 
 STEPS = 40
 TRANSCRIPT = "hello, this is the recording."
@@ -134,7 +134,7 @@ def test_long_text_from_its_first_segment_is_upstreams_in_fp32(sharp_model, upst
     ``Chat.infer(split_text=True)`` does; each segment's audio is upstream's."""
     from ChatTTS import Chat
 
-    from chattts_service.services.voices import decode_embedding, encode_embedding
+    from chattts_service.domain.voices import decode_embedding, encode_embedding
 
     engine = _engine(
         sharp_model,

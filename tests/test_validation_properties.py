@@ -17,7 +17,7 @@ from chattts_service.api.validation import (
     synthesize_request,
 )
 from chattts_service.config import Settings
-from chattts_service.services.text import TOKEN, pack, split_sentences
+from chattts_service.domain.text import TOKEN, pack, split_sentences
 
 SETTINGS = Settings.from_env({}, max_chars=300)
 FIELDS = sorted(SYNTHESIZE_FIELDS | SPEECH_FIELDS)

@@ -16,9 +16,9 @@ from chattts_service.api.validation import (
     TOP_P,
 )
 from chattts_service.config import Settings
+from chattts_service.domain.text import INLINE_TOKENS
 from chattts_service.services.audio import FORMATS, STREAM_FORMATS
 from chattts_service.services.captions import CAPTION_FORMATS
-from chattts_service.services.text import INLINE_TOKENS
 
 
 def _nullable(kind: str, **schema) -> dict:

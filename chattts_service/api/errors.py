@@ -8,20 +8,20 @@ import math
 from flask import Flask, jsonify, request
 from werkzeug.exceptions import HTTPException
 
-from chattts_service.inference.types import (
-    Cancelled,
-    DeadlineExceeded,
-    EngineError,
-    NothingToSay,
-    Overloaded,
-)
-from chattts_service.services.voices import (
+from chattts_service.domain.voices import (
     NotAnEmbedding,
     TooManyVoices,
     UnknownVoice,
     UnusableBlend,
     VoiceError,
     VoiceExists,
+)
+from chattts_service.inference.types import (
+    Cancelled,
+    DeadlineExceeded,
+    EngineError,
+    NothingToSay,
+    Overloaded,
 )
 
 log = logging.getLogger(__name__)
@@ -71,7 +71,13 @@ class Unprocessable(ApiError):
 
 
 class NotReady(ApiError):
+    """Not now: always with ``Retry-After`` (``RETRY_AFTER_SECONDS`` unless the engine's
+    estimate says otherwise)."""
+
     status = 503
+
+    def __init__(self, message: str, retry_after: str | None = None):
+        super().__init__(message, headers={"Retry-After": retry_after or RETRY_AFTER_SECONDS})
 
 
 class GatewayTimeout(ApiError):
@@ -96,32 +102,38 @@ ENGINE_ERRORS: list[tuple[type[EngineError], type[ApiError], str]] = [
     (EngineError, InternalError, "synthesis failed: {error}"),
 ]
 # The voice store's errors: a missing voice, a name taken, a string that is not an embedding;
-# any other is a malformed request.
-VOICE_ERRORS: list[tuple[type[VoiceError], type[ApiError]]] = [
-    (UnknownVoice, NotFound),
-    (VoiceExists, Conflict),
-    (TooManyVoices, Conflict),
-    (NotAnEmbedding, Unprocessable),
-    (UnusableBlend, Unprocessable),
-    (VoiceError, BadRequest),
+# any other is a malformed request. A voice missing from a voice's own route is a 404; named in
+# a request's field (a speech request's voice, the voice a registration copies) it is a 400.
+VOICE_ERRORS: list[tuple[type[VoiceError], type[ApiError], type[ApiError]]] = [
+    # the error, on the voice's own route, named in a request's field
+    (UnknownVoice, NotFound, BadRequest),
+    (VoiceExists, Conflict, Conflict),
+    (TooManyVoices, Conflict, Conflict),
+    (NotAnEmbedding, Unprocessable, Unprocessable),
+    (UnusableBlend, Unprocessable, Unprocessable),
+    (VoiceError, BadRequest, BadRequest),
 ]
 RETRY_AFTER_SECONDS = "5"  # what a client told "not ready yet" should wait
 RETRY_AFTER_BOUNDS = (1, 300)  # seconds an overloaded answer's Retry-After may say
 
 
-def from_voice_error(error: VoiceError) -> ApiError:
-    return next(api(str(error)) for kind, api in VOICE_ERRORS if isinstance(error, kind))
+def from_voice_error(error: VoiceError, in_field: bool = False) -> ApiError:
+    """The HTTP error for a voice store's error (see ``VOICE_ERRORS``)."""
+    for kind, on_route, as_field in VOICE_ERRORS:
+        if isinstance(error, kind):
+            return (as_field if in_field else on_route)(str(error))
+    raise TypeError(f"not a voice error: {error!r}")
 
 
 def from_engine_error(error: EngineError) -> ApiError:
     """The HTTP error a client gets for an engine error (see ``ENGINE_ERRORS``)."""
     for kind, api_error, message in ENGINE_ERRORS:
         if isinstance(error, kind):
-            headers = {}
+            text = message.format(error=error)
             if isinstance(error, Overloaded):
                 low, high = RETRY_AFTER_BOUNDS
-                headers["Retry-After"] = str(max(low, min(high, math.ceil(error.retry_after))))
-            return api_error(message.format(error=error), headers=headers)
+                return NotReady(text, str(max(low, min(high, math.ceil(error.retry_after)))))
+            return api_error(text)
     raise TypeError(f"not an engine error: {error!r}")
 
 

@@ -11,6 +11,7 @@ from chattts_service.api.bodies import captioned_request, speech_request, voice_
 from chattts_service.api.schemas import CAPTIONED_SPEECH, SPEECH_EVENT, VOICE_NAME
 from chattts_service.api.validation import MODEL_IDS
 from chattts_service.config import Settings
+from chattts_service.domain.voices import MAX_EMBEDDING_CHARS
 from chattts_service.inference.policy import KNOBS
 from chattts_service.services.audio import FORMATS
 from chattts_service.services.consents import CONSENT_ID, LANGUAGE, MAX_LABEL_CHARS, MAX_PAGE
@@ -19,7 +20,6 @@ from chattts_service.services.recordings import (
     MAX_TRANSCRIPT_CHARS,
     MIN_SAMPLE_SECONDS,
 )
-from chattts_service.services.voices import MAX_EMBEDDING_CHARS
 
 
 def _error(description: str, openai: bool) -> dict:

@@ -2,7 +2,7 @@
 a type and bounds: voice names, ``seed:N``, blends, the text's control tokens, the speech
 events, the captioned answer.
 
-Each states a rule the service enforces in code (services/voices.py, services/text.py,
+Each states a rule the service enforces in code (domain/voices.py, domain/text.py,
 api/validation.py); tests/test_contract.py holds the two to each other.
 """
 
@@ -10,12 +10,12 @@ from __future__ import annotations
 
 import re
 
+from chattts_service.domain.text import INLINE_TOKENS
+from chattts_service.domain.voices import MAX_BLEND_PARTS, MAX_SEED, NAME
 from chattts_service.services.audio import FORMATS
-from chattts_service.services.text import INLINE_TOKENS
-from chattts_service.services.voices import MAX_BLEND_PARTS, MAX_SEED, NAME
 
 VOICE_NAME = NAME.pattern
-BLEND_WEIGHT = r"(?:\d{1,4}(?:\.\d{1,6})?|\.\d{1,6})"  # 0-9999.999999, as services/voices.py
+BLEND_WEIGHT = r"(?:\d{1,4}(?:\.\d{1,6})?|\.\d{1,6})"  # 0-9999.999999, as domain/voices.py
 
 
 def seed_voice_pattern(maximum: int = MAX_SEED) -> str:

@@ -11,32 +11,54 @@ import base64
 import json
 import select
 import socket
+import threading
+import time
 from collections.abc import Callable
 
 from flask import Response, current_app, g, request
 
 from chattts_service.api import validation
-from chattts_service.api.errors import RETRY_AFTER_SECONDS, ApiError, NotReady, from_engine_error
+from chattts_service.api.errors import ApiError, NotReady, from_engine_error
 from chattts_service.inference.types import SAMPLE_RATE, SAMPLES_PER_STEP, EngineError
+from chattts_service.runtime.metrics import Metrics
 from chattts_service.services import captions
 from chattts_service.services.speech import CaptionedSpeech, Output, Speech, SpeechStream
+
+
+class RequestRecord:
+    """One speech request in the metrics and the status page's recent list: begun when it
+    arrives, finished exactly once with its HTTP status, however and wherever it ends (a
+    stream: when the pipeline reports its end, mapped by the one table in ``errors``)."""
+
+    def __init__(self, metrics: Metrics, recent):
+        self._metrics, self._recent = metrics, recent
+        self.started = time.perf_counter()
+        self._finished = False
+        self._lock = threading.Lock()
+        recent.begin()
+
+    def finish(self, status: int, audio_seconds: float = 0.0, cache: str | None = None) -> None:
+        with self._lock:
+            if self._finished:
+                return
+            self._finished = True
+        elapsed = time.perf_counter() - self.started
+        self._metrics.requests_total.labels(status=str(status)).inc()
+        self._metrics.request_duration.observe(elapsed)
+        self._recent.end(elapsed, audio_seconds, cache if status == 200 else None)
 
 
 def speak(parse) -> Response:
     """Parse with ``parse(body, settings, voices)`` and answer with audio or an ApiError."""
     state = current_app.extensions["chattts"]
     pipeline = state.speech
-    record = pipeline.record()
+    record = RequestRecord(state.metrics, state.recent)
     try:
         if state.draining:
             state.metrics.rejected.labels(reason="draining").inc()
-            raise NotReady(
-                "the server is shutting down", headers={"Retry-After": RETRY_AFTER_SECONDS}
-            )
+            raise NotReady("the server is shutting down")
         if not state.ready:
-            raise NotReady(
-                f"model is not ready ({state.phase})", headers={"Retry-After": RETRY_AFTER_SECONDS}
-            )
+            raise NotReady(f"model is not ready ({state.phase})")
         body = validation.json_body(request.mimetype, request.get_data(cache=False))
         synthesis_request, output = parse(body, state.settings, state.engine.voices)
         # accepted, so not refused: ChatTTS cannot follow them, and the answer will say so
@@ -46,7 +68,12 @@ def speak(parse) -> Response:
         should_stop = client_gone(request.environ)
         try:
             if output.stream:
-                stream = pipeline.stream(plan, output, record, should_stop)
+
+                def ended(error: EngineError | None, seconds: float, cache: str) -> None:
+                    stream.status = 200 if error is None else from_engine_error(error).status
+                    record.finish(stream.status, seconds, cache)
+
+                stream = pipeline.stream(plan, output, record.started, ended, should_stop)
                 tokens = _input_tokens(state, plan) if output.events else 0
                 return _streamed(stream, events=output.events, input_tokens=tokens)
             if output.captions:

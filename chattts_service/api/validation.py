@@ -12,16 +12,16 @@ from typing import Any
 from chattts_service.api.errors import (
     BadRequest,
     PayloadTooLarge,
-    Unprocessable,
     UnsupportedMediaType,
+    from_voice_error,
 )
 from chattts_service.config import Settings
+from chattts_service.domain.text import TextError, check_refine_prompt, check_tokens
+from chattts_service.domain.voices import MAX_SEED, VoiceError
 from chattts_service.inference.types import CODE_SAMPLING, SynthesisRequest
 from chattts_service.services.audio import FORMATS, STREAM_FORMATS
 from chattts_service.services.captions import CAPTION_FORMATS
 from chattts_service.services.speech import Output
-from chattts_service.services.text import TextError, check_refine_prompt, check_tokens
-from chattts_service.services.voices import MAX_SEED, UnusableBlend, VoiceError
 
 OPTION_FIELDS = {
     "seed",
@@ -236,10 +236,8 @@ def synthesis_options(
             raise BadRequest("voices are not available until the model is loaded")
         try:
             voice = voices.get(voice_reference(body["voice"]))
-        except UnusableBlend as error:
-            raise Unprocessable(str(error)) from None
         except VoiceError as error:
-            raise BadRequest(str(error)) from None
+            raise from_voice_error(error, in_field=True) from None
 
     audio_format = body.get(format_field)
     if audio_format is None:

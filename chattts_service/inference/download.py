@@ -11,6 +11,12 @@ clear error of an incomplete directory.
 
 Progress (bytes done and total) is kept in a ``DownloadProgress`` for ``/readyz`` and
 ``/status``, and logged every few seconds.
+
+The hub client lists the files, builds the URLs and headers (``HF_TOKEN``); the bytes are
+fetched here because what this needs is what ``snapshot_download`` (huggingface_hub 2.4) does
+not do: it writes each file to a temporary named for its process and deletes it when the
+download fails (huggingface_hub PR 4228), so a killed start begins the 1.1 GB again (and a
+SIGKILL leaves the partial behind for good), and it reports a file's progress once per 10 MiB.
 """
 
 from __future__ import annotations
@@ -246,7 +252,7 @@ def _advice(hub: str, model_dir: Path, what: str) -> str:
     return (
         f"could not download {model_files.HUB_REPO_ID} from {hub}: {what}. Either point "
         f"HF_ENDPOINT at a reachable mirror, or copy the model files into {model_dir} "
-        "(python -m chattts_service.inference.model_files download DIR on a machine that "
+        "(python -m chattts_service.tools.model download DIR on a machine that "
         "reaches the hub)"
     )
 

@@ -20,6 +20,8 @@ from concurrent.futures import Future
 import numpy as np
 
 from chattts_service.config import Settings
+from chattts_service.domain.text import Normaliser
+from chattts_service.domain.voices import SpeakerSample, VoiceStore
 from chattts_service.inference.admission import Admission
 from chattts_service.inference.job import SynthesisJob
 from chattts_service.inference.policy import BatchingPolicy
@@ -30,12 +32,9 @@ from chattts_service.inference.types import (
     EngineError,
     NothingToSay,
     Overloaded,
-    SpeakerSample,
     Synthesis,
     SynthesisRequest,
 )
-from chattts_service.services.text import Normaliser
-from chattts_service.services.voices import VoiceStore
 
 log = logging.getLogger(__name__)
 
@@ -87,7 +86,7 @@ class Engine:
         # torch and ChatTTS are imported here, when the model loads, not when the app is built
         from chattts_service.inference.loader import load_model
         from chattts_service.inference.prompts import Prompts
-        from chattts_service.inference.sample_encoder import SampleEncoder
+        from chattts_service.inference.sample_encoder import SampleEncoder, decode_prompt
 
         model = load_model(self.settings)
         self.prompts = Prompts(
@@ -102,6 +101,7 @@ class Engine:
             model.chat.speaker.dim,
             self.prompts.speaker_embedding,
             limit=self.settings.max_stored_voices,
+            decode_sample=decode_prompt,
         )
         self.sample_encoder = SampleEncoder(model.dvae_file, model.chat.config)
         self.scheduler.attach(model.batch, model.kv_positions)

@@ -10,11 +10,9 @@ file and runs a downloaded binary.
 
 from __future__ import annotations
 
-import argparse
 import hashlib
 import json
 import os
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -185,49 +183,3 @@ def _mismatches(model_dir: Path, checksums: dict[str, str]) -> list[tuple[str, s
         except OSError:  # a read-only volume: verify again next time
             pass
     return mismatches
-
-
-def download(model_dir: Path, endpoint: str | None = None) -> Path:
-    """Fetch the real weights from the Hugging Face hub into ``model_dir`` and verify them, as
-    the server does at start (``download.ensure_model``). ``HF_ENDPOINT`` (or ``endpoint``)
-    selects a mirror; ``HF_TOKEN`` is honoured."""
-    # download.py builds on this module, so it is imported when it is used
-    from chattts_service.config import Settings
-    from chattts_service.inference.download import ensure_model
-
-    settings = Settings.from_env({}, model_dir=model_dir, verify_model=True, download="auto")
-    ensure_model(settings, endpoint=endpoint)
-    return model_dir
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="python -m chattts_service.inference.model_files",
-        description="Download the ChatTTS weights into a directory, or verify one.",
-    )
-    sub = parser.add_subparsers(dest="command", required=True)
-    fetch = sub.add_parser("download", help="fetch the weights from the Hugging Face hub")
-    fetch.add_argument("model_dir", type=Path)
-    fetch.add_argument("--endpoint", default=None, help="hub URL (default: $HF_ENDPOINT)")
-    check = sub.add_parser("verify", help="check a directory against ChatTTS's checksums")
-    check.add_argument("model_dir", type=Path)
-    args = parser.parse_args(argv)
-    try:
-        if args.command == "download":
-            download(args.model_dir, endpoint=args.endpoint)
-            print(f"downloaded and verified {HUB_REPO_ID} into {args.model_dir}")
-        else:
-            verify(args.model_dir)
-            print(f"{args.model_dir}: all {len(MODEL_FILES)} files match")
-    except ModelFilesError as error:
-        print(f"error: {error}", file=sys.stderr)
-        return 1
-    return 0
-
-
-if __name__ == "__main__":
-    # run the package's copy of this module: download.py raises its ModelFilesError, which a
-    # copy imported as __main__ would not recognise
-    from chattts_service.inference import model_files
-
-    sys.exit(model_files.main())

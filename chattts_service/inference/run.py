@@ -24,7 +24,6 @@ from chattts_service.inference.types import (
     EngineError,
     Synthesis,
 )
-from chattts_service.services.audio import silence
 
 STOP_POLL_SECONDS = 0.25  # how often a waiting request checks its client
 
@@ -40,7 +39,7 @@ class Run:
         sentences: list[tuple[str, int]] | None = None,
     ):
         self.jobs = jobs
-        self.pause = silence(pause_seconds, SAMPLE_RATE)
+        self.pause = np.zeros(round(pause_seconds * SAMPLE_RATE), dtype=np.float32)
         self.sentences = sentences or []
 
     def cancel(self) -> None:

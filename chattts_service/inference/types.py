@@ -6,13 +6,11 @@ without paying for the model's imports.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from dataclasses import dataclass
 
 import numpy as np
 
-if TYPE_CHECKING:  # a request carries a Voice; voices are built on these types
-    from chattts_service.services.voices import Voice
+from chattts_service.domain.voices import Voice
 
 SAMPLE_RATE = 24_000
 SAMPLES_PER_STEP = 512  # 2 mel frames of hop 256 per GPT step
@@ -66,18 +64,6 @@ class DeadlineExceeded(Cancelled):
     """The request did not finish within its time limit; its work was dropped."""
 
     outcome = "timeout"
-
-
-@dataclass(frozen=True)
-class SpeakerSample:
-    """A voice made from a recording: ChatTTS's speaker prompt (``spk_smp``), the DVAE's codes
-    of the recording ``[num_vq, frames]``, and the words spoken in it (``txt_smp``; "" when
-    not given). The prompt puts the transcript before the text and the codes after it."""
-
-    codes: object = field(repr=False)  # int32 torch tensor
-    transcript: str = ""
-    # upstream's long-text mode speaks with both: the voice's embedding and its first segment
-    embedding: object = field(default=None, repr=False)
 
 
 @dataclass(frozen=True)

@@ -1,15 +1,15 @@
-"""The speech pipeline both endpoints call: cache lookup -> engine -> encoding, metrics once.
+"""The speech pipeline both endpoints call: cache lookup -> engine -> encoding.
 
 No HTTP here. The API layer parses and validates a request, then asks ``SpeechPipeline`` for
 the whole answer (``synthesize``) or a stream (``stream``); engine errors come back as the
-engine's typed errors, which ``api.errors`` maps to statuses. Every speech request is counted
-once, by ``RequestRecord.finish``, however it ends.
+engine's typed errors, which ``api.errors`` maps to statuses. A stream reports how it ended
+(``on_end``: None, or the engine error that ended it) when it does, which may be long after
+its first bytes; the API counts the request then.
 """
 
 from __future__ import annotations
 
 import logging
-import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
@@ -19,7 +19,7 @@ import numpy as np
 from chattts_service.config import Settings
 from chattts_service.inference.engine import Engine
 from chattts_service.inference.run import Run
-from chattts_service.inference.types import EngineError, Overloaded, SynthesisRequest
+from chattts_service.inference.types import Cancelled, EngineError, Overloaded, SynthesisRequest
 from chattts_service.runtime.metrics import Metrics
 from chattts_service.services.audio import content_type, encode, stream_writer, to_pcm16
 from chattts_service.services.cache import AudioCache, cache_key
@@ -71,28 +71,6 @@ class CaptionedSpeech:
     segments: int
 
 
-class RequestRecord:
-    """One speech request in the metrics and the status page's recent list: begun when it
-    arrives, finished exactly once with its status, however and wherever it ends."""
-
-    def __init__(self, metrics: Metrics, recent):
-        self._metrics, self._recent = metrics, recent
-        self.started = time.perf_counter()
-        self._finished = False
-        self._lock = threading.Lock()
-        recent.begin()
-
-    def finish(self, status: int, audio_seconds: float = 0.0, cache: str | None = None) -> None:
-        with self._lock:
-            if self._finished:
-                return
-            self._finished = True
-        elapsed = time.perf_counter() - self.started
-        self._metrics.requests_total.labels(status=str(status)).inc()
-        self._metrics.request_duration.observe(elapsed)
-        self._recent.end(elapsed, audio_seconds, cache if status == 200 else None)
-
-
 class SpeechStream:
     """A streamed answer: ``chunks`` yields the body; ``close_unsent`` releases a stream whose
     body was never started (the client left before the first byte). ``seconds`` is the audio's
@@ -108,7 +86,7 @@ class SpeechStream:
     ):
         self.chunks, self.content_type, self.cache = chunks, content_type, cache
         self.seconds, self.close_unsent = seconds, close_unsent
-        self.status: int | None = None  # how it ended, once it has
+        self.status: int | None = None  # the API's status for how it ended, once it has
 
 
 class StreamBroken(Exception):
@@ -119,24 +97,14 @@ class StreamBroken(Exception):
         self.error = error
 
 
+# how a stream ended: None when whole, else the engine error that ended it (Cancelled when
+# its client went away); with the audio seconds sent and the cache status
+StreamEnd = Callable[[EngineError | None, float, str], None]
+
+
 class SpeechPipeline:
-    """``status_of(engine_error)`` is the HTTP status the API answers it with: a stream that
-    breaks after its first bytes is counted under it too."""
-
-    def __init__(
-        self,
-        settings: Settings,
-        engine: Engine,
-        cache: AudioCache,
-        metrics: Metrics,
-        recent,
-        status_of: Callable[[EngineError], int],
-    ):
-        self.settings, self.engine, self.cache = settings, engine, cache
-        self.metrics, self.recent, self.status_of = metrics, recent, status_of
-
-    def record(self) -> RequestRecord:
-        return RequestRecord(self.metrics, self.recent)
+    def __init__(self, settings: Settings, engine: Engine, cache: AudioCache, metrics: Metrics):
+        self.settings, self.engine, self.cache, self.metrics = settings, engine, cache, metrics
 
     def plan(self, request: SynthesisRequest, degraded: bool) -> Plan:
         if not degraded:
@@ -234,7 +202,8 @@ class SpeechPipeline:
         self,
         plan: Plan,
         output: Output,
-        record: RequestRecord,
+        started: float,
+        on_end: StreamEnd,
         should_stop: Callable[[], bool] | None,
     ) -> SpeechStream:
         """Audio as it is decoded, in ``output.format`` (WAV with an open-ended header, PCM, or
@@ -248,7 +217,7 @@ class SpeechPipeline:
         cache_status = "HIT" if cached is not None else "MISS"
 
         def chunks() -> Iterator[bytes]:
-            status, parts, seconds = 200, [], 0.0
+            outcome, parts, seconds = None, [], 0.0
             try:
                 if cached is not None:
                     seconds = cached[1]
@@ -256,15 +225,15 @@ class SpeechPipeline:
                     yield writer.encode(cached[0]) + writer.finish()
                     return
                 self._count_served("MISS", 0.0)
-                yield from self._stream_run(run, writer, parts, record, should_stop)
+                yield from self._stream_run(run, writer, parts, started, should_stop)
                 seconds = sum(len(part) for part in parts) / 2 / rate
                 if _cacheable(plan, run.truncated):
                     self.cache.put(pcm_key, (b"".join(parts), seconds))
             except StreamBroken as broken:
-                status = self.status_of(broken.error)
+                outcome = broken.error
                 raise
             except GeneratorExit:  # the client went away while we were sending
-                status = 499
+                outcome = Cancelled("the client went away")
                 if run is not None:
                     run.cancel()
                     metrics.infer_total.labels(outcome="cancelled").inc()
@@ -274,15 +243,14 @@ class SpeechPipeline:
                     metrics.queue_depth.dec()
                     seconds = seconds or sum(len(part) for part in parts) / 2 / rate
                 metrics.audio_seconds.inc(seconds)
-                record.finish(status, seconds, cache_status)
-                speech.seconds, speech.status = seconds, status
+                speech.seconds = seconds
+                on_end(outcome, seconds, cache_status)
 
         def close_unsent() -> None:
             if run is not None:
                 run.cancel()
                 metrics.queue_depth.dec()
-            record.finish(499)
-            speech.status = 499
+            on_end(Cancelled("the client went away before the first byte"), 0.0, cache_status)
 
         speech = SpeechStream(
             chunks(),
@@ -298,7 +266,7 @@ class SpeechPipeline:
         run: Run,
         writer,
         parts: list[bytes],
-        record: RequestRecord,
+        started: float,
         should_stop: Callable[[], bool] | None,
     ) -> Iterator[bytes]:
         first = True
@@ -307,7 +275,7 @@ class SpeechPipeline:
                 pcm = to_pcm16(chunk)
                 parts.append(pcm)
                 if first:
-                    self.metrics.first_audio.observe(time.perf_counter() - record.started)
+                    self.metrics.first_audio.observe(time.perf_counter() - started)
                     first = False
                 data = writer.encode(pcm)
                 if data:  # an encoder may hold a chunk until it has a whole frame
@@ -320,7 +288,7 @@ class SpeechPipeline:
         if tail:
             yield tail
         self.metrics.infer_total.labels(outcome="ok").inc()
-        self.metrics.infer_duration.observe(time.perf_counter() - record.started)
+        self.metrics.infer_duration.observe(time.perf_counter() - started)
 
     # -- shared --------------------------------------------------------------------------------
 

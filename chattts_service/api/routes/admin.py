@@ -12,7 +12,7 @@ import logging
 from flask import Blueprint, current_app, jsonify, request
 
 from chattts_service.api import validation
-from chattts_service.api.errors import RETRY_AFTER_SECONDS, BadRequest, Forbidden, NotReady
+from chattts_service.api.errors import BadRequest, Forbidden, NotReady
 from chattts_service.inference.policy import PolicyError
 
 blueprint = Blueprint("admin", __name__)
@@ -24,9 +24,7 @@ def _policy():
     if not state.api_keys.enabled:
         raise Forbidden("the admin endpoint needs API keys (CHATTTS_API_KEYS); none are set")
     if not state.engine.loaded:
-        raise NotReady(
-            f"model is not ready ({state.phase})", headers={"Retry-After": RETRY_AFTER_SECONDS}
-        )
+        raise NotReady(f"model is not ready ({state.phase})")
     return state.engine.policy
 
 

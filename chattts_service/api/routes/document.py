@@ -5,7 +5,7 @@ from __future__ import annotations
 from flask import Blueprint, current_app, jsonify
 
 from chattts_service.api.openapi import document
-from chattts_service.services.voices import DEFAULT_VOICES
+from chattts_service.domain.voices import DEFAULT_VOICES
 
 blueprint = Blueprint("document", __name__)
 

@@ -18,7 +18,6 @@ from flask import Blueprint, current_app, jsonify, request
 
 from chattts_service.api import validation
 from chattts_service.api.errors import (
-    RETRY_AFTER_SECONDS,
     BadRequest,
     Conflict,
     NotFound,
@@ -29,7 +28,8 @@ from chattts_service.api.errors import (
     from_engine_error,
     from_voice_error,
 )
-from chattts_service.inference.types import EngineError, SpeakerSample
+from chattts_service.domain.voices import SpeakerSample, VoiceError
+from chattts_service.inference.types import EngineError
 from chattts_service.services import recordings
 from chattts_service.services.consents import (
     DEFAULT_PAGE,
@@ -46,7 +46,6 @@ from chattts_service.services.recordings import (
     MIN_CONSENT_SECONDS,
     MIN_SAMPLE_SECONDS,
 )
-from chattts_service.services.voices import UnknownVoice, VoiceError
 
 blueprint = Blueprint("voices", __name__)
 
@@ -60,9 +59,7 @@ CONSENT_FIELDS = {"recording", "name", "language"}
 def _state():
     state = current_app.extensions["chattts"]
     if state.engine.voices is None:
-        raise NotReady(
-            f"model is not ready ({state.phase})", headers={"Retry-After": RETRY_AFTER_SECONDS}
-        )
+        raise NotReady(f"model is not ready ({state.phase})")
     return state
 
 
@@ -110,10 +107,8 @@ def _register_voice():
         voice = store.register(
             body.get("name"), body.get("embedding"), replace=replace, voice=source
         )
-    except UnknownVoice as error:  # the voice to store does not exist: as in a speech request
-        raise BadRequest(str(error)) from None
-    except VoiceError as error:
-        raise from_voice_error(error) from None
+    except VoiceError as error:  # a voice to copy that does not exist: as in a speech request
+        raise from_voice_error(error, in_field=True) from None
     response = jsonify(voice.describe())
     response.status_code = 201
     return response

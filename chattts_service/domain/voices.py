@@ -31,7 +31,6 @@ from pathlib import Path
 
 import numpy as np
 
-from chattts_service.inference.types import SpeakerSample
 from chattts_service.runtime.files import replace_atomically
 
 NAME = re.compile(r"^[a-z0-9][a-z0-9_-]{0,63}$")
@@ -60,6 +59,18 @@ MAX_SEED = 2**31 - 1
 MAX_BLEND_PARTS = 8
 # one part of a blend: a voice, then optionally its weight in parentheses (0 to 9999.999999)
 BLEND_PART = re.compile(r"^([a-z0-9][a-z0-9_:-]{0,63})(?:\((\d{1,4}(?:\.\d{1,6})?|\.\d{1,6})\))?$")
+
+
+@dataclass(frozen=True)
+class SpeakerSample:
+    """A voice made from a recording: ChatTTS's speaker prompt (``spk_smp``), the DVAE's codes
+    of the recording ``[num_vq, frames]``, and the words spoken in it (``txt_smp``; "" when
+    not given). The prompt puts the transcript before the text and the codes after it."""
+
+    codes: object = field(repr=False)  # int32 torch tensor
+    transcript: str = ""
+    # upstream's long-text mode speaks with both: the voice's embedding and its first segment
+    embedding: object = field(default=None, repr=False)
 
 
 class VoiceError(ValueError):
@@ -164,9 +175,19 @@ def _sample_digest(sample: SpeakerSample) -> str:
 class VoiceStore:
     """Resolves voice names; ``sampler(seed)`` draws a seed's voice from the loaded model."""
 
-    def __init__(self, directory: Path, dim: int, sampler, limit: int | None = None):
+    def __init__(
+        self,
+        directory: Path,
+        dim: int,
+        sampler,
+        limit: int | None = None,
+        decode_sample=None,
+    ):
+        """``decode_sample(text)``: a recording's codes from the string a voice file keeps
+        (ChatTTS's ``Speaker.decode_prompt``; given by the engine that loaded ChatTTS)."""
         self.directory = Path(directory)
         self.dim = dim
+        self._decode_sample = decode_sample
         self.limit = limit  # how many voices may be stored (None: no bound)
         self._sampler = sampler
         self._lock = threading.Lock()
@@ -271,7 +292,7 @@ class VoiceStore:
         try:
             record = json.loads(path.read_text(encoding="utf-8"))
             if "sample" in record:
-                voice = _sampled(name, record)
+                voice = self._sampled(name, record)
             else:
                 embedding = decode_embedding(record["embedding"], self.dim)
                 voice = Voice(name, embedding, _digest(embedding))
@@ -408,19 +429,19 @@ class VoiceStore:
         if isinstance(record, dict) and VOICE_ID.match(str(record.get("id", ""))):
             (self.directory / "ids" / record["id"]).unlink(missing_ok=True)
 
+    def _sampled(self, name: str, record: dict) -> Voice:
+        if self._decode_sample is None:
+            raise VoiceError(f"voice {name!r} is made from a recording; none can be read here")
+        codes = self._decode_sample(record["sample"])
+        sample = SpeakerSample(codes, record.get("transcript") or "")
+        return Voice(
+            name,
+            None,
+            _sample_digest(sample),
+            sample=sample,
+            id=record["id"],
+            created_at=int(record.get("created_at", 0)),
+        )
+
     def _path(self, name: str) -> Path:
         return self.directory / f"{name}.json"
-
-
-def _sampled(name: str, record: dict) -> Voice:
-    from chattts_service.inference.sample_encoder import decode_prompt
-
-    sample = SpeakerSample(decode_prompt(record["sample"]), record.get("transcript") or "")
-    return Voice(
-        name,
-        None,
-        _sample_digest(sample),
-        sample=sample,
-        id=record["id"],
-        created_at=int(record.get("created_at", 0)),
-    )
