@@ -93,10 +93,6 @@ def encode(audio: np.ndarray, sample_rate: int, audio_format: str) -> bytes:
     return buffer.getvalue()
 
 
-def silence(seconds: float, sample_rate: int) -> np.ndarray:
-    return np.zeros(int(round(seconds * sample_rate)), dtype=np.float32)
-
-
 class _Sink:
     """Where the muxer writes: not seekable, so it never goes back over bytes already sent."""
 
