@@ -271,6 +271,29 @@ def test_a_library_of_another_interface_is_refused_at_load(tmp_path):
         cpp_kernels.Kernels(path)
 
 
+def test_two_fields_of_one_type_swapped_are_refused_at_load(tmp_path):
+    """The same size, the same version: only the fields' offsets tell the structs apart."""
+    flags = kernel_build.FLAGS + ("-DCHATTS_TEST_SWAPPED_FIELDS",)
+    path = kernel_build.build(kernel_build.library_path(str(tmp_path), flags), flags)
+    with pytest.raises(abi.AbiMismatch, match=r"RmsNormArgs's field 0 is rows:8:q .* rows:0:q"):
+        cpp_kernels.Kernels(path)
+
+
+def test_every_struct_is_mirrored_field_by_field(kernel):
+    """What the load checks, shown: the library's own offsetof for every field of every struct
+    is what ctypes lays out (nested structs by name, each checked on its own)."""
+    for kind, struct in abi.STRUCTS.items():
+        reported = kernel.library.chatts_args_layout(kind).decode().split(",")
+        assert reported == abi.layout(struct), struct.__name__
+    assert kernel.library.chatts_args_layout(len(abi.STRUCTS)) is None
+
+
+def test_the_librarys_name_does_not_depend_on_the_serving_compiler(monkeypatch, tmp_path):
+    built_with = kernel_build.library_path(str(tmp_path))
+    monkeypatch.setenv("CXX", "another-compiler")
+    assert kernel_build.library_path(str(tmp_path)) == built_with
+
+
 def test_read_folds_every_byte_of_every_buffer(kernel):
     """The benchmarks' floor is a loop that only reads the weights: it must read each byte of
     every buffer (of any length, any prefetch), which its fold of them shows."""

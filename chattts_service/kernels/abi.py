@@ -1,15 +1,17 @@
 """The kernels' C interface as ctypes sees it: a mirror of ``csrc/kernels.h``.
 
-Each kernel takes one argument struct. ``check`` compares the library's ABI version and each
-struct's size with these, so a library built from other sources is refused at load instead of
-reading the wrong memory.
+Each kernel takes one argument struct. ``declare`` compares the library's ABI version and every
+struct, field by field (name, offset and type, which the library reports from the compiler's
+own ``offsetof``), with these, so a library built from other sources is refused at load, with
+the first field that differs, instead of reading the wrong memory: two fields of one type
+swapped have the same size and would pass a size check.
 """
 
 from __future__ import annotations
 
 import ctypes
 
-ABI_VERSION = 5
+ABI_VERSION = 6
 
 _i64, _i32, _f32, _ptr = ctypes.c_int64, ctypes.c_int32, ctypes.c_float, ctypes.c_void_p
 
@@ -205,7 +207,11 @@ STRUCTS = {
     5: LayerWeights,
     6: Int4LinearArgs,
     7: ReadArgs,
+    8: Tuning,
+    9: LinearWeights,
 }
+# the library's type codes (chatts_args_layout) for these bindings' field types
+_TYPE_CODES = {_i64: "q", _i32: "i", ctypes.c_uint64: "Q", _f32: "f", _ptr: "P"}
 
 
 class AbiMismatch(RuntimeError):
@@ -218,6 +224,8 @@ def declare(library: ctypes.CDLL) -> None:
     library.chatts_abi_version.argtypes = []
     library.chatts_args_size.restype = _i64
     library.chatts_args_size.argtypes = [_i32]
+    library.chatts_args_layout.restype = ctypes.c_char_p
+    library.chatts_args_layout.argtypes = [_i32]
     library.chatts_status_message.restype = ctypes.c_char_p
     library.chatts_status_message.argtypes = [_i32]
     for name, struct, result in (
@@ -246,6 +254,26 @@ def declare(library: ctypes.CDLL) -> None:
                 f"{struct.__name__} is {size} bytes in the kernel library and "
                 f"{ctypes.sizeof(struct)} in the bindings"
             )
+        theirs = (library.chatts_args_layout(kind) or b"").decode().split(",")
+        ours = layout(struct)
+        for index in range(max(len(theirs), len(ours))):
+            library_field = theirs[index] if index < len(theirs) else "nothing"
+            binding_field = ours[index] if index < len(ours) else "nothing"
+            if library_field != binding_field:
+                raise AbiMismatch(
+                    f"{struct.__name__}'s field {index} is {library_field} (name:offset:type) "
+                    f"in the kernel library and {binding_field} in the bindings: rebuild the "
+                    "library from these sources (python -m chattts_service.kernels.build)"
+                )
+
+
+def layout(struct) -> list[str]:
+    """A struct's fields as the library reports its own: ``name:offset:type``."""
+    fields = []
+    for name, field_type in struct._fields_:
+        code = _TYPE_CODES.get(field_type) or field_type.__name__  # a nested struct: its name
+        fields.append(f"{name}:{getattr(struct, name).offset}:{code}")
+    return fields
 
 
 def status_message(library: ctypes.CDLL, status: int) -> str:

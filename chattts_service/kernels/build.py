@@ -3,8 +3,10 @@
 ``python -m chattts_service.kernels.build`` compiles ``csrc/kernels.cpp`` (which includes one
 file per kernel) into ``CHATTTS_KERNEL_DIR`` (default: ``_build`` beside this file) and prints
 the library's path. The image runs it at build time, ``script/setup`` and ``script/test`` run it
-for a checkout. The library's file name holds a digest of the sources, the flags and the
-compiler, so a stale library is never loaded: the server finds none and says how to build it.
+for a checkout. The library's file name holds a digest of what it is built from, the sources
+and the flags, so a stale library is never loaded (the server finds none and says how to
+build it); not of the compiler: a server whose ``CXX`` differs from the build's still finds
+the library it was shipped, and the load checks every struct's layout against the bindings.
 
 Plain C++ with OpenMP and no torch headers: a compile takes a few seconds, and the library runs
 on torch's own OpenMP runtime (the same ``libgomp.so.1``, already loaded by torch). Built for
@@ -47,13 +49,12 @@ def compiler() -> str:
 
 
 def library_path(directory: str = "", flags: tuple[str, ...] = FLAGS) -> Path:
-    """The library's path, named by what it is built from: every source, flags, compiler."""
+    """The library's path, named by what it is built from: every source, and the flags."""
     digest = hashlib.sha256()
     for source in sorted(SOURCES.iterdir()):
         if source.suffix in (".cpp", ".h"):
             digest.update(source.name.encode() + b"\0" + source.read_bytes())
     digest.update(" ".join(flags).encode())
-    digest.update(compiler().encode())
     return kernel_dir(directory) / f"kernels-{digest.hexdigest()[:16]}.so"
 
 

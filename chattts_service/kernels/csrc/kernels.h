@@ -1,14 +1,15 @@
 // The C interface of the decode loop's kernels: what Python's ctypes bindings
 // (chattts_service/kernels/bindings.py) mirror. Each kernel takes one argument struct, so the
 // two sides agree on names and types, not on the position of twenty arguments; the bindings
-// check CHATTS_ABI_VERSION and every struct's size when they load the library, so a library
+// check CHATTS_ABI_VERSION and every struct's fields (name, offset and type, as
+// chatts_args_layout reports them from offsetof) when they load the library, so a library
 // built from other sources fails loudly instead of reading the wrong memory.
 #pragma once
 
 #include <cstdint>
 
 #ifndef CHATTS_ABI_VERSION  // a test builds a library of another version to see it refused
-#define CHATTS_ABI_VERSION 5
+#define CHATTS_ABI_VERSION 6
 #endif
 
 // What a kernel returns. chatts_status_message() gives each one's text.
@@ -61,7 +62,11 @@ struct ChattsAttentionArgs {
 };
 
 struct ChattsRmsNormArgs {
+#ifdef CHATTS_TEST_SWAPPED_FIELDS  // a test builds a library whose two fields trade places
+    int64_t width, rows;
+#else
     int64_t rows, width;
+#endif
     const float* x;
     int64_t x_row_stride;
     const float* gain;               // or NULL: only divide by the largest magnitude
@@ -187,7 +192,7 @@ struct ChattsReadArgs {
     uint64_t checksum;               // out: the bytes folded together
 };
 
-// Argument structs by number, for chatts_args_size.
+// Argument structs by number, for chatts_args_size and chatts_args_layout.
 enum ChattsArgsKind : int32_t {
     CHATTS_ARGS_ATTENTION = 0,
     CHATTS_ARGS_RMS_NORM = 1,
@@ -197,11 +202,16 @@ enum ChattsArgsKind : int32_t {
     CHATTS_ARGS_LAYER_WEIGHTS = 5,
     CHATTS_ARGS_INT4_LINEAR = 6,
     CHATTS_ARGS_READ = 7,
+    CHATTS_ARGS_TUNING = 8,
+    CHATTS_ARGS_LINEAR_WEIGHTS = 9,
 };
 
 extern "C" {
 int32_t chatts_abi_version();
 int64_t chatts_args_size(int32_t kind);  // sizeof the struct, or -1 for an unknown kind
+// the struct's fields in order, "name:offset:type" joined by ",", types q (int64), i (int32),
+// Q (uint64), f (float), P (any pointer) or a nested struct's name; NULL for an unknown kind
+const char* chatts_args_layout(int32_t kind);
 const char* chatts_status_message(int32_t status);
 int32_t chatts_decode_attention(const ChattsAttentionArgs* args);
 void chatts_rms_norm_unit_rows(const ChattsRmsNormArgs* args);
