@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from chattts_service.inference.quantize import KernelInt8Linear, PackedInt8Linear, fbgemm_available
+from chattts_service.inference.quantize import KernelLinear, PackedInt8Linear, fbgemm_available
 from chattts_service.inference.transformer import KVCache, _rotate_half, quantize_vectors
 from chattts_service.kernels import abi
 from chattts_service.kernels import bindings as cpp_kernels
@@ -350,7 +350,7 @@ def test_fused_norm_then_int8_equals_norm_then_int8(kernel, layer):
     linear = (
         PackedInt8Linear(weight, kernel)
         if layer == "fbgemm"
-        else KernelInt8Linear(weight, kernel, layer)
+        else KernelLinear.int8(weight, kernel, layer)
     )
     gain = torch.rand(96) + 0.5
     for x in (torch.randn(1, 1, 96), torch.randn(3, 2, 96)):

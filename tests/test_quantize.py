@@ -5,7 +5,7 @@ import torch
 
 from chattts_service.inference.quantize import (
     FloatLinear,
-    KernelInt8Linear,
+    KernelLinear,
     MatmulInt8Linear,
     PackedInt8Linear,
     activation_levels,
@@ -29,11 +29,11 @@ INSTRUCTIONS = [pytest.param("vnni", marks=needs_vnni), pytest.param("avx2", mar
 
 
 def _vnni(weight):
-    return KernelInt8Linear(weight, CPP, "vnni")
+    return KernelLinear.int8(weight, CPP, "vnni")
 
 
 def _avx2(weight):
-    return KernelInt8Linear(weight, CPP, "avx2")
+    return KernelLinear.int8(weight, CPP, "avx2")
 
 
 KERNELS = [
@@ -106,7 +106,7 @@ def test_kernel_and_fbgemm_products_give_the_same_bits(shape, instructions):
     weight = torch.randn(*shape) * 0.02
     levels = INT8_INSTRUCTIONS[instructions][1]
     fbgemm = PackedInt8Linear(weight, CPP, levels=levels)
-    ours = KernelInt8Linear(weight, CPP, instructions)
+    ours = KernelLinear.int8(weight, CPP, instructions)
     x = torch.randn(20, shape[1]) * torch.logspace(-2, 2, 20)[:, None]
     gain = torch.rand(shape[1]) + 0.5
     batch, batch_normed = ours(x), ours.normed(x, gain, 1e-5)
@@ -128,7 +128,7 @@ def test_kernel_residual_and_swiglu_in_the_same_call(instructions):
     torch's silu(gate) * up within rounding; and a row stays the same alone or in a batch."""
     torch.manual_seed(8)
     weight = torch.randn(40, 96) * 0.05
-    linear = KernelInt8Linear(weight, CPP, instructions)
+    linear = KernelLinear.int8(weight, CPP, instructions)
     x = torch.randn(9, 1, 96) * torch.logspace(-2, 2, 9)[:, None, None]
     residual = torch.randn(9, 1, 40)
     assert torch.equal(linear(x, residual=residual), residual + linear(x))

@@ -24,7 +24,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from chattts_service.inference.quantize import KernelInt8Linear, make_linear
+from chattts_service.inference.quantize import KernelLinear, make_linear
 from chattts_service.inference.transformer import Transformer, rounded_positions
 from chattts_service.inference.types import Sampling
 
@@ -379,7 +379,8 @@ class Batch:
         if (
             self.transformer.decode_layers is None
             or self.heads.kernels is None
-            or not isinstance(head, KernelInt8Linear)
+            or not isinstance(head, KernelLinear)
+            or head.kernel == "int4"
             or any(sequence.kind != "code" for sequence in self.active)
         ):
             return None

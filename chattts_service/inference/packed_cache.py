@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from chattts_service.inference.quantize import KernelInt4Linear, KernelInt8Linear
+from chattts_service.inference.quantize import KernelLinear
 from chattts_service.kernels.abi import ABI_VERSION
 from chattts_service.kernels.int4 import Int4Packing
 from chattts_service.kernels.int8 import Int8Packing
@@ -43,7 +43,7 @@ def model_key(gpt_dir: Path) -> str:
     return identity_key({"packing": PACKING_VERSION, "abi": ABI_VERSION, "files": listing(gpt_dir)})
 
 
-LINEAR_KINDS = {"int8": KernelInt8Linear, "int4": KernelInt4Linear}
+LINEAR_KINDS = ("int8", "int4")  # the packings the kernels' KernelLinear multiplies
 
 
 class PackedCache:
@@ -108,7 +108,7 @@ class PackedCache:
                 parts["in_features"],
                 parts["group"],
             )
-            return KernelInt4Linear.from_packing(packing, kernels)
+            return KernelLinear(packing, kernels)
         if parts["instructions"] != kernels.int8_instructions:
             raise ValueError(f"it holds the {parts['instructions']} packing")
         packing = Int8Packing.from_parts(
@@ -119,13 +119,13 @@ class PackedCache:
             parts["in_features"],
             parts["instructions"],
         )
-        return KernelInt8Linear.from_packing(packing, kernels)
+        return KernelLinear(packing, kernels)
 
     def save(self, transformer) -> Path | None:
         """Write the transformer's packed layers (only when every linear is the kernels');
         None when there is nothing to keep or the directory cannot be written."""
         if transformer.kernels is None or not all(
-            isinstance(getattr(layer, name), LINEAR_KINDS[self.quantization])
+            _is_kernel_linear(getattr(layer, name), self.quantization)
             for layer in transformer.layers
             for name in LINEARS
         ):
@@ -180,3 +180,10 @@ def _parts(packing: Int8Packing | Int4Packing) -> dict:
         "in_features": packing.in_features,
         "instructions": packing.instructions,
     }
+
+
+def _is_kernel_linear(linear, quantization: str) -> bool:
+    """A layer the kernels multiply, in the cache's quantization."""
+    return isinstance(linear, KernelLinear) and (linear.kernel == "int4") == (
+        quantization == "int4"
+    )

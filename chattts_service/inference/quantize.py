@@ -5,9 +5,10 @@ Weights: int8 with one scale per output channel. Activations: int8 with one scal
 for the whole batch instead: a quiet row next to a loud one loses precision, and its result
 changes with its neighbours.
 
-Three kernels, all exact in their integer sums whatever the batch size:
+Three kernels, all exact in their integer sums whatever the batch size (every layer, int4 and
+fp32 ones too, is a ``Linear``):
 
-- ``KernelInt8Linear`` (x86 with the C++ ``kernels``, which need AVX2): the kernels' own
+- ``KernelLinear`` (x86 with the C++ ``kernels``, which need AVX2): the kernels' own
   product, with the RMSNorm, the activations' quantization, SwiGLU and the residual in the
   same call, faster than fbgemm at every row count measured (docs/benchmarks.md). With
   AVX512-VNNI it takes 8-bit activations; on AVX2 alone 7-bit ones, as fbgemm does there.
@@ -27,13 +28,35 @@ holds them to it).
 from __future__ import annotations
 
 import warnings
+from functools import partial
+from typing import Protocol
 
 import torch
+import torch.nn.functional as F
 
 from chattts_service.config import QUANTIZATIONS
 from chattts_service.kernels import int4
 from chattts_service.kernels.int8 import Int8Packing
 from chattts_service.runtime.cpu import cpu_flags
+
+
+class Linear(Protocol):
+    """What the hot path asks of a linear layer, whichever kernel multiplies."""
+
+    kernel: str  # vnni, avx2, int4, fbgemm, int_mm or fp32
+    rows_independent: bool  # a row's result never depends on the batch's other rows
+    fused_norm: bool  # ``normed`` does the RMSNorm in the product's own call
+    out_features: int
+    in_features: int
+
+    @property
+    def nbytes(self) -> int: ...
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor: ...
+
+    def normed(self, x: torch.Tensor, gain: torch.Tensor, eps: float) -> torch.Tensor:
+        """``self(rms_norm(x, gain, eps))``."""
+        ...
 
 
 def _absmax_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -85,6 +108,7 @@ class PackedInt8Linear:
         levels = levels or activation_levels()
         self.input_scale, self.input_zero_point = 1.0 / levels, levels + 1
         self.kernels = kernels
+        self.fused_norm = kernels is not None  # the kernels' norm scales the rows
 
     @property
     def nbytes(self) -> int:
@@ -95,8 +119,10 @@ class PackedInt8Linear:
         return self._product(rows / row_max, row_max, x.shape[:-1])
 
     def normed(self, x: torch.Tensor, gain: torch.Tensor, eps: float) -> torch.Tensor:
-        """``self(rms_norm(x, gain, eps))`` with the norm fused into the row scaling by the
-        C++ kernels (which this layer must have been given)."""
+        """``self(rms_norm(x, gain, eps))``: with the C++ kernels, the norm fused into the
+        row scaling."""
+        if self.kernels is None:
+            return self(_rms_norm(x, gain, eps))
         unit, row_max = self.kernels.rms_norm_unit_rows(x, gain, eps)
         return self._product(unit, row_max, x.shape[:-1])
 
@@ -110,30 +136,45 @@ class PackedInt8Linear:
         return out.mul_(row_max).reshape(*leading, self.out_features)
 
 
-class KernelInt8Linear:
-    """``y = x @ W.T`` with the C++ kernels' int8 product: one call per layer that norms
-    (optionally), quantizes each row and multiplies, so a decode step's small products pay no
-    per-operator overhead. Weights quantized as ``PackedInt8Linear`` quantizes them; the
-    product's variant is the kernels' (``instructions``: "vnni" or "avx2"), unless given."""
+class KernelLinear:
+    """``y = x @ W.T`` with one of the C++ kernels' products: one call per layer that norms
+    (optionally), quantizes each row and multiplies, with SwiGLU and the residual in the same
+    call, so a decode step's small products pay no per-operator overhead. The product is the
+    packing's: int8 (``Int8Packing``: weights quantized as ``PackedInt8Linear`` quantizes
+    them, on the kernels' "vnni" or "avx2" instructions) or the opt-in int4
+    (``kernels/int4.py``: 4-bit weights with a scale per group of inputs). Build one with
+    ``int8`` or ``int4``, or with a packing made earlier (the packed cache)."""
 
     rows_independent = True  # exact integer sums, each row's own epilogue
+    fused_norm = True
 
-    def __init__(self, weight: torch.Tensor, kernels, instructions: str | None = None):
-        self.kernel = instructions or kernels.int8_instructions
-        quantized = _quantized_tensor(weight.detach().float())
-        self.packing = Int8Packing(
-            quantized.int_repr(), quantized.q_per_channel_scales(), self.kernel
-        )
-        self.out_features, self.in_features = self.packing.out_features, self.packing.in_features
-        self.kernels = kernels
+    def __init__(self, packing: Int8Packing | int4.Int4Packing, kernels):
+        self.packing, self.kernels = packing, kernels
+        self.out_features, self.in_features = packing.out_features, packing.in_features
+        if isinstance(packing, int4.Int4Packing):
+            self.kernel = "int4"
+            self._product = partial(int4.int4_linear, kernels)
+        else:
+            self.kernel = packing.instructions
+            self._product = kernels.int8_linear
 
     @classmethod
-    def from_packing(cls, packing: Int8Packing, kernels) -> KernelInt8Linear:
-        """A layer over weights packed earlier (the packed cache)."""
-        linear = cls.__new__(cls)
-        linear.kernel, linear.packing, linear.kernels = packing.instructions, packing, kernels
-        linear.out_features, linear.in_features = packing.out_features, packing.in_features
-        return linear
+    def int8(cls, weight: torch.Tensor, kernels, instructions: str | None = None) -> KernelLinear:
+        """On the kernels' int8 instructions, unless ``instructions`` names others."""
+        quantized = _quantized_tensor(weight.detach().float())
+        packing = Int8Packing(
+            quantized.int_repr(),
+            quantized.q_per_channel_scales(),
+            instructions or kernels.int8_instructions,
+        )
+        return cls(packing, kernels)
+
+    @classmethod
+    def int4(cls, weight: torch.Tensor, kernels) -> KernelLinear:
+        group = next((g for g in (int4.GROUP, 32, 16, 8) if weight.shape[1] % g == 0), None)
+        if group is None:
+            raise ValueError(f"int4 needs in_features divisible by 8, not {weight.shape[1]}")
+        return cls(int4.Int4Packing(weight, group), kernels)
 
     @property
     def nbytes(self) -> int:
@@ -141,62 +182,17 @@ class KernelInt8Linear:
 
     def __call__(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
         """``x @ W.T``, plus ``residual`` (added in the same call) if given."""
-        return self.kernels.int8_linear(x, self.packing, residual=residual).reshape(
-            *x.shape[:-1], self.out_features
-        )
+        out = self._product(x, self.packing, residual=residual)
+        return out.reshape(*x.shape[:-1], self.out_features)
 
     def normed(self, x: torch.Tensor, gain: torch.Tensor, eps: float) -> torch.Tensor:
         """``self(rms_norm(x, gain, eps))``, the norm done in the same call."""
-        return self.kernels.int8_linear(x, self.packing, gain, eps).reshape(
-            *x.shape[:-1], self.out_features
-        )
+        return self._product(x, self.packing, gain, eps).reshape(*x.shape[:-1], self.out_features)
 
     def swiglu(self, gate_up: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
         """``residual + self(silu(gate) * up)`` for ``gate, up = gate_up.chunk(2, -1)``, in
         one call (the MLP's down projection)."""
-        return self.kernels.int8_linear(
-            gate_up, self.packing, residual=residual, swiglu=True
-        ).reshape(*gate_up.shape[:-1], self.out_features)
-
-
-class KernelInt4Linear:
-    """``y = x @ W.T`` with the C++ kernels' int4 product (``kernels/int4.py``, opt-in): the
-    same calls as ``KernelInt8Linear`` (norm, SwiGLU and residual fused), on 4-bit weights
-    with a scale per group of inputs."""
-
-    kernel = "int4"
-    rows_independent = True
-
-    def __init__(self, weight: torch.Tensor, kernels):
-        group = next((g for g in (int4.GROUP, 32, 16, 8) if weight.shape[1] % g == 0), None)
-        if group is None:
-            raise ValueError(f"int4 needs in_features divisible by 8, not {weight.shape[1]}")
-        self.packing = int4.Int4Packing(weight, group)
-        self.out_features, self.in_features = self.packing.out_features, self.packing.in_features
-        self.kernels = kernels
-
-    @classmethod
-    def from_packing(cls, packing: int4.Int4Packing, kernels) -> KernelInt4Linear:
-        """A layer over weights packed earlier (the packed cache)."""
-        linear = cls.__new__(cls)
-        linear.packing, linear.kernels = packing, kernels
-        linear.out_features, linear.in_features = packing.out_features, packing.in_features
-        return linear
-
-    @property
-    def nbytes(self) -> int:
-        return self.packing.nbytes
-
-    def __call__(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
-        out = int4.int4_linear(self.kernels, x, self.packing, residual=residual)
-        return out.reshape(*x.shape[:-1], self.out_features)
-
-    def normed(self, x: torch.Tensor, gain: torch.Tensor, eps: float) -> torch.Tensor:
-        out = int4.int4_linear(self.kernels, x, self.packing, gain, eps)
-        return out.reshape(*x.shape[:-1], self.out_features)
-
-    def swiglu(self, gate_up: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
-        out = int4.int4_linear(self.kernels, gate_up, self.packing, residual=residual, swiglu=True)
+        out = self._product(gate_up, self.packing, residual=residual, swiglu=True)
         return out.reshape(*gate_up.shape[:-1], self.out_features)
 
 
@@ -205,6 +201,7 @@ class MatmulInt8Linear:
 
     kernel = "int_mm"
     rows_independent = True
+    fused_norm = False
 
     def __init__(self, weight: torch.Tensor):
         weight = weight.detach().float()
@@ -227,12 +224,16 @@ class MatmulInt8Linear:
         out = accumulated.float().mul_(row_scale).mul_(self.scale)
         return out.reshape(*x.shape[:-1], self.out_features)
 
+    def normed(self, x: torch.Tensor, gain: torch.Tensor, eps: float) -> torch.Tensor:
+        return self(_rms_norm(x, gain, eps))
+
 
 class FloatLinear:
     """The fp32 reference with the same interface."""
 
     kernel = "fp32"
     rows_independent = False  # the GEMM's blocking, so its rounding, can follow the row count
+    fused_norm = False
 
     def __init__(self, weight: torch.Tensor):
         self.weight = weight.detach().float().contiguous()
@@ -245,18 +246,26 @@ class FloatLinear:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         return torch.nn.functional.linear(x, self.weight)
 
+    def normed(self, x: torch.Tensor, gain: torch.Tensor, eps: float) -> torch.Tensor:
+        return self(_rms_norm(x, gain, eps))
 
-def make_linear(weight: torch.Tensor, quantization: str, kernels=None):
+
+def _rms_norm(x: torch.Tensor, gain: torch.Tensor, eps: float) -> torch.Tensor:
+    """The transformer's RMSNorm (one fused operator), for layers without a fused one."""
+    return F.rms_norm(x, tuple(gain.shape), gain, eps)
+
+
+def make_linear(weight: torch.Tensor, quantization: str, kernels=None) -> Linear:
     """The linear layer for ``quantization``. int8: the C++ ``kernels``' product where they
     are loaded, else fbgemm, else ``_int_mm`` (no fbgemm: ARM). int4: the kernels' only."""
     if quantization == "int8":
         if kernels is not None and weight.shape[1] % 4 == 0:
-            return KernelInt8Linear(weight, kernels)
+            return KernelLinear.int8(weight, kernels)
         return PackedInt8Linear(weight, kernels) if fbgemm_available() else MatmulInt8Linear(weight)
     if quantization == "int4":
         if kernels is None:
             raise ValueError("CHATTTS_QUANTIZE=int4 needs the C++ kernels (CHATTTS_KERNELS)")
-        return KernelInt4Linear(weight, kernels)
+        return KernelLinear.int4(weight, kernels)
     if quantization == "none":
         return FloatLinear(weight)
     raise ValueError(f"quantization must be one of {QUANTIZATIONS}, not {quantization!r}")

@@ -22,13 +22,12 @@ import torch.nn.functional as F
 
 from chattts_service.config import KV_CACHE_DTYPES
 from chattts_service.inference.gpt_weights import GptWeights, rotary_table
-from chattts_service.inference.quantize import KernelInt4Linear, KernelInt8Linear, make_linear
+from chattts_service.inference.quantize import KernelLinear, Linear, make_linear
 from chattts_service.kernels import bindings as cpp_kernels
 from chattts_service.kernels.layers import DecodeLayers
 
 CAPACITY_CHUNK = 256
 CACHE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "int8": torch.int8}
-KERNEL_LINEARS = (KernelInt8Linear, KernelInt4Linear)  # the C++ kernels' own products
 PREFIX_ENTRIES = 64  # prompt beginnings whose keys and values are kept (~0.2 MB each, full size)
 
 
@@ -61,7 +60,7 @@ class Layer:
         self.qkv, self.out, self.gate_up, self.down = qkv, out, gate_up, down
         # the C++ int8 layers add the residual and do SwiGLU in their own call
         self.fused_epilogue = all(
-            isinstance(linear, KERNEL_LINEARS) for linear in (self.out, self.down)
+            isinstance(linear, KernelLinear) for linear in (self.out, self.down)
         )
         self.attention_norm, self.mlp_norm = attention_norm, mlp_norm
 
@@ -288,7 +287,7 @@ class Transformer:
             linear.packing
             for layer in self.layers
             for linear in (layer.qkv, layer.out, layer.gate_up, layer.down)
-            if isinstance(linear, KERNEL_LINEARS)
+            if isinstance(linear, KernelLinear)
         ]
 
     def _gather_layers(self) -> DecodeLayers | None:
@@ -297,7 +296,7 @@ class Transformer:
         linears = [(layer.qkv, layer.out, layer.gate_up, layer.down) for layer in self.layers]
         norms = [(layer.attention_norm, layer.mlp_norm) for layer in self.layers]
         if self.kernels is None or not all(
-            isinstance(linear, KERNEL_LINEARS) for group in linears for linear in group
+            isinstance(linear, KernelLinear) for group in linears for linear in group
         ):
             return None
         if len({norm.eps for pair in norms for norm in pair} | {self.norm.eps}) != 1:
@@ -344,9 +343,9 @@ class Transformer:
         """What multiplies the linear layers: vnni, avx2, int4, fbgemm, int_mm or fp32."""
         return self.layers[0].qkv.kernel
 
-    def _normed(self, norm: RMSNorm, linear, x: torch.Tensor) -> torch.Tensor:
-        """``linear(norm(x))``, the norm fused into the int8 kernel's row scaling if possible."""
-        if self.kernels is not None and hasattr(linear, "normed"):
+    def _normed(self, norm: RMSNorm, linear: Linear, x: torch.Tensor) -> torch.Tensor:
+        """``linear(norm(x))``, the norm fused into the product's call where it can be."""
+        if linear.fused_norm:
             return linear.normed(x, norm.weight, norm.eps)
         return linear(norm(x))
 

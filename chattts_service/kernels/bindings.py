@@ -11,7 +11,7 @@
 - The int8 linear layers: one call per projection that RMSNorms (where the layer has a norm
   before it) or forms SwiGLU's silu(gate) * up (the MLP's down projection), quantizes each
   row, multiplies by the int8 weights (``int8.Int8Packing``), exact in its integer sums, and adds
-  the residual (see ``quantize.KernelInt8Linear``). The product uses AVX512-VNNI where the CPU
+  the residual (see ``quantize.KernelLinear``). The product uses AVX512-VNNI where the CPU
   has it, else AVX2 (with 7-bit activations, as fbgemm uses on such CPUs).
 - Sampling: ChatTTS's rules and the inverse-CDF draw for every row of a step in one call
   (``generation.sample_with_kernels``).
@@ -72,7 +72,7 @@ class Kernels:
         # how the int8 product prefetches its weights; kernels/tuning.py sets what suits the CPU
         self.tuning = abi.Tuning(prefetch_groups=16, prefetch_hint=0, pair_blocks_from=9)
 
-    def _check(self, status: int, product: str = "") -> None:
+    def check(self, status: int, product: str = "") -> None:
         """Raise the library's own message for a kernel that refused its arguments."""
         if status:
             message = abi.status_message(self.library, status)
@@ -106,7 +106,7 @@ class Kernels:
         if rotary is not None:
             rows.check_positions(check_rotary(rotary, dim))
             cos, sin = (table.data_ptr() for table in rotary)
-        self._check(
+        self.check(
             self.library.chatts_decode_attention(
                 ctypes.byref(
                     abi.AttentionArgs(
@@ -189,7 +189,7 @@ class Kernels:
     ) -> torch.Tensor:
         """[count, packing.out_features] float32: the rows of ``x`` [..., in_features]
         (RMSNorm-ed first with ``gain``) quantized per row and multiplied by the int8 weights
-        that ``packing`` holds (``quantize.KernelInt8Linear`` makes it); plus ``residual``
+        that ``packing`` holds (``quantize.KernelLinear`` makes it); plus ``residual``
         [..., out_features] if given. With ``swiglu``, rows of ``x`` hold 2 * in_features
         values, gate then up, and ``silu(gate) * up`` is multiplied."""
         rows, residual = linear_rows(x, packing, gain, residual, swiglu)
@@ -197,7 +197,7 @@ class Kernels:
         out = torch.empty(count, packing.out_features)
         packed, offsets, weight_scale = packing.pointers
         product = INT8_INSTRUCTIONS[packing.instructions][0]
-        self._check(
+        self.check(
             self.library.chatts_int8_linear(
                 ctypes.byref(
                     abi.Int8LinearArgs(
@@ -244,7 +244,7 @@ class Kernels:
         [rows, width, window] recent tokens (``vocabulary`` = none); ``banned`` [rows] a token
         to forbid or -1; ``uniforms`` [rows, width] in [0, 1)."""
         draw = SampleCall(logits, parameters, top_k, min_keep, windows, banned, uniforms)
-        self._check(self.library.chatts_sample(ctypes.byref(draw.arguments)))
+        self.check(self.library.chatts_sample(ctypes.byref(draw.arguments)))
         return draw.tokens
 
     def read(self, tensors: list[torch.Tensor], prefetch_bytes: int = 0) -> int:
@@ -262,7 +262,7 @@ class Kernels:
             prefetch_bytes=prefetch_bytes,
             threads=torch.get_num_threads(),
         )
-        self._check(self.library.chatts_read_buffers(ctypes.byref(arguments)))
+        self.check(self.library.chatts_read_buffers(ctypes.byref(arguments)))
         return arguments.checksum
 
 

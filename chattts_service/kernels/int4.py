@@ -152,7 +152,7 @@ def int4_linear(
         threads=torch.get_num_threads(),
         tuning=kernels.tuning,
     )
-    kernels._check(
+    kernels.check(
         kernels.library.chatts_int4_linear(ctypes.byref(arguments)),
         f"int4 on {kernels.int8_instructions}",
     )

@@ -217,4 +217,4 @@ class DecodeLayers:
             **(tail or {}),
         )
         instructions = "/".join(sorted({self.instructions, head} - {""}))
-        kernels._check(kernels.library.chatts_decode_layers(ctypes.byref(arguments)), instructions)
+        kernels.check(kernels.library.chatts_decode_layers(ctypes.byref(arguments)), instructions)
