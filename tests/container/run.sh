@@ -13,7 +13,8 @@
 # Environment: CT_WORK (cache directory kept between local runs, default /var/tmp/chattts-ct),
 # CT_PORT (loopback port, default 18090), CT_HUB_PORT (the stand-in hub's, default 18091),
 # CT_TORCH_INDEX_URL (default empty: Debian's torch; https://pypi.org/simple builds the image
-# with PyPI's CUDA builds instead).
+# with PyPI's CUDA builds instead), CT_SUITE (default 1: then run the whole test suite inside
+# the image, tests/container/Containerfile.test; 0 skips that step).
 set -euo pipefail
 
 REPO="$(cd "$(dirname "$0")/../.." && pwd)"
@@ -308,4 +309,21 @@ curl -sf -X POST -H 'Content-Type: application/json' -d '{"text":"重启以后�
     "http://127.0.0.1:$PORT/synthesize" -o "$WORK/again.wav" || fail "POST /synthesize after the restart"
 log "ready again ${RESTART_SECONDS} s after podman start (a restart), without the hub"
 
-log "PASS: build ${BUILD_SECONDS} s, image $((IMAGE_SIZE / 1000000)) MB, ready ${READY_SECONDS} s after up (download included), ${RESTART_SECONDS} s after a restart, uid $uid, memory limit $limit, cpus $cpus_allowed"
+# -- 9. the whole test suite on the image's own stack (Debian's Python and torch) ------------
+cleanup
+if [ "${CT_SUITE:-1}" = 1 ]; then
+    log "the whole suite inside the image (tests/container/Containerfile.test)"
+    started=$(date +%s)
+    rm -rf "$WORK/suite-src" && mkdir -p "$WORK/suite-src"
+    git -C "$REPO" archive HEAD | tar -x -C "$WORK/suite-src"
+    podman build --format docker --cgroup-parent "$(cgroup_parent)" --build-arg "IMAGE=localhost/$IMAGE" \
+        -f "$HERE/Containerfile.test" -t chattts-service-test:latest "$WORK/suite-src" \
+        > "$WORK/suite-build.log" 2>&1 || { tail -40 "$WORK/suite-build.log"; fail "test image build"; }
+    podman run --rm --cgroup-parent "$(cgroup_parent)" --shm-size=1g \
+        chattts-service-test:latest 2>&1 | tee "$WORK/suite.log" | tail -40
+    [ "${PIPESTATUS[0]}" = 0 ] || fail "the suite fails inside the image (log: $WORK/suite.log)"
+    SUITE="$(grep -E '[0-9]+ passed' "$WORK/suite.log" | tail -1), $(seconds_since "$started") s"
+    log "the suite inside the image: $SUITE"
+fi
+
+log "PASS: build ${BUILD_SECONDS} s, image $((IMAGE_SIZE / 1000000)) MB, ready ${READY_SECONDS} s after up (download included), ${RESTART_SECONDS} s after a restart, uid $uid, memory limit $limit, cpus $cpus_allowed; suite in the image: ${SUITE:-not run}"
