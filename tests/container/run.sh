@@ -316,6 +316,7 @@ if [ "${CT_SUITE:-1}" = 1 ]; then
     started=$(date +%s)
     rm -rf "$WORK/suite-src" && mkdir -p "$WORK/suite-src"
     git -C "$REPO" archive HEAD | tar -x -C "$WORK/suite-src"
+    rm "$WORK/suite-src/.dockerignore"  # it keeps tests/ out of the service's image, not this one
     podman build --format docker --cgroup-parent "$(cgroup_parent)" --build-arg "IMAGE=localhost/$IMAGE" \
         -f "$HERE/Containerfile.test" -t chattts-service-test:latest "$WORK/suite-src" \
         > "$WORK/suite-build.log" 2>&1 || { tail -40 "$WORK/suite-build.log"; fail "test image build"; }
