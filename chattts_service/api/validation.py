@@ -46,11 +46,44 @@ MODEL_IDS = ("chattts", "tts-1", "tts-1-hd", "gpt-4o-mini-tts", "gpt-4o-mini-tts
 _WHITESPACE = re.compile(r"\s+")
 
 
+# no body of this API nests deeper than a few levels; the limit holds whatever the Python
+# version's parser would take (3.11's recursion limit stops near 1,000 levels, 3.13's does not)
+MAX_JSON_DEPTH = 32
+
+
+def _nested_too_deeply(text: str, limit: int = MAX_JSON_DEPTH) -> bool:
+    """Whether arrays and objects in ``text`` nest more than ``limit`` deep (brackets inside
+    strings do not count)."""
+    if text.count("[") + text.count("{") <= limit:  # cannot: most bodies stop here
+        return False
+    depth, in_string, escaped = 0, False, False
+    for char in text:
+        if in_string:
+            if escaped:
+                escaped = False
+            elif char == "\\":
+                escaped = True
+            elif char == '"':
+                in_string = False
+        elif char == '"':
+            in_string = True
+        elif char in "[{":
+            depth += 1
+            if depth > limit:
+                return True
+        elif char in "]}":
+            depth -= 1
+    return False
+
+
 def json_body(content_type: str | None, raw: bytes) -> dict[str, Any]:
     if content_type != "application/json":
         raise UnsupportedMediaType("Content-Type must be application/json")
     try:
-        body = json.loads(raw.decode("utf-8"))
+        text = raw.decode("utf-8")
+        if _nested_too_deeply(text):
+            raise RecursionError
+        body = json.loads(text)
     except UnicodeDecodeError:
         raise BadRequest("body is not valid UTF-8") from None
     except ValueError as error:

@@ -93,7 +93,7 @@ class Run:
                         chunk = job.chunks.get(timeout=_poll(deadline))
                     except queue.Empty:
                         # a finished job's chunks, end marker included, are already queued
-                        self.check(job, deadline, timeout, should_stop)
+                        self._check(job, deadline, timeout, should_stop)
                         continue
                     if chunk is None:
                         break
@@ -107,7 +107,7 @@ class Run:
             try:
                 return _future_result(job.future, _poll(deadline))
             except FutureTimeout:
-                self.check(job, deadline, timeout, should_stop)
+                self._check(job, deadline, timeout, should_stop)
 
     @staticmethod
     def _check(job, deadline, timeout, should_stop) -> None:
