@@ -605,7 +605,8 @@ def test_openai_speech_streams_by_default_as_openais_endpoint_does(api, client):
         # by order: the model ran more steps after the first audio reached the client...
         assert _steps_run(api) > steps_at_first
         # ...and by time: the first audio left long before the last was made
-        assert arrivals[0] < 0.5 * arrivals[-1], (fmt, arrivals[0], arrivals[-1])
+        # (about 0.25-0.4 of the way here: the first of two rounds of segments)
+        assert arrivals[0] < 0.7 * arrivals[-1], (fmt, arrivals[0], arrivals[-1])
         # the same speech asked whole: a Content-Length, and the samples the stream carried
         body = {"model": "tts-1", "voice": voice, "input": text, "response_format": fmt}
         whole = post(api, "/v1/audio/speech", {**body, "stream": False})
