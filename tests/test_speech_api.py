@@ -646,14 +646,21 @@ def test_a_streamed_answers_log_line_and_metrics_describe_the_whole_request(api)
         data = b"".join(response.iter_content(chunk_size=None))
     elapsed = time.monotonic() - started
     seconds = len(data) / 2 / 24000
-    time.sleep(0.3)  # the line is written as the connection's answer closes
-    lines = [
-        line
-        for line in api.log_path.read_text().splitlines()
-        if "POST /v1/audio/speech 200" in line
-    ]
-    logged = lines[-1].split("POST /v1/audio/speech 200 ")[1].split()
-    logged_duration, logged_audio = float(logged[0].rstrip("s")), float(logged[1][6:-1])
-    assert abs(logged_audio - seconds) < 0.01, (lines[-1], seconds)
-    assert logged_duration > 0.5 * elapsed - 0.01, (lines[-1], elapsed)
+    # the line is written as the connection's answer closes: wait for one with this audio
+    deadline = time.monotonic() + 10
+    found = None
+    while found is None and time.monotonic() < deadline:
+        for line in reversed(api.log_path.read_text().splitlines()):
+            if "POST /v1/audio/speech 200 " not in line:
+                continue
+            logged = line.split("POST /v1/audio/speech 200 ")[1].split()
+            duration, audio = float(logged[0].rstrip("s")), float(logged[1][6:-1])
+            if abs(audio - seconds) < 0.01:
+                found = (line, duration)
+                break
+        else:
+            time.sleep(0.1)
+    assert found is not None, f"no access log line with audio={seconds:.2f}s"
+    line, logged_duration = found
+    assert logged_duration > 0.5 * elapsed - 0.01, (line, elapsed)
     assert duration_sum() - before > 0.5 * elapsed - 0.01
