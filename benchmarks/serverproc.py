@@ -99,6 +99,8 @@ class Server:
                 "CHATTTS_PORT": str(self.port),
                 "CHATTTS_MODEL_DIR": str(model_dir),
                 "CHATTTS_VERIFY_MODEL": "0",
+                # stored voices and consents beside the log, never in the checkout
+                "CHATTTS_VOICES_DIR": str(Path(log_path).parent / "voices"),
                 "PYTHONUNBUFFERED": "1",
                 **settings,
             }
