@@ -23,6 +23,7 @@ from chattts_service.inference.types import (
     NothingToSay,
     Overloaded,
 )
+from chattts_service.services.consents import ConsentError, TooManyConsents, UnknownConsent
 
 log = logging.getLogger(__name__)
 
@@ -113,6 +114,13 @@ VOICE_ERRORS: list[tuple[type[VoiceError], type[ApiError], type[ApiError]]] = [
     (UnusableBlend, Unprocessable, Unprocessable),
     (VoiceError, BadRequest, BadRequest),
 ]
+# The consent store's errors: a consent that is not there, the bound reached; any other is a
+# malformed request.
+CONSENT_ERRORS: list[tuple[type[ConsentError], type[ApiError]]] = [
+    (UnknownConsent, NotFound),
+    (TooManyConsents, Conflict),
+    (ConsentError, BadRequest),
+]
 RETRY_AFTER_SECONDS = "5"  # what a client told "not ready yet" should wait
 RETRY_AFTER_BOUNDS = (1, 300)  # seconds an overloaded answer's Retry-After may say
 
@@ -123,6 +131,11 @@ def from_voice_error(error: VoiceError, in_field: bool = False) -> ApiError:
         if isinstance(error, kind):
             return (as_field if in_field else on_route)(str(error))
     raise TypeError(f"not a voice error: {error!r}")
+
+
+def from_consent_error(error: ConsentError) -> ApiError:
+    """The HTTP error for a consent store's error (see ``CONSENT_ERRORS``)."""
+    return next(api(str(error)) for kind, api in CONSENT_ERRORS if isinstance(error, kind))
 
 
 def from_engine_error(error: EngineError) -> ApiError:

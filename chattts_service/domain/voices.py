@@ -336,7 +336,7 @@ class VoiceStore:
             if path.exists() and not replace:
                 raise VoiceExists(f'voice {name!r} exists; send "replace": true to overwrite it')
             if not path.exists():
-                self._check_room()
+                self.check_room()
             self._forget_id(path)  # replacing a voice made from a recording
             record = {"name": name, "embedding": encode_embedding(embedding)}
             replace_atomically(path, lambda out: json.dump(record, out), binary=False, shared=False)
@@ -360,7 +360,7 @@ class VoiceStore:
         with self._lock:
             if path.exists():
                 raise VoiceExists(f"voice {name!r} exists; delete it or choose another name")
-            self._check_room()
+            self.check_room()
             record = {
                 "id": f"voice_{token_hex(12)}",
                 "object": "audio.voice",
@@ -407,7 +407,8 @@ class VoiceStore:
             self._memo.pop(name, None)
         return voice
 
-    def _check_room(self) -> None:
+    def check_room(self) -> None:
+        """Raise TooManyVoices when as many voices are stored as the server keeps."""
         if self.limit is not None and self.stored() >= self.limit:
             raise TooManyVoices(
                 f"{self.limit} voices are stored, the most this server keeps "

@@ -19,12 +19,13 @@ from flask import Blueprint, current_app, jsonify, request
 from chattts_service.api import validation
 from chattts_service.api.errors import (
     BadRequest,
-    Conflict,
     NotFound,
     NotReady,
     PayloadTooLarge,
     Unprocessable,
     UnsupportedMediaType,
+    error_response,
+    from_consent_error,
     from_engine_error,
     from_voice_error,
 )
@@ -36,8 +37,6 @@ from chattts_service.services.consents import (
     MAX_PAGE,
     ConsentError,
     ConsentStore,
-    TooManyConsents,
-    UnknownConsent,
 )
 from chattts_service.services.recordings import (
     MAX_CONSENT_SECONDS,
@@ -159,11 +158,10 @@ def _voice_from_recording():
         raise NotFound(f"no consent {consent!r}: record one with POST /v1/audio/voice_consents")
     transcript = _transcript(form.get("transcript"))
     store = engine.voices
-    if store.stored() >= store.limit:  # before the work, not only when storing
-        raise Conflict(
-            f"{store.limit} voices are stored, the most this server keeps "
-            "(CHATTTS_MAX_STORED_VOICES); delete one first"
-        )
+    try:
+        store.check_room()  # before the work, and again when storing
+    except VoiceError as error:
+        raise from_voice_error(error) from None
     try:
         samples = recordings.read(data, "audio_sample", MAX_SAMPLE_SECONDS, MIN_SAMPLE_SECONDS)
     except recordings.RecordingError as error:  # well-formed, but not a usable recording
@@ -205,7 +203,7 @@ def get_voice(name: str):
         voice = _state().engine.voices.get(name)
     except VoiceError as error:
         raise from_voice_error(error) from None
-    return jsonify(voice.describe() | ({} if voice.id else {"name": voice.name}))
+    return jsonify(voice.describe())
 
 
 @blueprint.delete("/v1/audio/voices/<name>")
@@ -222,12 +220,11 @@ def delete_voice(name: str):
 # -- consents ------------------------------------------------------------------------------------
 
 
-def _consent_error(error: ConsentError):
-    if isinstance(error, UnknownConsent):
-        return NotFound(str(error))
-    if isinstance(error, TooManyConsents):
-        return Conflict(str(error))
-    return BadRequest(str(error))
+@blueprint.errorhandler(ConsentError)
+def consent_error(error: ConsentError):
+    """Every consent route's refusals, through the one table in ``errors``."""
+    api_error = from_consent_error(error)
+    return error_response(api_error.message, api_error.status)
 
 
 @blueprint.post("/v1/audio/voice_consents")
@@ -244,10 +241,7 @@ def create_consent():
         recordings.read(data, "recording", MAX_CONSENT_SECONDS, MIN_CONSENT_SECONDS)
     except recordings.RecordingError as error:
         raise Unprocessable(str(error)) from None
-    try:
-        consent = _consents().create(form["name"], form["language"], data, extension)
-    except ConsentError as error:
-        raise _consent_error(error) from None
+    consent = _consents().create(form["name"], form["language"], data, extension)
     response = jsonify(consent)
     response.status_code = 201
     return response
@@ -261,18 +255,12 @@ def list_consents():
     limit = request.args.get("limit", str(DEFAULT_PAGE))
     if not limit.isdigit() or not 1 <= int(limit) <= MAX_PAGE:
         raise BadRequest(f"'limit' must be an integer from 1 to {MAX_PAGE}")
-    try:
-        return jsonify(_consents().page(request.args.get("after"), int(limit)))
-    except ConsentError as error:
-        raise _consent_error(error) from None
+    return jsonify(_consents().page(request.args.get("after"), int(limit)))
 
 
 @blueprint.get("/v1/audio/voice_consents/<consent_id>")
 def get_consent(consent_id: str):
-    try:
-        return jsonify(_consents().get(consent_id))
-    except ConsentError as error:
-        raise _consent_error(error) from None
+    return jsonify(_consents().get(consent_id))
 
 
 @blueprint.post("/v1/audio/voice_consents/<consent_id>")
@@ -281,15 +269,9 @@ def rename_consent(consent_id: str):
     unknown = sorted(set(body) - {"name"})
     if unknown:
         raise BadRequest(f"unknown fields: {', '.join(unknown)}; accepted: name")
-    try:
-        return jsonify(_consents().rename(consent_id, body.get("name")))
-    except ConsentError as error:
-        raise _consent_error(error) from None
+    return jsonify(_consents().rename(consent_id, body.get("name")))
 
 
 @blueprint.delete("/v1/audio/voice_consents/<consent_id>")
 def delete_consent(consent_id: str):
-    try:
-        return jsonify(_consents().delete(consent_id))
-    except ConsentError as error:
-        raise _consent_error(error) from None
+    return jsonify(_consents().delete(consent_id))
