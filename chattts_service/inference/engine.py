@@ -208,18 +208,7 @@ class Engine:
         ):
             speaker = self._first_segment_sample(segments[0], request, voice, fixed_steps, step_cap)
         jobs = [
-            SynthesisJob(
-                self.prompts,
-                self.model.decoder,
-                text,
-                request,
-                speaker,
-                fixed_steps,
-                stream,
-                step_cap,
-                on_finished=self.admission.job_finished,
-                early=early,
-            )
+            self._job(text, request, speaker, fixed_steps, stream, step_cap, early)
             for text in segments
         ]
         self.admission.check(self.scheduler, len(jobs))
@@ -232,22 +221,27 @@ class Engine:
             raise Overloaded(str(error)) from None
         return run
 
+    def _job(self, text, request, speaker, fixed_steps, stream, step_cap, early=True):
+        """One segment's job, its time fed to the admission's wait estimate."""
+        return SynthesisJob(
+            self.prompts,
+            self.model.decoder,
+            text,
+            request,
+            speaker,
+            fixed_steps,
+            stream,
+            step_cap,
+            on_finished=self.admission.job_finished,
+            early=early,
+        )
+
     def _first_segment_sample(self, text, request, voice, fixed_steps, step_cap) -> SpeakerSample:
         """Upstream's long text (``Chat.infer(split_text=True)``): the first segment alone in
         the voice, its audio encoded as a recording (``sample_audio_speaker``), and that with
         the first segment's words as the sample every segment is then spoken from, the
         embedding kept as well. Waits for that segment here, on the caller's thread."""
-        reference = SynthesisJob(
-            self.prompts,
-            self.model.decoder,
-            text,
-            request,
-            voice.embedding,
-            fixed_steps,
-            False,
-            step_cap,
-            on_finished=self.admission.job_finished,
-        )
+        reference = self._job(text, request, voice.embedding, fixed_steps, False, step_cap)
         self.admission.check(self.scheduler, 1)
         run = Run([reference], 0.0)
         try:
