@@ -326,7 +326,7 @@ def phase_fidelity(
         request = SynthesisRequest(TEXT, seed)
         speaker = engine.speaker_embedding(seed)
         if sampled:
-            speaker = SpeakerSample(engine.sample_encoder(_recording(seed)), TEXT)
+            speaker = SpeakerSample(engine.sample_encoder(voiced_recording(seed)), TEXT)
         sequence = engine.prompts.code_sequence(
             engine.prompts.normalise(TEXT), request, speaker, fixed_steps=steps
         )
@@ -369,14 +369,15 @@ def phase_fidelity(
     }
 
 
-def _recording(seed: int, seconds: float = 10.0):
+def voiced_recording(seed: int, seconds: float = 10.0, rate: int = 24_000):
     """A speech-like stand-in recording (a voiced tone with a wavering pitch and noise): what
-    the DVAE encodes into a speaker prompt; random weights make any recording as good."""
+    the DVAE encodes into a speaker prompt; random weights make any recording as good. The
+    tests use it too."""
     import numpy as np
 
     rng = np.random.default_rng(seed)
-    t = np.arange(int(24_000 * seconds)) / 24_000
-    pitch = 2 * np.pi * (140 + 30 * np.sin(2 * np.pi * 0.7 * t)).cumsum() / 24_000
+    t = np.arange(int(rate * seconds)) / rate
+    pitch = 2 * np.pi * (140 + 30 * np.sin(2 * np.pi * 0.7 * t)).cumsum() / rate
     voiced = 0.3 * np.sin(pitch) * (0.6 + 0.4 * np.sin(2 * np.pi * 4 * t))
     return (voiced + rng.normal(0, 0.02, len(t))).astype(np.float32)
 

@@ -25,23 +25,15 @@ if not (Path(CHROMIUM).exists() and Path(CHROMEDRIVER).exists()):
     )
 
 
-def _voiced(seconds: float, rate: int):
-    """A speech-like stand-in (a voiced tone whose pitch wavers, and some noise)."""
-    import numpy as np
-
-    t = np.arange(int(rate * seconds)) / rate
-    pitch = 2 * np.pi * (150 + 40 * np.sin(2 * np.pi * 0.8 * t)).cumsum() / rate
-    noise = np.random.default_rng(3).normal(0, 0.02, len(t))
-    return (0.3 * np.sin(pitch) * (0.6 + 0.4 * np.sin(2 * np.pi * 4 * t)) + noise).astype("f4")
-
-
 @pytest.fixture(scope="module")
 def microphone(tmp_path_factory) -> Path:
     """What Chromium's fake microphone plays, in a loop."""
     import soundfile
 
+    from benchmarks.engine import voiced_recording
+
     path = tmp_path_factory.mktemp("microphone") / "voice.wav"
-    soundfile.write(path, _voiced(4.0, 48_000), 48_000, subtype="PCM_16")
+    soundfile.write(path, voiced_recording(3, 4.0, 48_000), 48_000, subtype="PCM_16")
     return path
 
 

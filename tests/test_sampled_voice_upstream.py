@@ -58,10 +58,9 @@ def _engine(model, **settings) -> Engine:
 
 
 def _recording(seconds: float = 3.0) -> np.ndarray:
-    rng = np.random.default_rng(7)
-    t = np.arange(int(24_000 * seconds)) / 24_000
-    tone = 0.3 * np.sin(2 * np.pi * 180 * t) * (1 + 0.5 * np.sin(2 * np.pi * 3 * t))
-    return (tone + rng.normal(0, 0.03, len(t))).astype(np.float32)
+    from benchmarks.engine import voiced_recording
+
+    return voiced_recording(7, seconds)
 
 
 def _upstream_audio(chat, text: str, prompt: str, seed: int) -> np.ndarray:
