@@ -33,6 +33,8 @@ KV_CACHE_DTYPES = ("bf16", "int8")
 DECODER_DTYPES = ("auto", "bf16", "fp32")
 DOWNLOAD_MODES = ("auto", "never")
 ALLOCATORS = ("auto", "jemalloc", "system")
+# the largest seed: a request's, a seed:N voice's and CHATTTS_DEFAULT_SEED's
+MAX_SEED = 2**31 - 1
 INSTRUCTION_MODES = ("ignore", "refuse")
 LONG_TEXT_VOICES = ("embedding", "first_segment")
 LOG_LEVELS = tuple(logging.getLevelNamesMapping())
@@ -347,7 +349,7 @@ class Settings:
         1234,
         "voice and sampling seed when a request gives none",
         low=0,
-        high=2**31 - 1,
+        high=MAX_SEED,
     )
     warmup: bool = _env_field("WARMUP", True, "run warm-up texts through the model before ready")
     log_level: str = _env_field("LOG_LEVEL", "INFO", "Python logging level", choices=LOG_LEVELS)

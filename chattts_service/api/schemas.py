@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import re
 
+from chattts_service.config import MAX_SEED
 from chattts_service.domain.text import INLINE_TOKENS
-from chattts_service.domain.voices import MAX_BLEND_PARTS, MAX_SEED, NAME
+from chattts_service.domain.voices import MAX_BLEND_PARTS, NAME
 from chattts_service.services.audio import FORMATS
 
 VOICE_NAME = NAME.pattern

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import math
-import re
 import unicodedata
 from dataclasses import dataclass, replace
 from typing import Any
@@ -15,9 +14,14 @@ from chattts_service.api.errors import (
     UnsupportedMediaType,
     from_voice_error,
 )
-from chattts_service.config import Settings
-from chattts_service.domain.text import TextError, check_refine_prompt, check_tokens
-from chattts_service.domain.voices import MAX_SEED, VoiceError
+from chattts_service.config import MAX_SEED, Settings
+from chattts_service.domain.text import (
+    TextError,
+    check_refine_prompt,
+    check_tokens,
+    normalise_text,
+)
+from chattts_service.domain.voices import VoiceError
 from chattts_service.inference.types import CODE_SAMPLING, SynthesisRequest
 from chattts_service.services.audio import FORMATS, STREAM_FORMATS
 from chattts_service.services.captions import CAPTION_FORMATS
@@ -43,7 +47,6 @@ SPEECH_FIELDS = {"model", "input", "response_format", "instructions"} | OPTION_F
 # OpenAI's free-text voice instructions: taken (and not applied) up to this length
 MAX_INSTRUCTIONS_CHARS = 4096
 MODEL_IDS = ("chattts", "tts-1", "tts-1-hd", "gpt-4o-mini-tts", "gpt-4o-mini-tts-2025-12-15")
-_WHITESPACE = re.compile(r"\s+")
 
 
 # no body of this API nests deeper than a few levels; the limit holds whatever the Python
@@ -93,14 +96,6 @@ def json_body(content_type: str | None, raw: bytes) -> dict[str, Any]:
     if not isinstance(body, dict):
         raise BadRequest("body must be a JSON object")
     return body
-
-
-def normalise_text(text: str) -> str:
-    """The canonical form of a text: it is what the model reads and what the cache keys on."""
-    text = unicodedata.normalize("NFC", text)
-    # Control characters other than whitespace carry no speech and confuse the tokenizer.
-    text = "".join(ch for ch in text if ch.isspace() or unicodedata.category(ch) != "Cc")
-    return _WHITESPACE.sub(" ", text).strip()
 
 
 @dataclass(frozen=True)

@@ -15,6 +15,7 @@ from __future__ import annotations
 import logging
 import re
 import threading
+import unicodedata
 
 log = logging.getLogger(__name__)
 
@@ -28,6 +29,7 @@ _REFINE_TOKEN = re.compile(r"\[(oral|laugh|break)_(\d)\]")
 # A sentence ends after these, with any closing quotes or brackets that follow.
 _SENTENCE_END = re.compile(r"(?<=[。！？!?；;…\n])[”’\"'）)\]」』]*|(?<=[.])[”’\"')\]]*(?=\s|$)")
 _CLAUSE_END = re.compile(r"(?<=[，,、：:])")
+_WHITESPACE = re.compile(r"\s+")
 
 
 class TextError(ValueError):
@@ -65,6 +67,14 @@ def check_refine_prompt(prompt: str) -> str:
                 f"{allowed.start} to {allowed.stop - 1}"
             )
     return prompt
+
+
+def normalise_text(text: str) -> str:
+    """The canonical form of a text: it is what the model reads and what the cache keys on."""
+    text = unicodedata.normalize("NFC", text)
+    # Control characters other than whitespace carry no speech and confuse the tokenizer.
+    text = "".join(ch for ch in text if ch.isspace() or unicodedata.category(ch) != "Cc")
+    return _WHITESPACE.sub(" ", text).strip()
 
 
 def split_sentences(text: str) -> list[str]:

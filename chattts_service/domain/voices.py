@@ -31,6 +31,7 @@ from pathlib import Path
 
 import numpy as np
 
+from chattts_service.config import MAX_SEED
 from chattts_service.runtime.files import replace_atomically
 
 NAME = re.compile(r"^[a-z0-9][a-z0-9_-]{0,63}$")
@@ -55,7 +56,6 @@ DEFAULT_VOICES = {
     "shimmer": 1111,
     "verse": 7243,
 }
-MAX_SEED = 2**31 - 1
 MAX_BLEND_PARTS = 8
 # one part of a blend: a voice, then optionally its weight in parentheses (0 to 9999.999999)
 BLEND_PART = re.compile(r"^([a-z0-9][a-z0-9_:-]{0,63})(?:\((\d{1,4}(?:\.\d{1,6})?|\.\d{1,6})\))?$")
