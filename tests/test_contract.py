@@ -20,7 +20,7 @@ import requests
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from chattts_service.api.schemas import seed_voice_pattern, text_patterns
+from chattts_service.api.models import blend_pattern, seed_voice_pattern, text_patterns
 from chattts_service.api.validation import json_body
 from chattts_service.domain.text import TextError, check_tokens
 from chattts_service.domain.voices import SEED_VOICE
@@ -137,8 +137,9 @@ CONTROL_PIECES = st.sampled_from(["[", "]", "laugh", "lau", "gh", "\x01", "\x7f"
 @given(st.lists(CONTROL_PIECES, min_size=1, max_size=10).map("".join))
 def test_the_service_reads_control_tokens_as_sent_like_the_pattern(text):
     from chattts_service.api.errors import BadRequest
-    from chattts_service.api.validation import normalise_text, synthesize_request
+    from chattts_service.api.validation import synthesize_request
     from chattts_service.config import Settings
+    from chattts_service.domain.text import normalise_text
 
     whole, _ = text_patterns()
     try:
@@ -167,6 +168,48 @@ def test_deeply_nested_json_is_a_400_not_a_500():
         json_body("application/json", b'{"a":' * 5000 + b"1" + b"}" * 5000)
 
 
+REFINE_PIECES = st.sampled_from(["[", "]", " ", "oral_", "laugh_", "break_", "2", "9", "x"])
+
+
+@settings(max_examples=400, deadline=None)
+@given(st.lists(REFINE_PIECES, max_size=10).map("".join))
+def test_the_refine_prompt_pattern_is_what_the_service_takes(prompt):
+    from chattts_service.api.models import refine_prompt_pattern
+    from chattts_service.domain.text import check_refine_prompt
+
+    try:
+        check_refine_prompt(prompt)
+        taken = True
+    except TextError:
+        taken = False
+    assert bool(re.search(refine_prompt_pattern(), prompt)) == taken, repr(prompt)
+
+
+def test_every_route_is_in_the_document_and_none_goes_undescribed():
+    from flask import Blueprint
+
+    from chattts_service.api.openapi import Context, document
+    from chattts_service.app import create_app
+    from chattts_service.config import Settings
+
+    settings = Settings.from_env({})
+    app = create_app(settings, start_loading=False)
+    context = Context(settings, ["alloy"], app.extensions["chattts"].engine.policy.limits())
+    paths = document(app, context)["paths"]
+    routes = {
+        (rule.rule.replace("<", "{").replace(">", "}"), method.lower())
+        for rule in app.url_map.iter_rules()
+        if rule.endpoint != "static"
+        for method in rule.methods - {"HEAD", "OPTIONS"}
+    }
+    assert routes == {(path, method) for path, item in paths.items() for method in item}
+    extra = Blueprint("extra", __name__)
+    extra.get("/undescribed")(lambda: "")
+    app.register_blueprint(extra)
+    with pytest.raises(TypeError, match="/undescribed has no @operation"):
+        document(app, context)
+
+
 BLEND_PIECES = st.sampled_from(["alloy", "echo", "ghost", "seed:7", "(", ")", "+", "2", ".5", "0"])
 
 
@@ -175,7 +218,6 @@ BLEND_PIECES = st.sampled_from(["alloy", "echo", "ghost", "seed:7", "(", ")", "+
 def test_the_blend_pattern_is_what_the_service_resolves(spec):
     import torch
 
-    from chattts_service.api.schemas import blend_pattern
     from chattts_service.domain.voices import UnusableBlend, VoiceError, VoiceStore
 
     store = VoiceStore(Path("/nonexistent-voices"), 4, lambda seed: torch.full((4,), float(seed)))

@@ -3,12 +3,12 @@ import pytest
 from chattts_service.api.errors import BadRequest, PayloadTooLarge, UnsupportedMediaType
 from chattts_service.api.validation import (
     json_body,
-    normalise_text,
     speech_request,
     speed_level,
     synthesize_request,
 )
 from chattts_service.config import Settings
+from chattts_service.domain.text import normalise_text
 
 SETTINGS = Settings.from_env({}, max_chars=20, default_seed=77)
 

@@ -8,19 +8,16 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from chattts_service.api.errors import ApiError
-from chattts_service.api.validation import (
-    SPEECH_FIELDS,
-    SYNTHESIZE_FIELDS,
-    json_body,
-    normalise_text,
-    speech_request,
-    synthesize_request,
-)
+from chattts_service.api.models import speech_bodies
+from chattts_service.api.validation import json_body, speech_request, synthesize_request
 from chattts_service.config import Settings
-from chattts_service.domain.text import TOKEN, pack, split_sentences
+from chattts_service.domain.text import TOKEN, normalise_text, pack, split_sentences
 
 SETTINGS = Settings.from_env({}, max_chars=300)
-FIELDS = sorted(SYNTHESIZE_FIELDS | SPEECH_FIELDS)
+FIELDS = sorted(
+    set(speech_bodies(SETTINGS).synthesize.model_fields)
+    | set(speech_bodies(SETTINGS).speech.model_fields)
+)
 
 json_values = st.recursive(
     st.none() | st.booleans() | st.integers() | st.floats(allow_nan=True) | st.text(),

@@ -1,132 +1,123 @@
-"""The OpenAPI 3.1 document served at /openapi.json.
+"""The OpenAPI 3.1 document served at /openapi.json, generated from the routes themselves.
 
-Built from the definitions the validation enforces (the numeric fields, the formats, the
-control tokens, the voice names, the settings' bounds), so a field is never checked otherwise
-than it is documented; every status a route can answer is listed with its error schema.
+Each view carries its ``Operation`` (``@operation(...)`` beside its route): a summary, the
+model of its body or query, its answer, and the error statuses it can give. ``document`` walks
+the app's URL map, so every route is described and nothing else is; every schema is a model's
+own (``models.py``), so a field is never checked otherwise than it is documented.
 """
 
 from __future__ import annotations
 
-from chattts_service.api.bodies import captioned_request, speech_request, voice_schema
-from chattts_service.api.schemas import CAPTIONED_SPEECH, SPEECH_EVENT, VOICE_NAME
-from chattts_service.api.validation import MODEL_IDS
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from flask import Flask
+from pydantic import BaseModel, TypeAdapter
+from pydantic.json_schema import GenerateJsonSchema, models_json_schema
+
+from chattts_service.api import models
 from chattts_service.config import Settings
-from chattts_service.domain.voices import MAX_EMBEDDING_CHARS
-from chattts_service.inference.policy import KNOBS
 from chattts_service.services.audio import FORMATS
-from chattts_service.services.consents import CONSENT_ID, LANGUAGE, MAX_LABEL_CHARS, MAX_PAGE
-from chattts_service.services.recordings import (
-    MAX_SAMPLE_SECONDS,
-    MAX_TRANSCRIPT_CHARS,
-    MIN_SAMPLE_SECONDS,
-)
 
-
-def _error(description: str, openai: bool) -> dict:
-    name = "OpenAIError" if openai else "Error"
-    schema = {"$ref": f"#/components/schemas/{name}"}
-    return {"description": description, "content": {"application/json": {"schema": schema}}}
-
-
-def _errors(openai: bool, *codes: int) -> dict:
-    meaning = {
-        400: "A field missing, of the wrong type or out of range; unknown fields; a body "
-        "that is not a JSON object",
-        401: "API keys are configured and the request has none or a wrong one",
-        403: "The endpoint needs API keys to be configured (CHATTTS_API_KEYS)",
-        404: "No such resource",
-        409: "A voice of that name exists (send replace: true), or as many voices or "
-        "consents are kept as CHATTTS_MAX_STORED_VOICES allows",
-        413: "A text longer than CHATTTS_MAX_CHARS, a JSON body over 64 KiB, or a recording "
-        "over 10 MiB",
-        415: "Content-Type is not application/json (or multipart/form-data where a recording "
-        "is sent), or a recording of a type that is not audio",
-        422: "Well-formed but not usable: nothing speakable after normalisation, too many "
-        "control tokens, a string that is not a speaker embedding, or a recording that is not "
-        "audio, is silent, or is too short or too long",
-        503: "Not ready (loading, warming up), the queue has no room, the estimated wait is "
-        "too long, or shutting down; Retry-After says when to try again",
-        504: "Not finished within CHATTTS_REQUEST_TIMEOUT_S; the work was dropped",
-    }
-    return {str(code): _error(meaning[code], openai) for code in codes}
-
-
+COMPONENTS = "#/components/schemas/"
+VOICE_REFERENCE = "VoiceReference"  # the voices a request may name now
+# what each status means, in every route's list of errors
+ERRORS = {
+    400: "A field missing, of the wrong type or out of range; unknown fields; a body that is "
+    "not a JSON object",
+    401: "API keys are configured and the request has none or a wrong one",
+    403: "The endpoint needs API keys to be configured (CHATTTS_API_KEYS)",
+    404: "No such resource",
+    409: "A voice of that name exists (send replace: true), or as many voices or consents are "
+    "kept as CHATTTS_MAX_STORED_VOICES allows",
+    413: "A text longer than CHATTTS_MAX_CHARS, a JSON body over 64 KiB, or a recording over "
+    "10 MiB",
+    415: "Content-Type is not application/json (or multipart/form-data where a recording is "
+    "sent), or a recording of a type that is not audio",
+    422: "Well-formed but not usable: nothing speakable after normalisation, too many control "
+    "tokens, a string that is not a speaker embedding, or a recording that is not audio, is "
+    "silent, or is too short or too long",
+    503: "Not ready (loading, warming up), the queue has no room, the estimated wait is too "
+    "long, or shutting down; Retry-After says when to try again",
+    504: "Not finished within CHATTTS_REQUEST_TIMEOUT_S; the work was dropped",
+}
 BODY_ERRORS = (400, 401, 413, 415)
+AUDIO = "audio"  # an Operation's answer: audio in any format, or speech events
 
 
-def _audio_responses(openai: bool) -> dict:
-    audio = {"schema": {"type": "string", "format": "binary"}}
-    content = {FORMATS[name][0]: audio for name in FORMATS if name != "pcm"}
-    content["audio/L16"] = audio
-    # stream_format "sse": each event (this schema, as OpenAPI 3.1 reads it) holds one JSON object
-    content["text/event-stream"] = {"schema": SPEECH_EVENT}
-    ok = {
-        "description": "Audio. Headers: X-Cache (HIT/MISS), X-Audio-Seconds, X-Segments (how "
-        "many segments a long text was split into).",
-        "content": content,
-    }
-    return {"200": ok, **_errors(openai, *BODY_ERRORS, 422, 503, 504)}
+@dataclass(frozen=True)
+class Context:
+    """What the document depends on at run time."""
+
+    settings: Settings
+    voices: list[str]  # the names a request may use now
+    limits: dict  # the batching policy's bounds
 
 
-def _tuning(limits: dict) -> dict:
-    properties = {
-        name: {"type": "integer", "minimum": limits[name].low, "maximum": limits[name].high}
-        for name in KNOBS
-    }
-    return {
-        "type": "object",
-        "additionalProperties": False,
-        "minProperties": 1,
-        "properties": properties,
-    }
+Model = type[BaseModel] | Callable[[Context], type[BaseModel]]
 
 
-def _path_name(pattern: str | None = None, enum: list[str] | None = None, example=None) -> list:
-    schema = {"type": "string"}
-    if pattern:
-        schema["pattern"] = pattern
-    if enum:
-        schema["enum"] = enum
-    parameter = {"name": "name", "in": "path", "required": True, "schema": schema}
-    if example:
-        parameter["example"] = example
-    return [parameter]
+@dataclass(frozen=True)
+class Operation:
+    summary: str
+    answer: Any = None  # a model, AUDIO, or None (described in ``described``)
+    described: str = ""
+    status: int = 200
+    errors: tuple[int, ...] = ()
+    body: Model | None = None  # a JSON body
+    form: type[BaseModel] | None = None  # a multipart body (may come beside ``body``)
+    query: type[BaseModel] | None = None
+    path: dict[str, Any] = field(default_factory=dict)  # parameter -> its type
+    others: dict[int, tuple[type[BaseModel], str]] = field(default_factory=dict)  # not errors
 
 
-def _json_body(name: str) -> dict:
-    schema = {"$ref": f"#/components/schemas/{name}"}
-    return {"required": True, "content": {"application/json": {"schema": schema}}}
+def operation(summary: str, **details) -> Callable:
+    """Describe the view in the document (put it under the route's decorator)."""
+
+    def describe(view):
+        view.operation = Operation(summary, **details)
+        return view
+
+    return describe
 
 
-def _ok(description: str) -> dict:
-    return {"200": {"description": description}}
+class _Schemas(GenerateJsonSchema):
+    """Models' schemas without the titles pydantic makes up for every field."""
+
+    def field_title_should_be_set(self, schema) -> bool:
+        return False
 
 
-def _ref(name: str) -> dict:
-    return {"$ref": f"#/components/schemas/{name}"}
+def _model(model: Model | None, context: Context) -> type[BaseModel] | None:
+    if model is None or isinstance(model, type):
+        return model
+    return model(context)
 
 
-def _object(description: str) -> dict:
-    return {"description": description, "content": {"application/json": {"schema": {}}}}
-
-
-def _query(name: str, schema: dict) -> dict:
-    return {"name": name, "in": "query", "required": False, "schema": schema}
-
-
-def _consent_id() -> list:
-    schema = {"type": "string", "pattern": CONSENT_ID.pattern}
-    return [{"name": "consent_id", "in": "path", "required": True, "schema": schema}]
-
-
-# what a recording may be labelled (services/recordings.py takes these, and unlabelled bytes)
-AUDIO_TYPES = "audio/mpeg, audio/wav, audio/ogg, audio/aac, audio/flac, audio/webm, audio/mp4"
-
-
-# Long: the whole document as one literal shows every path beside its neighbours; field types
-# and bounds come from the shared definitions above.
-def document(settings: Settings, voices: list[str], limits: dict) -> dict:
-    """``voices``: the names a request may use now; ``limits``: the batching policy's bounds."""
+def document(app: Flask, context: Context) -> dict:
+    paths: dict[str, dict] = {}
+    wanted: dict[tuple[type[BaseModel], str], None] = {}  # in order, each once
+    operations = []
+    for rule in app.url_map.iter_rules():
+        if rule.endpoint == "static":
+            continue
+        described = getattr(app.view_functions[rule.endpoint], "operation", None)
+        if described is None:
+            raise TypeError(f"{rule.rule} has no @operation: say what it does and answers")
+        path = rule.rule.replace("<", "{").replace(">", "}")
+        for method in sorted(rule.methods - {"HEAD", "OPTIONS"}):
+            operations.append((path, method.lower(), described))
+            for model, mode in _models_of(described, context):
+                wanted[(model, mode)] = None
+    refs, definitions = models_json_schema(
+        list(wanted), ref_template=COMPONENTS + "{model}", schema_generator=_Schemas
+    )
+    schemas = definitions.get("$defs", {})
+    for path, method, described in operations:
+        openai = path.startswith("/v1/")
+        paths.setdefault(path, {})[method] = _operation(described, context, refs, openai)
+    schemas[VOICE_REFERENCE] = models.voice_schema(context.voices)
     return {
         "openapi": "3.1.0",
         "info": {
@@ -134,275 +125,136 @@ def document(settings: Settings, voices: list[str], limits: dict) -> dict:
             "version": "1",
             "description": "Text to speech with ChatTTS on the CPU. Audio is 24 kHz mono.",
         },
-        "paths": {
-            "/synthesize": {
-                "post": {
-                    "summary": "Synthesise speech (WAV by default)",
-                    "requestBody": _json_body("SynthesizeRequest"),
-                    "responses": _audio_responses(openai=False),
-                }
-            },
-            "/v1/audio/speech": {
-                "post": {
-                    "summary": "OpenAI-compatible speech (MP3 by default)",
-                    "requestBody": _json_body("SpeechRequest"),
-                    "responses": _audio_responses(openai=True),
-                }
-            },
-            "/v1/audio/captioned_speech": {
-                "post": {
-                    "summary": "Speech with a caption per sentence, timed to the sample (JSON: "
-                    "base64 audio, captions, and SubRip or WebVTT when asked)",
-                    "requestBody": _json_body("CaptionedSpeechRequest"),
-                    "responses": {
-                        "200": {
-                            "description": "Audio and captions. Headers as /v1/audio/speech.",
-                            "content": {"application/json": {"schema": CAPTIONED_SPEECH}},
-                        },
-                        **_errors(True, *BODY_ERRORS, 422, 503, 504),
-                    },
-                }
-            },
-            "/v1/models": {
-                "get": {
-                    "summary": "Model names accepted in 'model'",
-                    "responses": {**_ok("OpenAI model list"), **_errors(True, 401)},
-                }
-            },
-            "/v1/models/{name}": {
-                "get": {
-                    "summary": "One model",
-                    "parameters": _path_name(enum=list(MODEL_IDS), example="tts-1"),
-                    "responses": {**_ok("OpenAI model object"), **_errors(True, 401, 404)},
-                }
-            },
-            "/v1/audio/voices": {
-                "get": {
-                    "summary": "Named voices",
-                    "responses": {**_ok("{voices: [names]}"), **_errors(True, 401, 503)},
-                },
-                "post": {
-                    "summary": "A voice from a recording (multipart, as OpenAI's clients send "
-                    "it: audio_sample, consent, name, and the sample's transcript), or a named "
-                    "voice from a ChatTTS speaker embedding string or another voice (JSON)",
-                    "requestBody": {
-                        "required": True,
-                        "content": {
-                            "application/json": {"schema": _ref("VoiceRequest")},
-                            "multipart/form-data": {
-                                "schema": _ref("VoiceSampleRequest"),
-                                "encoding": {"audio_sample": {"contentType": AUDIO_TYPES}},
-                            },
-                        },
-                    },
-                    "responses": {
-                        "201": _object("The voice (OpenAI's Voice object for a recording)"),
-                        **_errors(True, *BODY_ERRORS, 404, 409, 422, 503),
-                    },
-                },
-            },
-            "/v1/audio/voices/{name}": {
-                "get": {
-                    "summary": "One voice, by name or id",
-                    "parameters": _path_name(pattern=VOICE_NAME, example="narrator"),
-                    "responses": {**_ok("The voice"), **_errors(True, 400, 401, 404, 503)},
-                },
-                "delete": {
-                    "summary": "Delete a stored voice, by name or id",
-                    "parameters": _path_name(pattern=VOICE_NAME, example="narrator"),
-                    "responses": {
-                        **_ok("OpenAI's VoiceDeleted object"),
-                        **_errors(True, 400, 401, 404, 503),
-                    },
-                },
-            },
-            "/v1/audio/voice_consents": {
-                "get": {
-                    "summary": "Voice consents, newest first (OpenAI's cursor paging)",
-                    "parameters": [
-                        _query("after", {"type": "string", "pattern": CONSENT_ID.pattern}),
-                        _query(
-                            "limit",
-                            {"type": "integer", "minimum": 1, "maximum": MAX_PAGE, "default": 20},
-                        ),
-                    ],
-                    "responses": {**_ok("A list page"), **_errors(True, 400, 401, 404)},
-                },
-                "post": {
-                    "summary": "Record a speaker's consent to voices made from them (the "
-                    "recording is kept for audit)",
-                    "requestBody": {
-                        "required": True,
-                        "content": {
-                            "multipart/form-data": {
-                                "schema": _ref("VoiceConsentRequest"),
-                                "encoding": {"recording": {"contentType": AUDIO_TYPES}},
-                            }
-                        },
-                    },
-                    "responses": {
-                        "201": _object("OpenAI's VoiceConsent object"),
-                        **_errors(True, *BODY_ERRORS, 409, 422),
-                    },
-                },
-            },
-            "/v1/audio/voice_consents/{consent_id}": {
-                "get": {
-                    "summary": "One consent",
-                    "parameters": _consent_id(),
-                    "responses": {**_ok("VoiceConsent"), **_errors(True, 401, 404)},
-                },
-                "post": {
-                    "summary": "Rename a consent",
-                    "parameters": _consent_id(),
-                    "requestBody": _json_body("VoiceConsentUpdate"),
-                    "responses": {
-                        **_ok("VoiceConsent"),
-                        **_errors(True, *BODY_ERRORS, 404),
-                    },
-                },
-                "delete": {
-                    "summary": "Delete a consent and its recording",
-                    "parameters": _consent_id(),
-                    "responses": {**_ok("VoiceConsentDeleted"), **_errors(True, 401, 404)},
-                },
-            },
-            "/admin/config": {
-                "get": {
-                    "summary": "Batching settings in effect, and their limits (API key)",
-                    "responses": {**_ok("Settings"), **_errors(False, 401, 403, 503)},
-                },
-                "post": {
-                    "summary": "Change max_batch, batch_wait_ms, max_queue, max_wait_s on the "
-                    "running server (API key)",
-                    "requestBody": _json_body("TuningRequest"),
-                    "responses": {
-                        **_ok("Settings now in effect"),
-                        **_errors(False, *BODY_ERRORS, 403, 503),
-                    },
-                },
-            },
-            "/healthz": {"get": {"summary": "Liveness", "responses": _ok("Alive")}},
-            "/readyz": {
-                "get": {
-                    "summary": "Readiness: 200 once loaded and warmed up",
-                    "responses": {**_ok("Ready"), **_errors(False, 503)},
-                }
-            },
-            "/metrics": {
-                "get": {
-                    "summary": "Prometheus metrics",
-                    "responses": {**_ok("Prometheus text format"), **_errors(False, 401)},
-                }
-            },
-            "/": {
-                "get": {
-                    "summary": "The playground page (HTML, no external assets)",
-                    "responses": _ok("HTML"),
-                }
-            },
-            "/status": {
-                "get": {
-                    "summary": "Service status for the playground: state, queue, cache, recent "
-                    "latency and real-time factor, degraded mode, model, uptime",
-                    "responses": {**_ok("Status object"), **_errors(False, 401)},
-                }
-            },
-            "/openapi.json": {"get": {"summary": "This document", "responses": _ok("OpenAPI 3.1")}},
-        },
-        "components": {
-            "schemas": {
-                "SynthesizeRequest": speech_request(
-                    settings, voices, "text", "format", "wav", openai=False
-                ),
-                "SpeechRequest": speech_request(
-                    settings, voices, "input", "response_format", "mp3", openai=True
-                ),
-                "CaptionedSpeechRequest": captioned_request(settings, voices),
-                "VoiceRequest": {
-                    "type": "object",
-                    "additionalProperties": False,
-                    "required": ["name"],
-                    "oneOf": [{"required": ["embedding"]}, {"required": ["voice"]}],
-                    "properties": {
-                        "name": {"type": "string", "pattern": VOICE_NAME},
-                        "embedding": {
-                            "type": "string",
-                            "minLength": 1,
-                            "maxLength": MAX_EMBEDDING_CHARS,
-                            "description": "ChatTTS speaker embedding string",
-                        },
-                        "voice": {
-                            **voice_schema(voices, required=True),
-                            "description": "Store this voice under the name: a blend such as "
-                            "alloy(2)+echo(1), seed:N, or another voice.",
-                        },
-                        "replace": {"type": "boolean", "default": False},
-                    },
-                },
-                "VoiceSampleRequest": {
-                    "type": "object",
-                    "additionalProperties": False,
-                    "required": ["audio_sample", "consent", "name"],
-                    "properties": {
-                        "audio_sample": {
-                            "type": "string",
-                            "format": "binary",
-                            "description": "The recording: mp3, wav, ogg/opus, aac, flac, webm "
-                            f"or mp4, at most 10 MiB, {MIN_SAMPLE_SECONDS:g} to "
-                            f"{MAX_SAMPLE_SECONDS:g} s of clear speech",
-                        },
-                        "consent": {"type": "string", "pattern": CONSENT_ID.pattern},
-                        "name": {"type": "string", "pattern": VOICE_NAME},
-                        "type": {"type": "string", "enum": ["audio_sample"]},
-                        "transcript": {
-                            "type": "string",
-                            "maxLength": MAX_TRANSCRIPT_CHARS,
-                            "pattern": r"^[^\[\]]*$",
-                            "description": "The words spoken in the sample (ChatTTS's txt_smp; "
-                            "OpenAI clients send it through extra_body)",
-                        },
-                    },
-                },
-                "VoiceConsentRequest": {
-                    "type": "object",
-                    "additionalProperties": False,
-                    "required": ["recording", "name", "language"],
-                    "properties": {
-                        "recording": {"type": "string", "format": "binary"},
-                        "name": {"type": "string", "maxLength": MAX_LABEL_CHARS, "pattern": r"\S"},
-                        "language": {"type": "string", "pattern": LANGUAGE.pattern},
-                    },
-                },
-                "VoiceConsentUpdate": {
-                    "type": "object",
-                    "additionalProperties": False,
-                    "required": ["name"],
-                    "properties": {
-                        "name": {"type": "string", "maxLength": MAX_LABEL_CHARS, "pattern": r"\S"}
-                    },
-                },
-                "TuningRequest": _tuning(limits),
-                "Error": {
-                    "type": "object",
-                    "required": ["error"],
-                    "properties": {"error": {"type": "string"}},
-                },
-                "OpenAIError": {
-                    "type": "object",
-                    "required": ["error"],
-                    "properties": {
-                        "error": {
-                            "type": "object",
-                            "properties": {
-                                "message": {"type": "string"},
-                                "type": {"type": "string"},
-                                "param": {"type": ["string", "null"]},
-                                "code": {"type": ["string", "null"]},
-                            },
-                        }
-                    },
-                },
+        "paths": paths,
+        "components": {"schemas": _mark_voices(schemas)},
+    }
+
+
+def _models_of(described: Operation, context: Context):
+    for model in (_model(described.body, context), described.form):
+        if model is not None:
+            yield model, "validation"
+    answer = described.answer
+    if answer is AUDIO:
+        yield models.SpeechAudioDelta, "serialization"
+        yield models.SpeechAudioDone, "serialization"
+    elif answer is not None:
+        yield answer, "serialization"
+    for model, _ in described.others.values():
+        yield model, "serialization"
+    yield models.Error, "serialization"
+    yield models.OpenAIError, "serialization"
+
+
+def _operation(described: Operation, context: Context, refs: dict, openai: bool) -> dict:
+    def ref(model, mode) -> dict:
+        return refs[(model, mode)]
+
+    result: dict[str, Any] = {"summary": described.summary}
+    parameters = [
+        {
+            "name": name,
+            "in": "path",
+            "required": True,
+            "schema": TypeAdapter(kind).json_schema(schema_generator=_Schemas),
+        }
+        for name, kind in described.path.items()
+    ]
+    if described.query is not None:
+        schema = described.query.model_json_schema(schema_generator=_Schemas)
+        required = set(schema.get("required", ()))
+        parameters += [
+            {"name": name, "in": "query", "required": name in required, "schema": item}
+            for name, item in schema["properties"].items()
+        ]
+    if parameters:
+        result["parameters"] = parameters
+    content = {}
+    body = _model(described.body, context)
+    if body is not None:
+        content["application/json"] = {"schema": ref(body, "validation")}
+    if described.form is not None:
+        content["multipart/form-data"] = {
+            "schema": ref(described.form, "validation"),
+            "encoding": {name: {"contentType": models.AUDIO_TYPES} for name in _files(described)},
+        }
+    if content:
+        result["requestBody"] = {"required": True, "content": content}
+    error = ref(models.OpenAIError if openai else models.Error, "serialization")
+    result["responses"] = {
+        str(described.status): _answer(described, ref),
+        **{
+            str(code): {
+                "description": ERRORS[code],
+                "content": {"application/json": {"schema": error}},
             }
+            for code in described.errors
+        },
+        **{
+            str(code): {
+                "description": meaning,
+                "content": {"application/json": {"schema": ref(model, "serialization")}},
+            }
+            for code, (model, meaning) in described.others.items()
         },
     }
+    return result
+
+
+def _files(described: Operation) -> list[str]:
+    """The form's file fields: those typed ``models.Upload``."""
+    schema = described.form.model_json_schema(schema_generator=_Schemas)
+    return [name for name, item in schema["properties"].items() if item.get("format") == "binary"]
+
+
+def _answer(described: Operation, ref) -> dict:
+    if described.answer is AUDIO:
+        audio = {"schema": {"type": "string", "format": "binary"}}
+        content = {FORMATS[name][0]: audio for name in FORMATS if name != "pcm"}
+        content["audio/L16"] = audio
+        # stream_format "sse": each event holds one JSON object in its data
+        content["text/event-stream"] = {"schema": _speech_event(ref)}
+        return {
+            "description": "Audio. Headers: X-Cache (HIT/MISS), X-Audio-Seconds, X-Segments (how "
+            "many segments a long text was split into).",
+            "content": content,
+        }
+    if described.answer is None:
+        return {"description": described.described}
+    return {
+        "description": described.described or described.answer.__doc__ or "",
+        "content": {"application/json": {"schema": ref(described.answer, "serialization")}},
+    }
+
+
+def _speech_event(ref) -> dict:
+    """A Server-Sent Event of the speech stream: its data is a delta or the end."""
+    return {
+        "type": "object",
+        "required": ["data"],
+        "properties": {
+            "event": {"type": "string"},
+            "data": {
+                "type": "string",
+                "contentMediaType": "application/json",
+                "contentSchema": {
+                    "oneOf": [
+                        ref(models.SpeechAudioDelta, "serialization"),
+                        ref(models.SpeechAudioDone, "serialization"),
+                    ]
+                },
+            },
+        },
+    }
+
+
+def _mark_voices(schema):
+    """Put the reference to the voices component where a model marked a voice."""
+    if isinstance(schema, dict):
+        result = {key: _mark_voices(value) for key, value in schema.items()}
+        if result.pop(models.VOICE_MARK, False):
+            result["$ref"] = COMPONENTS + VOICE_REFERENCE
+        return result
+    if isinstance(schema, list):
+        return [_mark_voices(item) for item in schema]
+    return schema

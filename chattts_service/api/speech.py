@@ -8,7 +8,6 @@ each chunk as soon as the engine has decoded it; a client that leaves stops the 
 from __future__ import annotations
 
 import base64
-import json
 import select
 import socket
 import threading
@@ -19,6 +18,8 @@ from flask import Response, current_app, g, request
 
 from chattts_service.api import validation
 from chattts_service.api.errors import ApiError, NotReady, from_engine_error
+from chattts_service.api.models import CaptionedSpeech as CaptionedAnswer
+from chattts_service.api.models import SpeechAudioDelta, SpeechAudioDone, Usage
 from chattts_service.inference.types import SAMPLE_RATE, SAMPLES_PER_STEP, EngineError
 from chattts_service.runtime.metrics import Metrics
 from chattts_service.services import captions
@@ -131,18 +132,16 @@ def _captioned(speech: CaptionedSpeech, output: Output) -> Response:
     """The audio (base64) and its captions in one JSON answer; SubRip or WebVTT as well
     when the request's ``caption_format`` asks for them."""
     g.audio_seconds, g.cache = speech.seconds, speech.cache
-    answer = {
-        "audio": base64.b64encode(speech.audio).decode("ascii"),
-        "format": output.format,
-        "content_type": speech.content_type,
-        "seconds": round(speech.seconds, 6),
-        "captions": [caption.describe() for caption in speech.captions],
-    }
-    if output.captions == "srt":
-        answer["srt"] = captions.srt(speech.captions)
-    elif output.captions == "vtt":
-        answer["vtt"] = captions.vtt(speech.captions)
-    response = Response(json.dumps(answer, ensure_ascii=False), content_type="application/json")
+    answer = CaptionedAnswer(
+        audio=base64.b64encode(speech.audio).decode("ascii"),
+        format=output.format,
+        content_type=speech.content_type,
+        seconds=round(speech.seconds, 6),
+        captions=[caption.describe() for caption in speech.captions],
+        srt=captions.srt(speech.captions) if output.captions == "srt" else None,
+        vtt=captions.vtt(speech.captions) if output.captions == "vtt" else None,
+    )
+    response = Response(answer.model_dump_json(exclude_none=True), content_type="application/json")
     _headers(response, speech.cache, speech.seconds, speech.segments)
     return response
 
@@ -186,15 +185,11 @@ def _events(chunks, seconds: Callable[[], float], input_tokens: int):
     the audio's length, asked once every chunk is out (an encoded chunk's size says nothing
     of its samples)."""
     for chunk in chunks:
-        delta = {"type": "speech.audio.delta", "audio": base64.b64encode(chunk).decode("ascii")}
-        yield f"data: {json.dumps(delta)}\n\n".encode()
+        delta = SpeechAudioDelta(audio=base64.b64encode(chunk).decode("ascii"))
+        yield f"data: {delta.model_dump_json()}\n\n".encode()
     steps = -(-round(seconds() * SAMPLE_RATE) // SAMPLES_PER_STEP)
-    usage = {
-        "input_tokens": input_tokens,
-        "output_tokens": steps,
-        "total_tokens": input_tokens + steps,
-    }
-    yield f"data: {json.dumps({'type': 'speech.audio.done', 'usage': usage})}\n\n".encode()
+    usage = Usage(input_tokens=input_tokens, output_tokens=steps, total_tokens=input_tokens + steps)
+    yield f"data: {SpeechAudioDone(usage=usage).model_dump_json()}\n\n".encode()
 
 
 def client_gone(environ) -> Callable[[], bool] | None:

@@ -1,12 +1,20 @@
-"""Turn an HTTP request body into a SynthesisRequest, or a clear 4xx."""
+"""Turn an HTTP request body into what the service works with, or a clear 4xx.
+
+The bodies are declared in ``models.py``; here the JSON is read, checked against its model, and
+pydantic's findings are said in this service's words (one message per request: an unknown
+field first, then the first field in the body's order).
+"""
 
 from __future__ import annotations
 
 import json
 import math
-import unicodedata
-from dataclasses import dataclass, replace
-from typing import Any
+from dataclasses import replace
+from typing import Any, TypeVar, get_args
+
+import annotated_types
+from pydantic import BaseModel, ValidationError
+from pydantic.fields import FieldInfo
 
 from chattts_service.api.errors import (
     BadRequest,
@@ -14,44 +22,24 @@ from chattts_service.api.errors import (
     UnsupportedMediaType,
     from_voice_error,
 )
-from chattts_service.config import MAX_SEED, Settings
-from chattts_service.domain.text import (
-    TextError,
-    check_refine_prompt,
-    check_tokens,
-    normalise_text,
+from chattts_service.api.models import (
+    TOO_LARGE,
+    Body,
+    choices,
+    speech_bodies,
 )
+from chattts_service.config import Settings
 from chattts_service.domain.voices import VoiceError
-from chattts_service.inference.types import CODE_SAMPLING, SynthesisRequest
-from chattts_service.services.audio import FORMATS, STREAM_FORMATS
-from chattts_service.services.captions import CAPTION_FORMATS
+from chattts_service.inference.types import SynthesisRequest
+from chattts_service.services.audio import STREAM_FORMATS
 from chattts_service.services.speech import Output
-
-OPTION_FIELDS = {
-    "seed",
-    "voice",
-    "speed",
-    "temperature",
-    "top_p",
-    "top_k",
-    "refine_text",
-    "refine_prompt",
-    "normalize",
-    "stream",
-    "stream_format",
-}
-STREAM_FORMAT_CHOICES = ("audio", "sse")  # OpenAI's: raw audio, or Server-Sent Events
-SYNTHESIZE_FIELDS = {"text", "format"} | OPTION_FIELDS
-SPEECH_FIELDS = {"model", "input", "response_format", "instructions"} | OPTION_FIELDS
-# Model names an OpenAI client may send; they all mean the one model this service runs.
-# OpenAI's free-text voice instructions: taken (and not applied) up to this length
-MAX_INSTRUCTIONS_CHARS = 4096
-MODEL_IDS = ("chattts", "tts-1", "tts-1-hd", "gpt-4o-mini-tts", "gpt-4o-mini-tts-2025-12-15")
-
 
 # no body of this API nests deeper than a few levels; the limit holds whatever the Python
 # version's parser would take (3.11's recursion limit stops near 1,000 levels, 3.13's does not)
 MAX_JSON_DEPTH = 32
+# the fields whose length is the request's size: over the limit is a 413, not a 400
+TEXT_FIELDS = ("text", "input")
+M = TypeVar("M", bound=BaseModel)
 
 
 def _nested_too_deeply(text: str, limit: int = MAX_JSON_DEPTH) -> bool:
@@ -98,92 +86,93 @@ def json_body(content_type: str | None, raw: bytes) -> dict[str, Any]:
     return body
 
 
-@dataclass(frozen=True)
-class NumberField:
-    """A numeric option: what validation enforces and what the OpenAPI document states, from
-    one declaration. An integer field takes integral JSON numbers (4 and 4.0), as JSON Schema
-    does; null means the default."""
-
-    name: str
-    default: float | None
-    low: float
-    high: float
-    integer: bool
-    description: str
-
-    def parse(self, body: dict[str, Any], default=None):
-        value = body.get(self.name)
-        if value is None:
-            return self.default if default is None else default
-        kind = "an integer" if self.integer else "a number"
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise BadRequest(f"'{self.name}' must be {kind}")
-        if self.integer:
-            value = integral(value)
-            if not isinstance(value, int):
-                raise BadRequest(f"'{self.name}' must be {kind}")
-        if not math.isfinite(value) or not self.low <= value <= self.high:
-            raise BadRequest(
-                f"'{self.name}' must be between {number_text(self.low)} and "
-                f"{number_text(self.high)}"
-            )
-        return value
-
-    def schema(self, default=None) -> dict:
-        schema = {
-            "type": ["integer" if self.integer else "number", "null"],
-            "minimum": self.low,
-            "maximum": self.high,
-            "description": self.description,
-        }
-        if (default if default is not None else self.default) is not None:
-            schema["default"] = default if default is not None else self.default
-        return schema
+def parse(model: type[M], data: Any, what: str = "fields") -> M:
+    """``data`` as ``model``, or the clearest single reason it is not one."""
+    try:
+        return model.model_validate(data)
+    except ValidationError as error:
+        raise _refusal(model, error.errors(include_url=False), what) from None
 
 
-def integral(value):
-    """An integral JSON number as an int (4.0 -> 4), as JSON Schema counts it an integer;
-    anything else unchanged, for its own check to refuse."""
-    if isinstance(value, float) and math.isfinite(value) and value.is_integer():
-        return int(value)
-    return value
+def _refusal(model: type[BaseModel], errors: list[dict], what: str):
+    unknown = [str(e["loc"][0]) for e in errors if e["type"] == "extra_forbidden"]
+    if unknown:
+        accepted = ", ".join(sorted(model.model_fields))
+        return BadRequest(f"unknown {what}: {', '.join(unknown)}; accepted: {accepted}")
+    order = list(model.model_fields)
+    first = min(
+        errors,
+        key=lambda e: order.index(e["loc"][0]) if e["loc"] and e["loc"][0] in order else -1,
+    )
+    return _say(model, first)
+
+
+def _say(model: type[BaseModel], error: dict):
+    kind, context = error["type"], error.get("ctx") or {}
+    name = str(error["loc"][0]) if error["loc"] else None
+    field = model.model_fields.get(name) if name else None
+    if kind == TOO_LARGE:
+        return PayloadTooLarge(error["msg"])
+    if name is None or field is None:  # a rule across fields: the message names them
+        return BadRequest(error["msg"])
+    if kind == "missing":
+        return BadRequest(f"'{name}' is required")
+    if kind in ("string_too_long", "too_long"):
+        length, limit = len(error["input"]), context["max_length"]
+        if name in TEXT_FIELDS:
+            return PayloadTooLarge(f"'{name}' has {length} characters; the limit is {limit}")
+        return BadRequest(f"'{name}' is longer than {limit} characters")
+    if kind in ("string_too_short", "too_short"):
+        return BadRequest(f"'{name}' must not be empty")
+    if kind == "string_unicode":  # pydantic cannot count what it cannot read
+        return BadRequest(f"'{name}' contains an unpaired UTF-16 surrogate")
+    if kind == "string_type":
+        return BadRequest(f"'{name}' must be a string")
+    if kind == "bool_type":
+        return BadRequest(f"'{name}' must be true or false")
+    if kind in ("int_type", "int_parsing", "int_from_float"):
+        return BadRequest(f"'{name}' must be an integer")
+    if kind in ("float_type", "float_parsing"):
+        return BadRequest(f"'{name}' must be a number")
+    if kind in ("greater_than_equal", "less_than_equal", "finite_number"):
+        low, high = _bounds(field)
+        if high is None:
+            return BadRequest(f"'{name}' must be at least {number_text(low)}")
+        return BadRequest(f"'{name}' must be between {number_text(low)} and {number_text(high)}")
+    if kind == "literal_error":
+        allowed = [_json(value) for value in choices(field.annotation)]
+        return BadRequest(f"'{name}' must be one of {', '.join(allowed)}")
+    return BadRequest(error["msg"])  # ours (models.refuse), word for word
+
+
+def _bounds(field) -> tuple[float | None, float | None]:
+    """A numeric field's ``ge`` and ``le``, wherever ``Annotated`` and ``| None`` put them."""
+    found = {}
+
+    def visit(item) -> None:
+        if isinstance(item, annotated_types.Ge):
+            found.setdefault("ge", item.ge)
+        elif isinstance(item, annotated_types.Le):
+            found.setdefault("le", item.le)
+        elif isinstance(item, FieldInfo):
+            for constraint in item.metadata:
+                visit(constraint)
+        else:
+            for arg in get_args(item):
+                visit(arg)
+
+    for item in (*field.metadata, field.annotation):
+        visit(item)
+    return found.get("ge"), found.get("le")
+
+
+def _json(value) -> str:
+    return json.dumps(value) if isinstance(value, bool) else str(value)
 
 
 def number_text(value: float) -> str:
     """A bound as people write it: 2147483647, not 2.14748e+09; 0.25, not 0.250000."""
     return str(int(value)) if float(value).is_integer() else f"{value:g}"
-
-
-# The sampling knobs, with ChatTTS's defaults for speech codes and the ranges accepted.
-TEMPERATURE = NumberField(
-    "temperature",
-    CODE_SAMPLING.temperature,
-    0.01,
-    2.0,
-    False,
-    "Sampling temperature of the speech codes.",
-)
-TOP_P = NumberField("top_p", CODE_SAMPLING.top_p, 0.01, 1.0, False, "Nucleus sampling threshold.")
-TOP_K = NumberField("top_k", CODE_SAMPLING.top_k, 1, 100, True, "Top-k sampling.")
-SPEED = NumberField(
-    "speed",
-    1.0,
-    0.25,
-    4.0,
-    False,
-    "1 = normal. Mapped onto ChatTTS's [speed_0]..[speed_9] prompt (two levels "
-    "per doubling: 0.5 -> 3, 1 -> 5, 2 -> 7, 4 -> 9); the model's own pace range "
-    "is narrower than the numbers say.",
-)
-SEED = NumberField(
-    "seed",
-    None,
-    0,
-    MAX_SEED,
-    True,
-    "Sampling seed (and the voice when 'voice' is absent); the server's "
-    "CHATTTS_DEFAULT_SEED when absent.",
-)
 
 
 def speed_level(speed: float) -> int:
@@ -192,125 +181,39 @@ def speed_level(speed: float) -> int:
     return max(0, min(9, round(5 + 2 * math.log2(speed))))
 
 
-def _flag(body, name, default):
-    value = body.get(name, None)
-    if value is None:
-        return default
-    if not isinstance(value, bool):
-        raise BadRequest(f"'{name}' must be true or false")
-    return value
-
-
-def _text(body, name, settings):
-    if name not in body:
-        raise BadRequest(f"'{name}' is required")
-    text = body[name]
-    if not isinstance(text, str):
-        raise BadRequest(f"'{name}' must be a string")
-    if any(0xD800 <= ord(ch) <= 0xDFFF for ch in text):
-        raise BadRequest(f"'{name}' contains an unpaired UTF-16 surrogate")
-    if len(text) > settings.max_chars:  # code points, as JSON Schema's maxLength counts
-        raise PayloadTooLarge(
-            f"'{name}' has {len(text)} characters; the limit is {settings.max_chars}"
-        )
-    try:
-        # as sent: "[lau\x01gh]" is not "[laugh]", though removing control characters (below)
-        # would make it one; the OpenAPI document's pattern reads the text as sent too
-        check_tokens(unicodedata.normalize("NFC", text), settings.max_control_tokens)
-    except TextError as error:
-        raise BadRequest(str(error)) from None
-    text = normalise_text(text)
-    if not text:
-        raise BadRequest(f"'{name}' must not be empty")
-    return text
-
-
-def voice_reference(value: Any) -> Any:
-    """A voice as a string, or as OpenAI's voice object ``{"id": "..."}`` (any voice's name
-    or id): the string either way. Anything else is handed on for the voice store to refuse."""
-    if isinstance(value, dict):
-        if set(value) != {"id"} or not isinstance(value["id"], str):
-            raise BadRequest('a \'voice\' object must be {"id": "<a voice\'s name or id>"}')
-        return value["id"]
-    return value
-
-
-# Long: one check per field, in the order of the README's field table.
-def synthesis_options(
-    body: dict[str, Any],
-    settings: Settings,
-    voices,
-    *,
-    text_field: str,
-    format_field: str,
-    default_format: str,
-    accepted: set[str],
-    default_stream: bool = False,
+def _speech(
+    body: Body, text: str, voices, *, default_stream: bool
 ) -> tuple[SynthesisRequest, Output]:
-    """The options /synthesize and /v1/audio/speech share, checked one by one. Without a
+    """A validated speech body -> the synthesis request and how to answer it. Without a
     ``stream`` field, a format that streams is streamed when ``default_stream``."""
-    unknown = sorted(set(body) - accepted)
-    if unknown:
-        raise BadRequest(
-            f"unknown fields: {', '.join(unknown)}; accepted: {', '.join(sorted(accepted))}"
-        )
-    text = _text(body, text_field, settings)
-
-    seed = SEED.parse(body, settings.default_seed)
-
     voice = None
-    if body.get("voice") is not None:
+    if body.voice is not None:
         if voices is None:
             raise BadRequest("voices are not available until the model is loaded")
         try:
-            voice = voices.get(voice_reference(body["voice"]))
+            voice = voices.get(body.voice)
         except VoiceError as error:
             raise from_voice_error(error, in_field=True) from None
-
-    audio_format = body.get(format_field)
-    if audio_format is None:
-        audio_format = default_format
-    if not isinstance(audio_format, str) or audio_format not in FORMATS:
-        raise BadRequest(f"'{format_field}' must be one of {', '.join(FORMATS)}")
-    stream = _flag(body, "stream", None)
-    if stream and audio_format not in STREAM_FORMATS:
-        raise BadRequest(
-            f"streaming sends {' or '.join(STREAM_FORMATS)}; "
-            f"'{format_field}' {audio_format!r} cannot be streamed"
-        )
-
-    refine_prompt = body.get("refine_prompt")
-    if refine_prompt is None:
-        refine_prompt = ""
-    if not isinstance(refine_prompt, str):
-        raise BadRequest("'refine_prompt' must be a string")
-    try:
-        refine_prompt = check_refine_prompt(refine_prompt)
-    except TextError as error:
-        raise BadRequest(str(error)) from None
-    refine_text = _flag(body, "refine_text", settings.refine_text)
-    if refine_prompt and not refine_text:
-        raise BadRequest("'refine_prompt' steers text refinement; set 'refine_text': true")
-
     request = SynthesisRequest(
         text=text,
-        seed=seed,
-        refine_text=refine_text,
+        seed=body.seed,
+        refine_text=body.refine_text,
         voice=voice,
-        speed=speed_level(SPEED.parse(body)),
-        temperature=float(TEMPERATURE.parse(body)),
-        top_p=float(TOP_P.parse(body)),
-        top_k=TOP_K.parse(body),
-        normalize=_flag(body, "normalize", settings.normalize),
-        refine_prompt=refine_prompt,
+        speed=speed_level(body.speed),
+        temperature=float(body.temperature),
+        top_p=float(body.top_p),
+        top_k=body.top_k,
+        normalize=body.normalize,
+        refine_prompt=body.refine_prompt,
     )
-    stream_format = body.get("stream_format")
-    if stream_format is not None and stream_format not in STREAM_FORMAT_CHOICES:
-        raise BadRequest(f"'stream_format' must be one of {', '.join(STREAM_FORMAT_CHOICES)}")
+    audio_format, asked = body.audio_format, body.model_fields_set
+    stream_format = body.stream_format if "stream_format" in asked else None
     # asked for: chunks from the first steps on; by default, a segment at a time (as cheap as
     # a whole answer)
-    early = bool(stream) or stream_format is not None
-    if stream is None:
+    early = ("stream" in asked and body.stream) or stream_format is not None
+    if "stream" in asked:
+        stream = body.stream
+    else:
         stream = default_stream and audio_format in STREAM_FORMATS
     events = stream_format == "sse"
     # events carry the audio as it is decoded where the format streams, else the whole file
@@ -322,15 +225,17 @@ def synthesize_request(
     body: dict[str, Any], settings: Settings, voices=None
 ) -> tuple[SynthesisRequest, Output]:
     """POST /synthesize: WAV unless asked otherwise."""
-    return synthesis_options(
-        body,
-        settings,
-        voices,
-        text_field="text",
-        format_field="format",
-        default_format="wav",
-        accepted=SYNTHESIZE_FIELDS,
-    )
+    parsed = parse(speech_bodies(settings).synthesize, body)
+    return _speech(parsed, parsed.text, voices, default_stream=False)
+
+
+def speech_request(
+    body: dict[str, Any], settings: Settings, voices
+) -> tuple[SynthesisRequest, Output]:
+    """POST /v1/audio/speech: OpenAI's fields (MP3 by default, streamed unless
+    ``"stream": false`` or FLAC, as OpenAI's endpoint answers), plus this service's options."""
+    parsed = parse(speech_bodies(settings).speech, body)
+    return _speech(parsed, parsed.input, voices, default_stream=True)
 
 
 def captioned_speech_request(
@@ -338,50 +243,9 @@ def captioned_speech_request(
 ) -> tuple[SynthesisRequest, Output]:
     """POST /v1/audio/captioned_speech: the /v1/audio/speech body plus ``caption_format``;
     answered whole, every sentence read as its own segment so the captions are exact."""
-    caption_format = body.get("caption_format")
-    if caption_format is None:
-        caption_format = "json"
-    if caption_format not in CAPTION_FORMATS:
-        raise BadRequest(f"'caption_format' must be one of {', '.join(CAPTION_FORMATS)}")
-    for name in ("stream", "stream_format"):
-        if body.get(name) not in (None, False, "audio"):
-            raise BadRequest(f"captioned speech is answered whole: '{name}' cannot be used here")
-    request, output = speech_request(body, settings, voices, SPEECH_FIELDS | {"caption_format"})
+    parsed = parse(speech_bodies(settings).captioned, body)
+    request, output = _speech(parsed, parsed.input, voices, default_stream=False)
     return (
         replace(request, sentence_segments=True),
-        Output(format=output.format, stream=False, captions=caption_format),
-    )
-
-
-def speech_request(
-    body: dict[str, Any], settings: Settings, voices, accepted: set[str] = SPEECH_FIELDS
-) -> tuple[SynthesisRequest, Output]:
-    """POST /v1/audio/speech: OpenAI's fields (MP3 by default, streamed unless
-    ``"stream": false`` or FLAC, as OpenAI's endpoint answers), plus this service's options."""
-    model = body.get("model")
-    if model is None:
-        raise BadRequest("'model' is required")
-    if model not in MODEL_IDS:
-        raise BadRequest(f"unknown model {model!r}; models: {', '.join(MODEL_IDS)}")
-    if body.get("voice") is None:
-        raise BadRequest("'voice' is required")
-    instructions = body.get("instructions")
-    if instructions is not None and not isinstance(instructions, str):
-        raise BadRequest("'instructions' must be a string")
-    if instructions and len(instructions) > MAX_INSTRUCTIONS_CHARS:
-        raise BadRequest(f"'instructions' is longer than {MAX_INSTRUCTIONS_CHARS} characters")
-    if instructions and settings.instructions == "refuse":
-        raise BadRequest(
-            "'instructions' is not supported; ChatTTS is steered with control "
-            "tokens in the text and 'refine_prompt'"
-        )
-    return synthesis_options(
-        body,
-        settings,
-        voices,
-        text_field="input",
-        format_field="response_format",
-        default_format="mp3",
-        accepted=accepted,
-        default_stream=True,
+        Output(format=output.format, stream=False, captions=parsed.caption_format),
     )

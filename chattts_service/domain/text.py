@@ -26,6 +26,7 @@ REFINE_TOKENS = {"oral": range(10), "laugh": range(3), "break": range(8)}
 
 TOKEN = re.compile(r"\[[^\[\]]*\]")
 _REFINE_TOKEN = re.compile(r"\[(oral|laugh|break)_(\d)\]")
+_REFINE_PROMPT = re.compile(r"(?: *\[(?:oral|laugh|break)_\d\])* *")
 # A sentence ends after these, with any closing quotes or brackets that follow.
 _SENTENCE_END = re.compile(r"(?<=[。！？!?；;…\n])[”’\"'）)\]」』]*|(?<=[.])[”’\"')\]]*(?=\s|$)")
 _CLAUSE_END = re.compile(r"(?<=[，,、：:])")
@@ -51,22 +52,22 @@ def check_tokens(text: str, max_tokens: int) -> int:
 
 
 def check_refine_prompt(prompt: str) -> str:
-    """A refinement prompt is a run of ``[oral_N]``, ``[laugh_N]`` and ``[break_N]`` tokens."""
-    prompt = prompt.replace(" ", "")
-    rest = _REFINE_TOKEN.sub("", prompt)
-    if rest:
+    """A refinement prompt is a run of ``[oral_N]``, ``[laugh_N]`` and ``[break_N]`` tokens,
+    spaces allowed between them; returned without the spaces."""
+    if not _REFINE_PROMPT.fullmatch(prompt):
         raise TextError(
             "'refine_prompt' may only hold [oral_0-9], [laugh_0-2] and [break_0-7] "
             f"tokens; got {prompt!r}"
         )
-    for kind, number in _REFINE_TOKEN.findall(prompt):
+    tokens = _REFINE_TOKEN.findall(prompt)
+    for kind, number in tokens:
         if int(number) not in REFINE_TOKENS[kind]:
             allowed = REFINE_TOKENS[kind]
             raise TextError(
                 f"[{kind}_{number}] is out of range: {kind} goes from "
                 f"{allowed.start} to {allowed.stop - 1}"
             )
-    return prompt
+    return "".join(f"[{kind}_{number}]" for kind, number in tokens)
 
 
 def normalise_text(text: str) -> str:

@@ -13,6 +13,8 @@ from flask import Blueprint, current_app, jsonify, request
 
 from chattts_service.api import validation
 from chattts_service.api.errors import BadRequest, Forbidden, NotReady
+from chattts_service.api.models import Tuning, tuning_body
+from chattts_service.api.openapi import BODY_ERRORS, operation
 from chattts_service.inference.policy import PolicyError
 
 blueprint = Blueprint("admin", __name__)
@@ -28,28 +30,42 @@ def _policy():
     return state.engine.policy
 
 
+def _body(limits: dict):
+    """The request model for these limits (one per set of bounds)."""
+    return tuning_body(tuple((name, bounds.low, bounds.high) for name, bounds in limits.items()))
+
+
 @blueprint.get("/admin/config")
+@operation(
+    "Batching settings in effect, and their limits (API key)",
+    answer=Tuning,
+    errors=(401, 403, 503),
+)
 def show():
     policy = _policy()
-    return jsonify(
-        current=policy.snapshot(),
-        limits={
-            name: {"min": bounds.low, "max": bounds.high}
-            for name, bounds in policy.limits().items()
-        },
-    )
+    limits = {
+        name: {"min": bounds.low, "max": bounds.high} for name, bounds in policy.limits().items()
+    }
+    return jsonify(Tuning(current=policy.snapshot(), limits=limits).model_dump())
 
 
 @blueprint.post("/admin/config")
+@operation(
+    "Change max_batch, batch_wait_ms, max_queue, max_wait_s on the running server (API key)",
+    body=lambda context: _body(context.limits),
+    answer=Tuning,
+    described="Settings now in effect",
+    errors=(*BODY_ERRORS, 403, 503),
+)
 def change():
     policy = _policy()
     body = validation.json_body(request.mimetype, request.get_data(cache=False))
-    if not body:
+    changes = validation.parse(_body(policy.limits()), body).model_dump(exclude_none=True)
+    if not changes:
         raise BadRequest(f"send one or more of {', '.join(policy.limits())}")
     try:
-        changes = {name: validation.integral(value) for name, value in body.items()}
         current = current_app.extensions["chattts"].engine.tune(**changes)
     except PolicyError as error:
         raise BadRequest(str(error)) from None
-    log.warning("batching tuned at run time: %s", body)
-    return jsonify(current=current)
+    log.warning("batching tuned at run time: %s", changes)
+    return jsonify(Tuning(current=current).model_dump(exclude_none=True))

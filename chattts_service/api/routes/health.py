@@ -5,16 +5,25 @@ from __future__ import annotations
 from flask import Blueprint, Response, current_app, jsonify
 
 from chattts_service.api.errors import RETRY_AFTER_SECONDS
+from chattts_service.api.models import Alive, Ready
+from chattts_service.api.openapi import operation
 
 blueprint = Blueprint("health", __name__)
 
 
 @blueprint.get("/healthz")
+@operation("Liveness", answer=Alive, described="Alive")
 def healthz():
     return jsonify(status="alive")
 
 
 @blueprint.get("/readyz")
+@operation(
+    "Readiness: 200 once loaded and warmed up",
+    answer=Ready,
+    described="Ready",
+    others={503: (Ready, "Not ready: the phase (and the download's progress); Retry-After")},
+)
 def readyz():
     state = current_app.extensions["chattts"]
     if state.ready:
@@ -31,6 +40,7 @@ def readyz():
 
 
 @blueprint.get("/metrics")
+@operation("Prometheus metrics", described="Prometheus text format", errors=(401,))
 def metrics():
     state = current_app.extensions["chattts"]
     state.metrics.cache_entries.set(len(state.cache))

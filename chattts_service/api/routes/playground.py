@@ -7,12 +7,14 @@ from importlib import resources
 
 from flask import Blueprint, Response, current_app, jsonify
 
+from chattts_service.api.openapi import operation
 from chattts_service.runtime import heap
 
 blueprint = Blueprint("playground", __name__)
 
 
 @blueprint.get("/")
+@operation("The playground page (HTML, no external assets)", described="HTML")
 def page():
     html = resources.files("chattts_service.api").joinpath("static/index.html").read_bytes()
     response = Response(html, content_type="text/html; charset=utf-8")
@@ -21,6 +23,12 @@ def page():
 
 
 @blueprint.get("/status")
+@operation(
+    "Service status for the playground: state, queue, cache, recent latency and real-time "
+    "factor, degraded mode, model, uptime",
+    described="Status object",
+    errors=(401,),
+)
 def status():
     """What the operators see, as one small JSON object (not Prometheus text)."""
     state = current_app.extensions["chattts"]

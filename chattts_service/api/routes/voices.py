@@ -29,19 +29,30 @@ from chattts_service.api.errors import (
     from_engine_error,
     from_voice_error,
 )
+from chattts_service.api.models import (
+    ConsentId,
+    ConsentPage,
+    Voice,
+    VoiceConsent,
+    VoiceConsentDeleted,
+    VoiceConsentList,
+    VoiceConsentRequest,
+    VoiceConsentUpdate,
+    VoiceDeleted,
+    VoiceList,
+    VoiceName,
+    VoiceRequest,
+    VoiceSampleRequest,
+)
+from chattts_service.api.openapi import BODY_ERRORS, operation
+from chattts_service.config import MAX_SEED
 from chattts_service.domain.voices import SpeakerSample, VoiceError
 from chattts_service.inference.types import EngineError
 from chattts_service.services import recordings
-from chattts_service.services.consents import (
-    DEFAULT_PAGE,
-    MAX_PAGE,
-    ConsentError,
-    ConsentStore,
-)
+from chattts_service.services.consents import ConsentError, ConsentStore
 from chattts_service.services.recordings import (
     MAX_CONSENT_SECONDS,
     MAX_SAMPLE_SECONDS,
-    MAX_TRANSCRIPT_CHARS,
     MIN_CONSENT_SECONDS,
     MIN_SAMPLE_SECONDS,
 )
@@ -51,8 +62,7 @@ blueprint = Blueprint("voices", __name__)
 # multipart bodies: the recording (10 MiB at most) and a few small fields
 MAX_FORM_BYTES = recordings.MAX_UPLOAD_BYTES + 64 * 1024
 FORM_TYPES = ("multipart/form-data", "application/x-www-form-urlencoded")
-SAMPLE_FIELDS = {"audio_sample", "name", "consent", "type", "transcript"}
-CONSENT_FIELDS = {"recording", "name", "language"}
+VOICE_ERRORS = (400, 401, 404, 503)
 
 
 def _state():
@@ -69,16 +79,29 @@ def _consents() -> ConsentStore:
 
 
 @blueprint.get("/v1/audio/voices")
+@operation("Named voices", answer=VoiceList, errors=(401, 503))
 def list_voices():
     listing = _state().engine.voices.listing()
-    return jsonify(
+    answer = VoiceList(
         voices=[item["name"] for item in listing],
         details=listing,
-        seed_voices="seed:N (N from 0 to 2147483647)",
+        seed_voices=f"seed:N (N from 0 to {MAX_SEED})",
     )
+    return jsonify(answer.model_dump(exclude_none=True))
 
 
 @blueprint.post("/v1/audio/voices")
+@operation(
+    "A voice from a recording (multipart, as OpenAI's clients send it: audio_sample, consent, "
+    "name, and the sample's transcript), or a named voice from a ChatTTS speaker embedding "
+    "string or another voice (JSON)",
+    body=VoiceRequest,
+    form=VoiceSampleRequest,
+    answer=Voice,
+    status=201,
+    described="The voice (OpenAI's Voice object for a recording)",
+    errors=(*BODY_ERRORS, 404, 409, 422, 503),
+)
 def create_voice():
     if request.mimetype in FORM_TYPES:
         return _voice_from_recording()
@@ -90,21 +113,10 @@ def _register_voice():
     resolves (a blend such as ``alloy(2)+echo(1)``, ``seed:N``)."""
     store = _state().engine.voices
     body = validation.json_body(request.mimetype, request.get_data(cache=False))
-    unknown = sorted(set(body) - {"name", "embedding", "voice", "replace"})
-    if unknown:
-        raise BadRequest(
-            f"unknown fields: {', '.join(unknown)}; accepted: embedding, name, replace, voice "
-            "(or multipart/form-data with audio_sample, consent, name, transcript)"
-        )
-    replace = body.get("replace", False)
-    if not isinstance(replace, bool):
-        raise BadRequest("'replace' must be true or false")
-    source = validation.voice_reference(body.get("voice"))
-    if source is not None and not isinstance(source, str):
-        raise BadRequest("'voice' must be a string")
+    asked = validation.parse(VoiceRequest, body)
     try:
         voice = store.register(
-            body.get("name"), body.get("embedding"), replace=replace, voice=source
+            asked.name, asked.embedding, replace=asked.replace, voice=asked.voice
         )
     except VoiceError as error:  # a voice to copy that does not exist: as in a speech request
         raise from_voice_error(error, in_field=True) from None
@@ -113,16 +125,11 @@ def _register_voice():
     return response
 
 
-def _form(accepted: set[str], files: set[str]):
-    """The form's text fields and its one file, or a 4xx naming what is wrong."""
+def _form(model, name: str):
+    """The form as ``model`` and its one file ``name``, or a 4xx naming what is wrong."""
     request.max_content_length = MAX_FORM_BYTES
-    form, uploads = request.form, request.files
-    unknown = sorted((set(form) | set(uploads)) - accepted)
-    if unknown:
-        raise BadRequest(
-            f"unknown fields: {', '.join(unknown)}; accepted: {', '.join(sorted(accepted))}"
-        )
-    (name,) = files
+    uploads = request.files
+    form = validation.parse(model, {**request.form.to_dict(), **uploads.to_dict()})
     upload = uploads.get(name)
     if upload is None:
         raise BadRequest(f"'{name}' is required: the recording, as a file in the form")
@@ -141,22 +148,12 @@ def _voice_from_recording():
     24 kHz mono -> the DVAE's codes (``Chat.sample_audio_speaker``) -> a stored voice."""
     state = _state()
     engine = state.engine
-    form, data, _ = _form(SAMPLE_FIELDS, {"audio_sample"})
-    kind = form.get("type", "audio_sample")
-    if kind != "audio_sample":
-        raise BadRequest(
-            "'type' must be audio_sample: ChatTTS makes a voice from a recording, an "
-            "embedding or a seed, not from a text prompt"
+    form, data, _ = _form(VoiceSampleRequest, "audio_sample")
+    if not _consents().exists(form.consent):
+        raise NotFound(
+            f"no consent {form.consent!r}: record one with POST /v1/audio/voice_consents"
         )
-    name = form.get("name")
-    if not name:
-        raise BadRequest("'name' is required")
-    consent = form.get("consent")
-    if not consent:
-        raise BadRequest("'consent' is required: the id of a voice consent (cons_...)")
-    if not _consents().exists(consent):
-        raise NotFound(f"no consent {consent!r}: record one with POST /v1/audio/voice_consents")
-    transcript = _transcript(form.get("transcript"))
+    transcript = _transcript(form.transcript)
     store = engine.voices
     try:
         store.check_room()  # before the work, and again when storing
@@ -174,7 +171,7 @@ def _voice_from_recording():
 
     try:
         voice = store.create_from_sample(
-            name, SpeakerSample(codes, transcript), encode_prompt(codes), consent
+            form.name, SpeakerSample(codes, transcript), encode_prompt(codes), form.consent
         )
     except VoiceError as error:
         raise from_voice_error(error) from None
@@ -183,38 +180,47 @@ def _voice_from_recording():
     return response
 
 
-def _transcript(value) -> str:
+def _transcript(value: str) -> str:
     """The words spoken in the sample, as upstream takes ``txt_smp``: as written (ChatTTS's
     issue #648: the prompt must say what the recording says), control characters removed."""
-    if value is None:
-        return ""
     text = unicodedata.normalize("NFC", value)
     text = "".join(ch for ch in text if ch.isprintable() or ch == " ").strip()
-    if len(text) > MAX_TRANSCRIPT_CHARS:
-        raise BadRequest(f"'transcript' is longer than {MAX_TRANSCRIPT_CHARS} characters")
     if "[" in text or "]" in text:
         raise BadRequest("'transcript' is the words spoken in the sample: no [control] tokens")
     return text
 
 
 @blueprint.get("/v1/audio/voices/<name>")
+@operation(
+    "One voice, by name or id",
+    answer=Voice,
+    described="The voice",
+    path={"name": VoiceName},
+    errors=VOICE_ERRORS,
+)
 def get_voice(name: str):
     try:
         voice = _state().engine.voices.get(name)
     except VoiceError as error:
         raise from_voice_error(error) from None
-    return jsonify(voice.describe())
+    return jsonify(Voice(voice.describe()).model_dump())
 
 
 @blueprint.delete("/v1/audio/voices/<name>")
+@operation(
+    "Delete a stored voice, by name or id",
+    answer=VoiceDeleted,
+    described="OpenAI's VoiceDeleted object",
+    path={"name": VoiceName},
+    errors=VOICE_ERRORS,
+)
 def delete_voice(name: str):
     try:
         voice = _state().engine.voices.delete(name)
     except VoiceError as error:
         raise from_voice_error(error) from None
-    return jsonify(
-        id=voice.id or voice.name, object="audio.voice.deleted", deleted=True, name=voice.name
-    )
+    deleted = VoiceDeleted(id=voice.id or voice.name, deleted=True, name=voice.name)
+    return jsonify(deleted.model_dump())
 
 
 # -- consents ------------------------------------------------------------------------------------
@@ -228,50 +234,72 @@ def consent_error(error: ConsentError):
 
 
 @blueprint.post("/v1/audio/voice_consents")
+@operation(
+    "Record a speaker's consent to voices made from them (the recording is kept for audit)",
+    form=VoiceConsentRequest,
+    answer=VoiceConsent,
+    status=201,
+    described="OpenAI's VoiceConsent object",
+    errors=(*BODY_ERRORS, 409, 422),
+)
 def create_consent():
     if request.mimetype not in FORM_TYPES:
         raise UnsupportedMediaType(
             "send multipart/form-data with recording (a file), name and language"
         )
-    form, data, extension = _form(CONSENT_FIELDS, {"recording"})
-    for field in ("name", "language"):
-        if not form.get(field):
-            raise BadRequest(f"'{field}' is required")
+    form, data, extension = _form(VoiceConsentRequest, "recording")
     try:
         recordings.read(data, "recording", MAX_CONSENT_SECONDS, MIN_CONSENT_SECONDS)
     except recordings.RecordingError as error:
         raise Unprocessable(str(error)) from None
-    consent = _consents().create(form["name"], form["language"], data, extension)
-    response = jsonify(consent)
+    consent = _consents().create(form.name, form.language, data, extension)
+    response = jsonify(VoiceConsent(**consent).model_dump())
     response.status_code = 201
     return response
 
 
 @blueprint.get("/v1/audio/voice_consents")
+@operation(
+    "Voice consents, newest first (OpenAI's cursor paging)",
+    query=ConsentPage,
+    answer=VoiceConsentList,
+    described="A list page",
+    errors=(400, 401, 404),
+)
 def list_consents():
-    unknown = sorted(set(request.args) - {"after", "limit"})
-    if unknown:
-        raise BadRequest(f"unknown parameters: {', '.join(unknown)}; accepted: after, limit")
-    limit = request.args.get("limit", str(DEFAULT_PAGE))
-    if not limit.isdigit() or not 1 <= int(limit) <= MAX_PAGE:
-        raise BadRequest(f"'limit' must be an integer from 1 to {MAX_PAGE}")
-    return jsonify(_consents().page(request.args.get("after"), int(limit)))
+    page = validation.parse(ConsentPage, request.args.to_dict(), what="parameters")
+    return jsonify(VoiceConsentList(**_consents().page(page.after, page.limit)).model_dump())
+
+
+CONSENT = {"consent_id": ConsentId}
 
 
 @blueprint.get("/v1/audio/voice_consents/<consent_id>")
+@operation("One consent", answer=VoiceConsent, path=CONSENT, errors=(401, 404))
 def get_consent(consent_id: str):
-    return jsonify(_consents().get(consent_id))
+    return jsonify(VoiceConsent(**_consents().get(consent_id)).model_dump())
 
 
 @blueprint.post("/v1/audio/voice_consents/<consent_id>")
+@operation(
+    "Rename a consent",
+    body=VoiceConsentUpdate,
+    answer=VoiceConsent,
+    path=CONSENT,
+    errors=(*BODY_ERRORS, 404),
+)
 def rename_consent(consent_id: str):
     body = validation.json_body(request.mimetype, request.get_data(cache=False))
-    unknown = sorted(set(body) - {"name"})
-    if unknown:
-        raise BadRequest(f"unknown fields: {', '.join(unknown)}; accepted: name")
-    return jsonify(_consents().rename(consent_id, body.get("name")))
+    name = validation.parse(VoiceConsentUpdate, body).name
+    return jsonify(VoiceConsent(**_consents().rename(consent_id, name)).model_dump())
 
 
 @blueprint.delete("/v1/audio/voice_consents/<consent_id>")
+@operation(
+    "Delete a consent and its recording",
+    answer=VoiceConsentDeleted,
+    path=CONSENT,
+    errors=(401, 404),
+)
 def delete_consent(consent_id: str):
-    return jsonify(_consents().delete(consent_id))
+    return jsonify(VoiceConsentDeleted(**_consents().delete(consent_id)).model_dump())

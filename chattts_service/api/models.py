@@ -1,0 +1,731 @@
+"""Every JSON body the API takes and every JSON answer it gives, declared once.
+
+Each is a pydantic model: a request is validated by its model (JSON's own types, strictly;
+bounds; choices; unknown fields refused; ``null`` meaning the default) and the OpenAPI
+document's schemas are the same models' JSON Schemas (``openapi.py``). What JSON Schema cannot
+check the way the service does (a text's control tokens, a voice's name) is checked by the
+domain's own functions, called from the model, and stated in the schema as a pattern; the
+tests hold the two to each other.
+
+The speech bodies depend on the deployment (the text limit, the defaults from the settings),
+so they are built once per ``Settings`` (``speech_bodies``); everything else is static.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import re
+import unicodedata
+from typing import Annotated, Any, ClassVar, Literal, NamedTuple, get_args
+
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    RootModel,
+    ValidationInfo,
+    WithJsonSchema,
+    create_model,
+    model_validator,
+)
+from pydantic_core import PydanticCustomError
+
+from chattts_service.config import MAX_SEED, Settings
+from chattts_service.domain.text import (
+    INLINE_TOKENS,
+    REFINE_TOKENS,
+    TextError,
+    check_refine_prompt,
+    check_tokens,
+    normalise_text,
+)
+from chattts_service.domain.voices import MAX_BLEND_PARTS, MAX_EMBEDDING_CHARS, NAME
+from chattts_service.inference.types import CODE_SAMPLING
+from chattts_service.services.audio import FORMATS, STREAM_FORMATS
+from chattts_service.services.captions import CAPTION_FORMATS
+from chattts_service.services.consents import CONSENT_ID, LANGUAGE, MAX_LABEL_CHARS, MAX_PAGE
+from chattts_service.services.recordings import (
+    MAX_SAMPLE_SECONDS,
+    MAX_TRANSCRIPT_CHARS,
+    MIN_SAMPLE_SECONDS,
+)
+
+# Model names an OpenAI client may send; they all mean the one model this service runs.
+MODEL_IDS = ("chattts", "tts-1", "tts-1-hd", "gpt-4o-mini-tts", "gpt-4o-mini-tts-2025-12-15")
+# OpenAI's free-text voice instructions: taken (and not applied) up to this length
+MAX_INSTRUCTIONS_CHARS = 4096
+STREAM_FORMAT_CHOICES = ("audio", "sse")  # OpenAI's: raw audio, or Server-Sent Events
+# The voices a request may name change at run time: the document puts a reference to its
+# component of them (``voice_schema``, built when the document is) where this key stands.
+VOICE_MARK = "x-voice"
+
+# A request's refusal that is not a plain 400: its pydantic error type -> the status
+TOO_LARGE = "too_large"
+
+
+def refuse(message: str, kind: str = "invalid") -> PydanticCustomError:
+    """A validation error whose message is ours, word for word."""
+    return PydanticCustomError(kind, "{message}", {"message": message})
+
+
+def _domain(check):
+    """A domain check (raising TextError) as a field validator."""
+
+    def validate(value):
+        try:
+            return check(value)
+        except TextError as error:
+            raise refuse(str(error)) from None
+
+    return validate
+
+
+def integral(value):
+    """An integral JSON number as an int (4.0 -> 4), as JSON Schema counts it an integer;
+    anything else unchanged, for the type check to refuse."""
+    if isinstance(value, float) and math.isfinite(value) and value.is_integer():
+        return int(value)
+    return value
+
+
+def Integer(low: int, high: int | None, description: str | None = None):  # noqa: N802
+    return Annotated[
+        int, Field(ge=low, le=high, description=description), BeforeValidator(integral)
+    ]
+
+
+def Number(low: float, high: float, description: str | None = None):  # noqa: N802
+    return Annotated[float, Field(ge=low, le=high, allow_inf_nan=False, description=description)]
+
+
+def choices(annotation) -> tuple:
+    """The values a ``Literal`` (possibly ``| None``) allows."""
+    found = []
+    for arg in get_args(annotation):
+        if isinstance(arg, str | bool | int):
+            found.append(arg)
+        else:
+            found.extend(choices(arg))
+    return tuple(found)
+
+
+Flag = bool | None
+
+
+class Body(BaseModel):
+    """A JSON request body: JSON's types only ("1" is not 1), unknown fields refused, and
+    ``null`` meaning the default for every field that has one."""
+
+    model_config = ConfigDict(strict=True, extra="forbid", frozen=True)
+    NULL_IS_DEFAULT: ClassVar[bool] = True
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_default(cls, data: Any) -> Any:
+        if not isinstance(data, dict) or not cls.NULL_IS_DEFAULT:
+            return data
+        fields = cls.model_fields
+        return {
+            key: value
+            for key, value in data.items()
+            if value is not None or key not in fields or fields[key].is_required()
+        }
+
+
+# -- the text, voices and the refinement prompt: checked by the domain, stated as patterns ----
+
+
+def text_patterns() -> tuple[str, str]:
+    """What the service takes as text, as two plain patterns: the whole text holds no
+    ``[...]`` but the inline control tokens (a "[" counts as a token's start when a "]" comes
+    before the next "["); and somewhere it has something besides white space and control
+    characters. (Unpaired UTF-16 surrogates are refused too; JSON Schema cannot say so.)"""
+    tokens = "|".join(token.strip("[]") for token in INLINE_TOKENS)
+    segment = rf"\[(?:(?:{tokens})\][^\[]*|[^\[\]]*)"
+    visible = rf"[^\s\x00-\x1f\x7f-\x9f\[]|\[(?:{tokens})\]"
+    return rf"^[^\[]*(?:{segment})*$", visible
+
+
+def _text_type(settings: Settings):
+    """The text to speak: at most ``max_chars`` code points as sent (413 beyond), only the
+    inline control tokens, something to say; normalised (``normalise_text``)."""
+
+    def check(text: str, info: ValidationInfo) -> str:
+        if any(0xD800 <= ord(ch) <= 0xDFFF for ch in text):
+            raise refuse(f"'{info.field_name}' contains an unpaired UTF-16 surrogate")
+        # as sent: "[lau\x01gh]" is not "[laugh]", though removing control characters would
+        # make it one; the schema's pattern reads the text as sent too
+        try:
+            check_tokens(unicodedata.normalize("NFC", text), settings.max_control_tokens)
+        except TextError as error:
+            raise refuse(str(error)) from None
+        text = normalise_text(text)
+        if not text:
+            raise refuse(f"'{info.field_name}' must not be empty")
+        return text
+
+    whole, somewhere = text_patterns()
+    return Annotated[
+        str,
+        Field(
+            min_length=1,
+            max_length=settings.max_chars,
+            description="Chinese and/or English, up to maxLength code points. Inline control "
+            f"tokens allowed: {', '.join(INLINE_TOKENS)} (at most "
+            f"{settings.max_control_tokens}). Long text is split at sentence boundaries.",
+            json_schema_extra={"pattern": whole, "allOf": [{"pattern": somewhere}]},
+        ),
+        AfterValidator(check),
+    ]
+
+
+def refine_prompt_pattern() -> str:
+    kinds = "|".join(
+        f"{kind}_[{allowed.start}-{allowed.stop - 1}]" for kind, allowed in REFINE_TOKENS.items()
+    )
+    return rf"^ *(?:\[(?:{kinds})\] *)*$"
+
+
+RefinePrompt = Annotated[
+    str,
+    AfterValidator(_domain(check_refine_prompt)),
+    Field(
+        description="Control tokens for refinement, e.g. [oral_2][laugh_0][break_6]; needs "
+        "refine_text.",
+        json_schema_extra={"pattern": refine_prompt_pattern()},
+    ),
+]
+
+
+def seed_voice_pattern(maximum: int = MAX_SEED) -> str:
+    """``seed:N`` for N from 0 to ``maximum`` (leading zeros allowed, as int() takes them)."""
+    return rf"^{_seed_voice(maximum)}$"
+
+
+BLEND_WEIGHT = r"(?:\d{1,4}(?:\.\d{1,6})?|\.\d{1,6})"  # 0-9999.999999, as domain/voices.py
+
+
+def blend_pattern(voices: list[str]) -> str:
+    """``name(weight)+name(weight)``, each part one of ``voices`` or ``seed:N``, the weight
+    optional. (That the weights add up to more than 0 is checked by the service: 422.)"""
+    names = "|".join(re.escape(name) for name in sorted(voices, key=lambda n: (-len(n), n)))
+    voice = f"(?:{names}|{_seed_voice(MAX_SEED)})" if names else _seed_voice(MAX_SEED)
+    part = rf"{voice}(?:\({BLEND_WEIGHT}\))?"
+    return rf"^{part}(?:\+{part}){{0,{MAX_BLEND_PARTS - 1}}}$"
+
+
+def _seed_voice(maximum: int) -> str:
+    digits = str(maximum)
+    alternatives = [rf"\d{{1,{len(digits) - 1}}}"]
+    for index, digit in enumerate(digits):
+        rest = len(digits) - index - 1
+        if index == len(digits) - 1:
+            alternatives.append(digits[:index] + f"[0-{digit}]")
+        elif digit != "0":
+            low = "0" if index else "1"
+            if int(digit) - 1 >= int(low):
+                alternatives.append(digits[:index] + f"[{low}-{int(digit) - 1}]" + rf"\d{{{rest}}}")
+    return r"seed:0*(?:" + "|".join(alternatives) + r")"
+
+
+def voice_schema(voices: list[str]) -> dict:
+    """A voice a request may name now, as a string or as OpenAI's voice object
+    ``{"id": "..."}``."""
+    names = [
+        {"enum": sorted(voices)},
+        {"type": "string", "pattern": seed_voice_pattern()},
+        {"type": "string", "pattern": blend_pattern(voices)},
+    ]
+    reference = {  # OpenAI's custom-voice reference; any voice's name is its id here
+        "type": "object",
+        "required": ["id"],
+        "additionalProperties": False,
+        "properties": {"id": {"anyOf": names}},
+    }
+    return {"anyOf": [*names, reference]}
+
+
+def _voice_reference(value: Any, info: ValidationInfo) -> Any:
+    """A voice as a string, or as OpenAI's voice object ``{"id": "..."}``: the string either
+    way (the voice store resolves it)."""
+    if value is None:
+        raise refuse(f"'{info.field_name}' is required")
+    if isinstance(value, dict):
+        if set(value) != {"id"} or not isinstance(value["id"], str):
+            raise refuse('a \'voice\' object must be {"id": "<a voice\'s name or id>"}')
+        return value["id"]
+    return value
+
+
+VoiceReference = Annotated[
+    str, BeforeValidator(_voice_reference), WithJsonSchema({VOICE_MARK: True})
+]
+VOICE_DESCRIPTION = (
+    "A named voice (GET /v1/audio/voices), seed:N, or a blend of them such as alloy(2)+echo(1) "
+    "(weights normalised; 422 when none is above 0); or any of them as OpenAI's voice object "
+    '{"id": "..."}.'
+)
+
+
+# -- the speech bodies: /synthesize, /v1/audio/speech and its captioned form ------------------
+
+AudioFormat = Literal[tuple(FORMATS)]
+SEED_DESCRIPTION = (
+    "Sampling seed (and the voice when 'voice' is absent); the server's CHATTTS_DEFAULT_SEED "
+    "when absent."
+)
+SPEED_DESCRIPTION = (
+    "1 = normal. Mapped onto ChatTTS's [speed_0]..[speed_9] prompt (two levels per doubling: "
+    "0.5 -> 3, 1 -> 5, 2 -> 7, 4 -> 9); the model's own pace range is narrower than the "
+    "numbers say."
+)
+STREAM_FORMAT_DESCRIPTION = (
+    "OpenAI's: 'audio' (the audio itself) or 'sse' (Server-Sent Events: speech.audio.delta "
+    "with base64 audio as it is generated, then speech.audio.done; for flac one delta holds the "
+    "whole file)."
+)
+
+
+def _known_model(value: Any) -> Any:
+    if isinstance(value, str) and value not in MODEL_IDS:
+        raise refuse(f"unknown model {value!r}; models: {', '.join(MODEL_IDS)}")
+    return value
+
+
+def _answered_whole(value: Any, info: ValidationInfo) -> Any:
+    if not (value is None or value is False or value == "audio"):
+        raise refuse(f"captioned speech is answered whole: '{info.field_name}' cannot be used here")
+    return value
+
+
+class SpeechBodies(NamedTuple):
+    synthesize: type[Body]
+    speech: type[Body]
+    captioned: type[Body]
+
+
+# Long: the three bodies share their options; each field is declared once, in the order of
+# the README's field table.
+@functools.cache
+def speech_bodies(settings: Settings) -> SpeechBodies:
+    """The speech bodies as this deployment takes them (its text limit and defaults)."""
+    Text = _text_type(settings)  # noqa: N806
+
+    class Options(Body):
+        seed: Integer(0, MAX_SEED, SEED_DESCRIPTION) | None = settings.default_seed
+        speed: Number(0.25, 4.0, SPEED_DESCRIPTION) | None = 1.0
+        temperature: Number(0.01, 2.0, "Sampling temperature of the speech codes.") | None = (
+            CODE_SAMPLING.temperature
+        )
+        top_p: Number(0.01, 1.0, "Nucleus sampling threshold.") | None = CODE_SAMPLING.top_p
+        top_k: Integer(1, 100, "Top-k sampling.") | None = CODE_SAMPLING.top_k
+        refine_text: Annotated[
+            Flag,
+            Field(description="Let the model rewrite the text first (pauses, fillers, laughter)."),
+        ] = settings.refine_text
+        refine_prompt: RefinePrompt | None = ""
+        normalize: Annotated[
+            Flag,
+            Field(
+                description="Write numbers, dates, money, units and phone numbers out in words "
+                "(wetext, zh and en) first."
+            ),
+        ] = settings.normalize
+        stream: Annotated[
+            Flag,
+            Field(
+                description="Send audio while it is generated (chunked; "
+                f"{' or '.join(STREAM_FORMATS)} only)."
+            ),
+        ] = False
+        stream_format: Annotated[
+            Literal[STREAM_FORMAT_CHOICES] | None, Field(description=STREAM_FORMAT_DESCRIPTION)
+        ] = "audio"
+
+        # the field naming the audio format, in this body's spelling
+        FORMAT_FIELD: ClassVar[str] = "format"
+
+        @property
+        def audio_format(self) -> str:
+            return getattr(self, self.FORMAT_FIELD)
+
+        @model_validator(mode="after")
+        def _consistent(self):
+            asked_to_stream = "stream" in self.model_fields_set and self.stream
+            if asked_to_stream and self.audio_format not in STREAM_FORMATS:
+                raise refuse(
+                    f"streaming sends {' or '.join(STREAM_FORMATS)}; "
+                    f"'{self.FORMAT_FIELD}' {self.audio_format!r} cannot be streamed"
+                )
+            if self.refine_prompt and not self.refine_text:
+                raise refuse("'refine_prompt' steers text refinement; set 'refine_text': true")
+            return self
+
+    stream_then = {"properties": {"stream": {"const": True}}, "required": ["stream"]}
+    refine_if = {
+        "properties": {"refine_prompt": {"type": "string", "pattern": r"\["}},
+        "required": ["refine_prompt"],
+    }
+    refine_then = (
+        {"properties": {"refine_text": {"enum": [True, None]}}}
+        if settings.refine_text
+        else {"properties": {"refine_text": {"const": True}}, "required": ["refine_text"]}
+    )
+
+    def rules(format_field: str, needs_format: bool) -> dict:
+        """What the model validator checks across fields, as JSON Schema's if/then."""
+        then = {"properties": {format_field: {"enum": list(STREAM_FORMATS)}}}
+        if needs_format:
+            then["required"] = [format_field]
+        return {
+            "allOf": [{"if": stream_then, "then": then}, {"if": refine_if, "then": refine_then}]
+        }
+
+    class SynthesizeRequest(Options):
+        model_config = ConfigDict(json_schema_extra=rules("format", needs_format=True))
+        text: Text
+        voice: Annotated[
+            VoiceReference | None,
+            Field(description=VOICE_DESCRIPTION + " Without it the voice of 'seed'."),
+        ] = None
+        format: AudioFormat | None = "wav"
+
+    class SpeechRequest(Options):
+        model_config = ConfigDict(json_schema_extra=rules("response_format", needs_format=False))
+        FORMAT_FIELD: ClassVar[str] = "response_format"
+        model: Annotated[Literal[MODEL_IDS], BeforeValidator(_known_model)]
+        input: Text
+        voice: Annotated[VoiceReference, Field(description=VOICE_DESCRIPTION)]
+        response_format: AudioFormat | None = "mp3"
+        instructions: _instructions_type(settings) | None = None
+        stream: Annotated[
+            Flag,
+            Field(
+                description="As OpenAI's endpoint: audio is sent while it is generated "
+                f"(chunked) in {', '.join(STREAM_FORMATS)}; flac comes whole. false asks for "
+                "the whole file with a Content-Length."
+            ),
+        ] = True
+
+    class CaptionedSpeechRequest(SpeechRequest):
+        """Answered whole, every sentence read as its own segment so the captions are exact."""
+
+        caption_format: Annotated[
+            Literal[CAPTION_FORMATS] | None,
+            Field(
+                description="json: captions in the JSON answer only; srt or vtt: also as a "
+                "SubRip or WebVTT string."
+            ),
+        ] = "json"
+        stream: Annotated[Literal[False] | None, BeforeValidator(_answered_whole)] = False
+        stream_format: Annotated[Literal["audio"] | None, BeforeValidator(_answered_whole)] = (
+            "audio"
+        )
+
+    return SpeechBodies(SynthesizeRequest, SpeechRequest, CaptionedSpeechRequest)
+
+
+def _instructions_type(settings: Settings):
+    refused = settings.instructions == "refuse"
+
+    def check(value: str) -> str:
+        if value and refused:
+            raise refuse(
+                "'instructions' is not supported; ChatTTS is steered with control tokens in "
+                "the text and 'refine_prompt'"
+            )
+        return value
+
+    return Annotated[
+        str,
+        Field(
+            max_length=0 if refused else MAX_INSTRUCTIONS_CHARS,
+            description="OpenAI's voice instructions. ChatTTS cannot follow free text: the text "
+            "is spoken as it would be without them and the answer says X-Instructions: ignored"
+            + (" (refused here: CHATTTS_INSTRUCTIONS=refuse)." if refused else "."),
+        ),
+        BeforeValidator(lambda value: check(value) if isinstance(value, str) else value),
+    ]
+
+
+# -- voices and consents ---------------------------------------------------------------------
+
+VoiceName = Annotated[str, Field(json_schema_extra={"pattern": NAME.pattern})]
+ConsentId = Annotated[str, Field(json_schema_extra={"pattern": CONSENT_ID.pattern})]
+Label = Annotated[str, Field(max_length=MAX_LABEL_CHARS, json_schema_extra={"pattern": r"\S"})]
+# what a recording may be labelled (services/recordings.py takes these, and unlabelled bytes)
+AUDIO_TYPES = "audio/mpeg, audio/wav, audio/ogg, audio/aac, audio/flac, audio/webm, audio/mp4"
+Upload = Annotated[Any, WithJsonSchema({"type": "string", "format": "binary"})]
+
+
+class VoiceRequest(Body):
+    """A named voice from a ChatTTS speaker embedding string, or from a voice this server
+    resolves (a blend, ``seed:N``, another voice). The name and the embedding are checked by
+    the voice store."""
+
+    model_config = ConfigDict(
+        json_schema_extra={
+            "oneOf": [
+                {"required": [source], "properties": {source: {"not": {"type": "null"}}}}
+                for source in ("embedding", "voice")
+            ]
+        }
+    )
+    name: VoiceName
+    embedding: (
+        Annotated[
+            str,
+            Field(
+                min_length=1,
+                max_length=MAX_EMBEDDING_CHARS,
+                description="ChatTTS speaker embedding string",
+            ),
+        ]
+        | None
+    ) = None
+    voice: Annotated[
+        VoiceReference | None,
+        Field(
+            description="Store this voice under the name: a blend such as alloy(2)+echo(1), "
+            "seed:N, or another voice."
+        ),
+    ] = None
+    replace: bool = False
+
+
+class Form(Body):
+    """A multipart form: its text fields are strings; a file is checked by its route."""
+
+    model_config = ConfigDict(strict=False)
+
+
+def _from_a_recording(value: Any) -> Any:
+    if value != "audio_sample":
+        raise refuse(
+            "'type' must be audio_sample: ChatTTS makes a voice from a recording, an embedding "
+            "or a seed, not from a text prompt"
+        )
+    return value
+
+
+class VoiceSampleRequest(Form):
+    """OpenAI's ``voices.create``: a recording, a consent, a name, and this service's
+    ``transcript`` (the words spoken in the sample, ChatTTS's txt_smp)."""
+
+    audio_sample: Annotated[
+        Upload,
+        Field(
+            description="The recording: mp3, wav, ogg/opus, aac, flac, webm or mp4, at most "
+            f"10 MiB, {MIN_SAMPLE_SECONDS:g} to {MAX_SAMPLE_SECONDS:g} s of clear speech"
+        ),
+    ]
+    consent: ConsentId
+    name: VoiceName
+    type: Annotated[Literal["audio_sample"], BeforeValidator(_from_a_recording)] = "audio_sample"
+    transcript: Annotated[
+        str,
+        Field(
+            max_length=MAX_TRANSCRIPT_CHARS,
+            description="The words spoken in the sample (ChatTTS's txt_smp; OpenAI clients "
+            "send it through extra_body)",
+            json_schema_extra={"pattern": r"^[^\[\]]*$"},
+        ),
+    ] = ""
+
+
+class VoiceConsentRequest(Form):
+    recording: Upload
+    name: Label
+    language: Annotated[str, Field(json_schema_extra={"pattern": LANGUAGE.pattern})]
+
+
+class VoiceConsentUpdate(Body):
+    name: Label
+
+
+class ConsentPage(Form):
+    """``GET /v1/audio/voice_consents``'s query: OpenAI's cursor paging."""
+
+    after: ConsentId | None = None
+    limit: Integer(1, MAX_PAGE) = 20
+
+
+class TuningBody(Body):
+    """One or more batching knobs, each an integer within its bounds."""
+
+    model_config = ConfigDict(json_schema_extra={"minProperties": 1})
+    NULL_IS_DEFAULT: ClassVar[bool] = False
+
+
+@functools.cache
+def tuning_body(limits: tuple[tuple[str, int, int | None], ...]) -> type[Body]:
+    """``POST /admin/config``'s body for these knobs (name, low, high)."""
+    fields = {name: (Integer(low, high), None) for name, low, high in limits}
+    return create_model(
+        "TuningRequest",
+        __base__=TuningBody,
+        __doc__="One or more batching knobs, each within its bounds.",
+        __module__=__name__,
+        **fields,
+    )
+
+
+# -- answers -----------------------------------------------------------------------------------
+
+
+class Answer(BaseModel):
+    """A JSON answer: the fields listed are always there; more may be added."""
+
+    model_config = ConfigDict(extra="allow")
+
+
+class Error(Answer):
+    error: str
+
+
+class OpenAIErrorDetail(Answer):
+    message: str
+    type: str
+    param: str | None
+    code: str | None
+
+
+class OpenAIError(Answer):
+    error: OpenAIErrorDetail
+
+
+class Caption(Answer):
+    start: float = Field(description="seconds into the audio")
+    end: float
+    text: str = Field(description="the sentence as sent")
+    spoken_text: str = Field(description="as the model read it (normalised)")
+    start_sample: int = Field(description="24 kHz samples: exact")
+    end_sample: int
+
+
+Base64 = Annotated[str, WithJsonSchema({"type": "string", "contentEncoding": "base64"})]
+
+
+class CaptionedSpeech(Answer):
+    audio: Base64
+    format: AudioFormat
+    content_type: str
+    seconds: float
+    captions: list[Caption]
+    srt: str | None = None
+    vtt: str | None = None
+
+
+class SpeechAudioDelta(Answer):
+    type: Literal["speech.audio.delta"] = "speech.audio.delta"
+    audio: Base64
+
+
+class Usage(Answer):
+    input_tokens: int
+    output_tokens: int
+    total_tokens: int
+
+
+class SpeechAudioDone(Answer):
+    type: Literal["speech.audio.done"] = "speech.audio.done"
+    usage: Usage
+
+
+class Model(Answer):
+    id: str
+    object: Literal["model"] = "model"
+    created: int
+    owned_by: str
+
+
+class ModelList(Answer):
+    object: Literal["list"] = "list"
+    data: list[Model]
+
+
+class NamedVoice(Answer):
+    name: str
+    digest: str
+
+
+class SampledVoice(Answer):
+    id: str
+    object: Literal["audio.voice"] = "audio.voice"
+    name: str
+    created_at: int
+    type: Literal["audio_sample"] = "audio_sample"
+
+
+class Voice(RootModel[NamedVoice | SampledVoice]):
+    """A stored voice: a named one (embedding, blend) or one made from a recording (OpenAI's
+    Voice object)."""
+
+
+class ListedVoice(Answer):
+    name: str
+    source: Literal["file", "default"] = Field(
+        description="file: stored in CHATTTS_VOICES_DIR; default: one of OpenAI's names"
+    )
+    id: str | None = None
+    type: Literal["audio_sample"] | None = None
+    created_at: int | None = None
+
+
+class VoiceList(Answer):
+    voices: list[str]
+    details: list[ListedVoice]
+    seed_voices: str
+
+
+class VoiceDeleted(Answer):
+    id: str
+    object: Literal["audio.voice.deleted"] = "audio.voice.deleted"
+    deleted: bool
+    name: str
+
+
+class VoiceConsent(Answer):
+    id: str
+    object: Literal["audio.voice_consent"] = "audio.voice_consent"
+    name: str
+    language: str
+    created_at: int
+
+
+class VoiceConsentList(Answer):
+    object: Literal["list"] = "list"
+    data: list[VoiceConsent]
+    first_id: str | None
+    last_id: str | None
+    has_more: bool
+
+
+class VoiceConsentDeleted(Answer):
+    id: str
+    object: Literal["audio.voice_consent"] = "audio.voice_consent"
+    deleted: bool
+
+
+class Limit(Answer):
+    min: int
+    max: int | None
+
+
+class Tuning(Answer):
+    current: dict[str, int]
+    limits: dict[str, Limit] | None = None
+
+
+class Alive(Answer):
+    status: Literal["alive"] = "alive"
+
+
+class Ready(Answer):
+    status: str = Field(description="ready, or the phase: loading, downloading, warming up, ...")
+    model: str | None = None
+    phase: str | None = None
+    error: str | None = None
