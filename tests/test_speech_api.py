@@ -313,10 +313,12 @@ def test_openai_errors_have_openai_shape(client):
     error = caught.value.body
     assert "unknown voice 'nobody'" in error["message"] and "alloy" in error["message"]
     assert error["type"] == "invalid_request_error"
-    # the client's ErrorObject types code as a string (or null), never a number
-    assert caught.value.code == "invalid_request" and error["param"] is None
-    with pytest.raises(openai.BadRequestError, match="response_format"):
+    # the client's ErrorObject types code as a string (or null), never a number; param names
+    # the field at fault
+    assert caught.value.code == "invalid_request" and caught.value.param == "voice"
+    with pytest.raises(openai.BadRequestError, match="response_format") as wrong:
         client.audio.speech.create(model="tts-1", voice="alloy", input="hi", response_format="m4a")
+    assert wrong.value.param == "response_format"
     with pytest.raises(openai.NotFoundError) as missing:
         client.models.retrieve("whisper-1")
     assert missing.value.code == "not_found"

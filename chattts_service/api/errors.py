@@ -31,12 +31,19 @@ log = logging.getLogger(__name__)
 class ApiError(Exception):
     status = 400
 
-    def __init__(self, message: str, status: int | None = None, headers: dict | None = None):
+    def __init__(
+        self,
+        message: str,
+        status: int | None = None,
+        headers: dict | None = None,
+        param: str | None = None,
+    ):
         super().__init__(message)
         self.message = message
         if status is not None:
             self.status = status
         self.headers = headers or {}
+        self.param = param  # the field at fault, for OpenAI's error object
 
 
 class BadRequest(ApiError):
@@ -171,22 +178,24 @@ OPENAI_ERRORS = {
 }
 
 
-def error_body(message: str, status: int, path: str) -> dict:
+def error_body(message: str, status: int, path: str, param: str | None = None) -> dict:
     """``{"error": "..."}``, or OpenAI's error object on the /v1/ paths."""
     if path.startswith("/v1/"):
         return {
             "error": {
                 "message": message,
                 "type": OPENAI_ERRORS.get(status, ("server_error",))[0],
-                "param": None,
+                "param": param,
                 "code": OPENAI_ERRORS.get(status, (None, "server_error"))[1],
             }
         }
     return {"error": message}
 
 
-def error_response(message: str, status: int, headers: dict | None = None):
-    response = jsonify(error_body(message, status, request.path))
+def error_response(
+    message: str, status: int, headers: dict | None = None, param: str | None = None
+):
+    response = jsonify(error_body(message, status, request.path, param))
     response.status_code = status
     response.headers.update(headers or {})
     return response
@@ -195,7 +204,7 @@ def error_response(message: str, status: int, headers: dict | None = None):
 def register_error_handlers(app: Flask) -> None:
     @app.errorhandler(ApiError)
     def handle_api_error(error: ApiError):
-        return error_response(error.message, error.status, error.headers)
+        return error_response(error.message, error.status, error.headers, error.param)
 
     @app.errorhandler(HTTPException)
     def handle_http_exception(error: HTTPException):

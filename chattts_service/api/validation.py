@@ -17,6 +17,7 @@ from pydantic import BaseModel, ValidationError
 from pydantic.fields import FieldInfo
 
 from chattts_service.api.errors import (
+    ApiError,
     BadRequest,
     PayloadTooLarge,
     UnsupportedMediaType,
@@ -98,16 +99,21 @@ def _refusal(model: type[BaseModel], errors: list[dict], what: str):
     unknown = [str(e["loc"][0]) for e in errors if e["type"] == "extra_forbidden"]
     if unknown:
         accepted = ", ".join(sorted(model.model_fields))
-        return BadRequest(f"unknown {what}: {', '.join(unknown)}; accepted: {accepted}")
+        return BadRequest(
+            f"unknown {what}: {', '.join(unknown)}; accepted: {accepted}", param=unknown[0]
+        )
     order = list(model.model_fields)
     first = min(
         errors,
         key=lambda e: order.index(e["loc"][0]) if e["loc"] and e["loc"][0] in order else -1,
     )
-    return _say(model, first)
+    refusal = _say(model, first)
+    if first["loc"] and first["loc"][0] in order:
+        refusal.param = str(first["loc"][0])
+    return refusal
 
 
-def _say(model: type[BaseModel], error: dict):
+def _say(model: type[BaseModel], error: dict) -> ApiError:
     kind, context = error["type"], error.get("ctx") or {}
     name = str(error["loc"][0]) if error["loc"] else None
     field = model.model_fields.get(name) if name else None
@@ -193,7 +199,9 @@ def _speech(
         try:
             voice = voices.get(body.voice)
         except VoiceError as error:
-            raise from_voice_error(error, in_field=True) from None
+            refusal = from_voice_error(error, in_field=True)
+            refusal.param = "voice"
+            raise refusal from None
     request = SynthesisRequest(
         text=text,
         seed=body.seed,

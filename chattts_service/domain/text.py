@@ -55,9 +55,10 @@ def check_refine_prompt(prompt: str) -> str:
     """A refinement prompt is a run of ``[oral_N]``, ``[laugh_N]`` and ``[break_N]`` tokens,
     spaces allowed between them; returned without the spaces."""
     if not _REFINE_PROMPT.fullmatch(prompt):
+        kinds = [f"[{kind}_{r.start}-{r.stop - 1}]" for kind, r in REFINE_TOKENS.items()]
         raise TextError(
-            "'refine_prompt' may only hold [oral_0-9], [laugh_0-2] and [break_0-7] "
-            f"tokens; got {prompt!r}"
+            f"'refine_prompt' may only hold {', '.join(kinds[:-1])} and {kinds[-1]} tokens; "
+            f"got {prompt!r}"
         )
     tokens = _REFINE_TOKEN.findall(prompt)
     for kind, number in tokens:
