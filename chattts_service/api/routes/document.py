@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 from flask import Blueprint, current_app, jsonify
 
 from chattts_service.api.openapi import Context, document, operation
@@ -17,5 +19,14 @@ def openapi_document():
     engine = state.engine
     # the voices a request may name now: the defaults until the model (and its store) loads
     voices = engine.voices.names() if engine.voices is not None else list(DEFAULT_VOICES)
-    context = Context(state.settings, voices, engine.policy.limits())
-    return jsonify(document(current_app, context))
+    limits = tuple(engine.policy.limits().items())
+    return jsonify(
+        _document(current_app._get_current_object(), state.settings, tuple(voices), limits)
+    )
+
+
+@functools.lru_cache(maxsize=4)
+def _document(app, settings, voices: tuple, limits: tuple) -> dict:
+    """The same document until the voices (or the limits) change: generating it takes ~10 ms
+    of a thread the model's needs too."""
+    return document(app, Context(settings, list(voices), dict(limits)))
