@@ -1,4 +1,5 @@
-"""Load check for a running service: latency percentiles, throughput, errors. See README."""
+"""Load check for a running service: latency, first audio, streams behind playback,
+throughput, errors, and how many streams the box serves (--capacity). See README."""
 
 import sys
 

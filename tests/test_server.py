@@ -275,6 +275,80 @@ def test_bench_runs_against_the_server(server):
     assert "(1 cache hits)" in human.stdout or "(2 cache hits)" in human.stdout
 
 
+def _bench(server, *arguments: str) -> subprocess.CompletedProcess:
+    # this server takes at most 50 characters: a shorter text than the streams' default
+    return subprocess.run(
+        [sys.executable, "bench.py", "--url", server.url, "--text", "流式播放测试。", *arguments],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
+
+
+def test_bench_measures_streams_against_playback(server):
+    streamed = _bench(
+        server,
+        "--stream",
+        "--endpoint",
+        "speech",
+        "--concurrency",
+        "2",
+        "--requests",
+        "4",
+        "--json",
+    )
+    assert streamed.returncode == 0, streamed.stderr
+    report = json.loads(streamed.stdout)
+    assert report["requests_ok"] == 4 and report["url"].endswith("/v1/audio/speech")
+    assert 0 < report["first_audio_p50"] <= report["first_audio_p95"] <= report["latency_max"]
+    assert report["audio_seconds"] > 0 and 0 <= report["stutter_share"] <= 1
+    # a tolerance no stream can meet: every stream counts as behind (a real measurement, not 0)
+    strict = json.loads(
+        _bench(server, "--stream", "--requests", "2", "--tolerance", "-1", "--json").stdout
+    )
+    assert strict["streams_behind"] == 2 and strict["stutter_share"] == 1.0
+    # open loop for a few seconds, progress lines on stderr when piped
+    opened = _bench(server, "--rate", "2", "--duration", "6", "--concurrency", "4")
+    assert opened.returncode == 0, opened.stderr
+    assert "open loop, 2 requests/s" in opened.stdout and "done" in opened.stderr
+
+
+def test_bench_capacity_search_reports_the_largest_level_that_held(server):
+    found = _bench(
+        server,
+        "--capacity",
+        "--max-concurrency",
+        "3",
+        "--requests-per-level",
+        "1",
+        "--duration",
+        "30",
+        "--json",
+    )
+    assert found.returncode == 0, found.stderr
+    report = json.loads(found.stdout)
+    assert set(report["levels"]) == {"1", "2", "3"}  # doubling, then the most tried
+    assert report["capacity_streams"] == max(
+        int(n) for n, r in report["levels"].items() if r["held"]
+    )
+    # a first-audio bound nothing meets: no level holds
+    none = json.loads(
+        _bench(
+            server,
+            "--capacity",
+            "--max-concurrency",
+            "2",
+            "--requests-per-level",
+            "1",
+            "--max-first-audio",
+            "0",
+            "--json",
+        ).stdout
+    )
+    assert none["capacity_streams"] == 0 and list(none["levels"]) == ["1"]
+
+
 def test_warmup_script_against_the_server(server):
     result = subprocess.run(
         [sys.executable, "warmup.py", "--url", server.url],
