@@ -180,8 +180,10 @@ def _save(module, path: Path) -> None:
 
 
 # Long: it writes ChatTTS's model layout file by file, in one readable sequence.
-def build(out_dir: Path, size: str = "tiny", seed: int = 0) -> Path:
-    """Write a random-weight model to ``out_dir`` and return it."""
+def build(out_dir: Path, size: str = "tiny", seed: int = 0, speech_ends: bool = True) -> Path:
+    """Write a random-weight model to ``out_dir`` and return it. Without ``speech_ends`` the
+    end-of-speech code never wins (its logit is 0 among hundreds of positive ones): every
+    request runs to its step cap, as capacity measurements over HTTP need."""
     import torch
     from ChatTTS.model.dvae import DVAE
     from ChatTTS.model.embed import Embed
@@ -236,7 +238,8 @@ def build(out_dir: Path, size: str = "tiny", seed: int = 0) -> Path:
             config.embed.num_vq,
         )
         for head in embed.head_code:
-            head.parametrizations.weight.original0[END_OF_SPEECH] *= EOS_GAIN[size]
+            gain = EOS_GAIN[size] if speech_ends else 0.0
+            head.parametrizations.weight.original0[END_OF_SPEECH] *= gain
         _save(embed, asset / "Embed.safetensors")
         del embed
 
@@ -282,8 +285,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("out_dir", type=Path)
     parser.add_argument("--size", choices=sorted(SIZES), default="tiny")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--endless", action="store_true", help="speech never ends before the step cap"
+    )
     args = parser.parse_args(argv)
-    path = build(args.out_dir, args.size, args.seed)
+    path = build(args.out_dir, args.size, args.seed, speech_ends=not args.endless)
     total = sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
     print(f"wrote {args.size} random-weight model to {path} ({total / 1e6:.1f} MB)")
     return 0
