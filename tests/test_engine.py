@@ -461,3 +461,97 @@ def test_speech_prompts_in_one_voice_share_their_first_three_positions(engine):
     faster = replace(request, speed=2)
     assert engine.prompts.code_sequence("你好。", faster, voice, fixed_steps=2).shared_prefix == 3
     assert engine.prompts.text_sequence("你好。", request).shared_prefix == 0
+
+
+def _windows(engine, seed: int):
+    """Windows as streams and whole answers ask for them: first chunks without left context,
+    middle chunks with context on both sides, tails, whole segments; widths all different."""
+    context = engine.model.decoder.context_steps
+    hidden = engine.model.heads.hidden_size
+    generator = torch.Generator().manual_seed(seed)
+    shapes = [
+        (8 + context, 0, 8),
+        (150, 0, None),
+        (2 * context + 32, context, context + 32),
+        (context + 94, context, None),
+        (3 * context, 5, 20),
+        (2 * context + 16, context, context + 16),
+        (40, 0, None),
+    ]
+    return [(torch.randn(steps, hidden, generator=generator), a, b) for steps, a, b in shapes]
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_a_batch_of_windows_decodes_what_each_window_gives_alone(engine, dtype):
+    """``AudioDecoder.spans`` puts windows of any widths on one canvas, masked so that each
+    row reads what it would alone: fp32 within GEMM rounding of one call per window; bf16
+    within the batch-of-one kernel's other rounding (docs/benchmarks.md)."""
+    from chattts_service.runtime.cpu import cpu_has_native_bf16
+
+    if dtype == "bf16" and not cpu_has_native_bf16():
+        pytest.skip("bf16 decoding runs only where the CPU has native bf16 dot products")
+    decoder = engine.model.decoder
+    items = _windows(engine, 5)
+
+    def compare():
+        kept = decoder.dtype
+        decoder.dtype = dtype
+        try:
+            alone = [decoder.span(*item) for item in items]
+            together = decoder.spans(items)
+            grouped = decoder.decode_many(items)
+        finally:
+            decoder.dtype = kept
+        return alone, together, grouped
+
+    alone, together, grouped = engine.scheduler.call(compare).result()
+    bound = 1e-5 if dtype == "fp32" else 0.03
+    for one, batched, many in zip(alone, together, grouped, strict=True):
+        assert len(one) == len(batched) == len(many)
+        assert np.linalg.norm(batched - one) <= bound * np.linalg.norm(one)
+        assert np.linalg.norm(many - one) <= bound * np.linalg.norm(one)
+
+
+def test_without_its_mask_a_batch_would_not_decode_what_each_window_gives(engine, monkeypatch):
+    """The mask is what makes a batch exact: with every frame kept, short rows read the zeros
+    and neighbours' widths as frames (a check that the test above can fail)."""
+    from chattts_service.inference import decoding
+
+    decoder = engine.model.decoder
+    items = _windows(engine, 7)
+    monkeypatch.setattr(
+        decoding,
+        "_mask",
+        lambda rows, reach, anchor, offset, width: torch.ones(len(rows), 1, width),
+    )
+    alone, together = engine.scheduler.call(
+        lambda: ([decoder.span(*item) for item in items], decoder.spans(items))
+    ).result()
+    errors = [
+        np.linalg.norm(batched - one) / np.linalg.norm(one)
+        for one, batched in zip(alone, together, strict=True)
+    ]
+    assert max(errors) > 0.05, errors
+
+
+def test_a_failed_decode_fails_its_own_request_only(engine):
+    from chattts_service.inference.decoding import DecodeQueue
+
+    queue = DecodeQueue(engine.model.decoder)
+    items = _windows(engine, 6)[:3]
+    outcomes: list = []
+
+    def done(index):
+        def take(samples):
+            if index == 1:
+                raise RuntimeError("the listener's queue is gone")
+            outcomes.append((index, len(samples)))
+
+        return take
+
+    for index, item in enumerate(items):
+        queue.submit(*item, done(index), lambda error, index=index: outcomes.append((index, error)))
+    engine.scheduler.call(queue.run).result()
+    assert [index for index, _ in outcomes] == [0, 1, 2]
+    assert isinstance(outcomes[1][1], RuntimeError) and outcomes[0][1] > 0 and outcomes[2][1] > 0
+    assert len(queue) == 0

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 import torch
 
@@ -57,6 +59,169 @@ class AudioDecoder:
         end = None if last is None else start + (keep_hi - keep_lo) * self._hop
         return _samples(audio[start:end])
 
+    def spans(self, items: list[Span]) -> list[np.ndarray]:
+        """``[self.span(*item) for item in items]``, computed as one batch: each window is
+        placed on a common canvas with the first step it keeps in one column, and before every
+        stage that mixes frames each row is zeroed outside the frames its own ``span`` would
+        still hold, so every row reads what it would read alone (as a convolution pads). The
+        canvas is as wide as a width from a short list (``bucket``): oneDNN prepares a kernel
+        for every new shape (tens of ms in bf16), and streams' windows would otherwise rarely
+        repeat one. Fewer, larger convolutions: about half the time of one call per window in
+        bf16. (In bf16 a batch of one and a batch of several round differently: 0.8% of the
+        waveform, each 1% from fp32; docs/benchmarks.md.)"""
+        rows = [_Row(hiddens, first, last) for hiddens, first, last in items]
+        reach = self._head_radius + sum(radius for _, radius in self._stages)
+        anchor = max(min(row.keep_lo, reach) for row in rows)  # canvas column of a row's keep_lo
+        width = bucket(anchor + max(row.right(reach) for row in rows))
+        with torch.inference_mode():
+            first_frames = _frames(rows[0].hiddens.T[None].contiguous())
+            x = first_frames.new_zeros(len(rows), first_frames.shape[1], width)
+            for index, row in enumerate(rows):
+                frames = first_frames if index == 0 else _frames(row.hiddens.T[None].contiguous())
+                lo, hi = max(0, row.keep_lo - reach), min(row.total, row.keep_hi + reach)
+                x[index, :, anchor - (row.keep_lo - lo) : anchor + (hi - row.keep_lo)] = frames[
+                    0, :, lo:hi
+                ]
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=self.dtype == "bf16"):
+                offset = 0  # the canvas column x starts at
+                for stage, radius in self._stages:
+                    lo = anchor - max(min(row.keep_lo, reach) for row in rows)
+                    hi = anchor + max(row.right(reach) for row in rows)
+                    x = x[..., lo - offset : lo - offset + bucket(hi - lo)]
+                    offset = lo
+                    if radius:
+                        x = x * _mask(rows, reach, anchor, offset, x.shape[-1]).to(x.dtype)
+                    x = stage(x)
+                    reach -= radius
+            results = []
+            for index, row in enumerate(rows):
+                lo, hi = max(0, row.keep_lo - reach), min(row.total, row.keep_hi + reach)
+                columns = slice(
+                    anchor - (row.keep_lo - lo) - offset, anchor + (hi - row.keep_lo) - offset
+                )
+                features = x[index : index + 1, :, columns].transpose(1, 2)
+                audio = self.vocos.head(features.float())[0]
+                start = (row.keep_lo - lo) * self._hop
+                end = None if row.last is None else start + row.keep_len * self._hop
+                results.append(_samples(audio[start:end]))
+        return results
+
+    def decode_many(self, items: list[Span]) -> list[np.ndarray]:
+        """Each item's ``span`` (a whole window: ``self(hiddens)``). In bf16 through
+        ``spans``, windows of similar widths as one batch; in fp32 one by one, upstream's
+        computation, as batching saves little there and costs as much on long windows
+        (docs/benchmarks.md)."""
+        if self.dtype != "bf16" or self._stages is None:
+            return [
+                self(hiddens) if first == 0 and last is None else self.span(hiddens, first, last)
+                for hiddens, first, last in items
+            ]
+        results: list[np.ndarray | None] = [None] * len(items)
+        for group in _groups([_Row(*item).width(self.context_steps) for item in items]):
+            decoded = self.spans([items[index] for index in group])
+            for index, samples in zip(group, decoded, strict=True):
+                results[index] = samples
+        return results
+
+
+def bucket(frames: int) -> int:
+    """``frames`` rounded up to a width from a short list: 32 frames apart up to 512, then
+    128 apart."""
+    step = 32 if frames <= 512 else 128
+    return -(-frames // step) * step
+
+
+Span = tuple  # (hiddens [steps, hidden], first step kept, last step kept (exclusive) or None)
+MAX_BATCH_ROWS = 16
+MAX_PADDING = 0.25  # a batch's canvas may be this much larger than its rows' own widths
+
+
+def _groups(widths: list[int]) -> list[list[int]]:
+    """Indices of ``widths`` in batches of similar widths, widest first: a batch's canvas is
+    as wide as its widest row, so mixing a long window with short ones wastes work."""
+    order = sorted(range(len(widths)), key=lambda index: -widths[index])
+    groups: list[list[int]] = []
+    for index in order:
+        group = groups[-1] if groups else None
+        if (
+            group is not None
+            and len(group) < MAX_BATCH_ROWS
+            and widths[group[0]] * (len(group) + 1)
+            <= (1 + MAX_PADDING) * (sum(widths[i] for i in group) + widths[index])
+        ):
+            group.append(index)
+        else:
+            groups.append([index])
+    return groups
+
+
+class DecodeQueue:
+    """Audio decoding gathered between two GPT steps and done together on the model's thread
+    (``run``): each item's ``done(samples)`` is called in the order submitted, or
+    ``failed(error)`` if its decode raised."""
+
+    def __init__(self, decoder: AudioDecoder, on_run=None):
+        self.decoder = decoder
+        self.on_run = on_run  # on_run(items, seconds): the time spent decoding
+        self._items: list[tuple[Span, object, object]] = []
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def submit(self, hiddens, first: int, last: int | None, done, failed) -> None:
+        self._items.append(((hiddens, first, last), done, failed))
+
+    def run(self) -> None:
+        items, self._items = self._items, []
+        if not items:
+            return
+        started = time.perf_counter()
+        try:
+            decoded = self.decoder.decode_many([span for span, _, _ in items])
+        except Exception as error:  # every item of the batch fails; the thread goes on
+            for _, _, failed in items:
+                failed(error)
+            return
+        finally:
+            if self.on_run is not None:
+                self.on_run(len(items), time.perf_counter() - started)
+        for (_, done, failed), samples in zip(items, decoded, strict=True):
+            try:
+                done(samples)
+            except Exception as error:  # the item's own failure, not its neighbours'
+                failed(error)
+
+
+class _Row:
+    """One window of a batch, in frames (two a step)."""
+
+    def __init__(self, hiddens: torch.Tensor, first: int, last: int | None):
+        self.hiddens, self.last = hiddens, last
+        self.total = 2 * hiddens.shape[0]
+        self.keep_lo = 2 * first
+        self.keep_hi = self.total if last is None else 2 * last
+        self.keep_len = self.keep_hi - self.keep_lo
+
+    def right(self, reach: int) -> int:
+        """Frames from its first kept one to the last it reads, ``reach`` past what it keeps."""
+        return self.keep_len + min(self.total - self.keep_hi, reach)
+
+    def width(self, context_steps: int) -> int:
+        """The frames a batch reads for this row (what it keeps and its context)."""
+        reach = 2 * context_steps
+        return self.keep_len + min(self.keep_lo, reach) + min(self.total - self.keep_hi, reach)
+
+
+def _mask(rows, reach: int, anchor: int, offset: int, width: int) -> torch.Tensor:
+    """[rows, 1, width]: 1 where a row's own ``span`` would hold a frame at this stage (its
+    window, within ``reach`` of what it keeps), 0 elsewhere."""
+    mask = torch.zeros(len(rows), 1, width)
+    for index, row in enumerate(rows):
+        lo = anchor - min(row.keep_lo, reach) - offset
+        hi = anchor + row.right(reach) - offset
+        mask[index, :, max(0, lo) : max(0, hi)] = 1.0
+    return mask
+
 
 def _samples(audio: torch.Tensor) -> np.ndarray:
     return np.clip(audio.numpy().astype(np.float32, copy=False), -1.0, 1.0)
@@ -90,6 +255,8 @@ def _stages(decoder, vocos):
     dvae, backbone = decoder.decoder, vocos.backbone
     if getattr(decoder, "vq_layer", None) is not None or getattr(backbone, "adanorm", True):
         return None
+    if len(dvae.conv_in) != 3:
+        return None
 
     def out(y):
         y = decoder.out_conv(y)
@@ -101,7 +268,8 @@ def _stages(decoder, vocos):
     def final(y):
         return backbone.final_layer_norm(y.transpose(1, 2)).transpose(1, 2)
 
-    stages = [(dvae.conv_in, _conv_radius(dvae.conv_in))]
+    first, act, second = dvae.conv_in  # two convolutions: a batch masks between them
+    stages = [(lambda y: act(first(y)), _conv_radius(first)), (second, _conv_radius(second))]
     stages += [(lambda y, b=b: b(y, None), _conv_radius(b)) for b in dvae.decoder_block]
     stages += [(dvae.conv_out, _conv_radius(dvae.conv_out)), (out, _conv_radius(decoder.out_conv))]
     stages += [(lambda y: backbone.embed(y.float()), _conv_radius(backbone.embed)), (norm, 0)]

@@ -45,9 +45,12 @@ WARMUP_MAX_STEPS = 12
 
 
 class Engine:
-    def __init__(self, settings: Settings, step_observer=None):
-        """``step_observer(rows, seconds)`` is called after every decode step."""
+    def __init__(self, settings: Settings, step_observer=None, decode_observer=None):
+        """``step_observer(rows, seconds)`` is called after every GPT step,
+        ``decode_observer(items, seconds)`` after every round of audio decoding."""
         self.settings = settings
+        self._decode_observer = decode_observer
+        self.decodes = None  # a decoding.DecodeQueue once loaded
         self.policy = BatchingPolicy.from_settings(settings)
         self.admission = Admission(self.policy)
         self.scheduler = Scheduler(self.policy, on_step=step_observer)
@@ -104,7 +107,10 @@ class Engine:
             decode_sample=decode_prompt,
         )
         self.sample_encoder = SampleEncoder(model.dvae_file, model.chat.config)
-        self.scheduler.attach(model.batch, model.kv_positions)
+        from chattts_service.inference.decoding import DecodeQueue
+
+        self.decodes = DecodeQueue(model.decoder, on_run=self._decode_observer)
+        self.scheduler.attach(model.batch, model.kv_positions, self.decodes)
         self.model = model
 
     @property
@@ -225,7 +231,7 @@ class Engine:
         """One segment's job, its time fed to the admission's wait estimate."""
         return SynthesisJob(
             self.prompts,
-            self.model.decoder,
+            self.decodes,
             text,
             request,
             speaker,

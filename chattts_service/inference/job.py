@@ -1,9 +1,10 @@
 """One segment inside the scheduler: optional text refinement, speech codes, then audio.
 
-Every method runs on the scheduler's thread, which owns all heavy torch work. A streaming job
-decodes its audio in chunks while it generates (``progress``); each chunk is decoded with
-enough context on both sides (the decoders' receptive field) to be identical to the same
-stretch of a decode of the whole, so streamed and non-streamed audio match.
+Every method runs on the scheduler's thread, which owns all heavy torch work. Audio is decoded
+through the scheduler's ``DecodeQueue``: what every job asks for between two steps is decoded
+together. A streaming job decodes its audio in chunks while it generates (``progress``); each
+chunk is decoded with enough context on both sides (the decoders' receptive field) to be the
+same stretch of a decode of the whole, so streamed and non-streamed audio match.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from chattts_service.inference.types import (
 )
 
 if TYPE_CHECKING:  # prompts bring torch; a job is built once the model has loaded it
-    from chattts_service.inference.decoding import AudioDecoder
+    from chattts_service.inference.decoding import DecodeQueue
     from chattts_service.inference.prompts import Prompts
 
 log = logging.getLogger(__name__)
@@ -37,14 +38,15 @@ MAX_CHUNK_STEPS = 96
 
 
 class SynthesisJob:
-    """``decoder(hiddens)`` turns hidden states into audio, and its ``context_steps`` is how
-    many steps of context on each side make a chunk exact; ``on_finished(seconds)`` hears how
-    long the job took from its start (the admission's wait estimate)."""
+    """``decoder`` decodes hidden states into audio between two steps, and its
+    ``decoder.context_steps`` is how many steps of context on each side make a chunk exact;
+    ``on_finished(seconds)`` hears how long the job took from its start (the admission's wait
+    estimate)."""
 
     def __init__(
         self,
         prompts: Prompts,
-        decoder: AudioDecoder,
+        decoder: DecodeQueue,
         text: str,
         request: SynthesisRequest,
         voice,
@@ -54,8 +56,8 @@ class SynthesisJob:
         on_finished: Callable[[float], None] | None = None,
         early: bool = True,
     ):
-        self.prompts, self.decode = prompts, decoder
-        self.context_steps = decoder.context_steps
+        self.prompts, self.decodes = prompts, decoder
+        self.context_steps = decoder.decoder.context_steps
         self.text, self.request, self.voice = text, request, voice
         self.fixed_steps, self.step_cap = fixed_steps, step_cap
         self.on_finished = on_finished
@@ -64,8 +66,8 @@ class SynthesisJob:
         self.chunks: queue.SimpleQueue | None = queue.SimpleQueue() if stream else None
         self.early = early  # a stream: chunks as it generates, else its whole audio at the end
         self._parts: list[np.ndarray] = []
-        self._emitted = 0  # steps whose audio has been sent
-        self._next_chunk = FIRST_CHUNK_STEPS
+        self._emitted = 0  # steps whose audio has been asked for
+        self._asked = 0  # chunks asked for
 
     def start(self):
         self.started = time.monotonic()
@@ -78,24 +80,39 @@ class SynthesisJob:
             self.text, self.request, self.voice, self.fixed_steps, self.step_cap
         )
 
-    def progress(self, sequence) -> None:
+    def progress(self, sequence, joining: bool = False) -> bool:
+        """After a step: ask for the next chunk if it is due; whether it did."""
         if self.chunks is None or not self.early or sequence.kind != "code":
-            return
-        ready = sequence.steps - self.context_steps
-        if ready - self._emitted >= self._next_chunk:
-            self._emit(sequence, ready, final=False)
-            self._next_chunk = min(2 * self._next_chunk, MAX_CHUNK_STEPS)
+            return False
+        waiting = sequence.steps - self.context_steps - self._emitted  # decodable, not asked for
+        due = waiting >= min(FIRST_CHUNK_STEPS << self._asked, MAX_CHUNK_STEPS)
+        if due:
+            self._asked += 1
+            self._emit(sequence, self._emitted + waiting, final=False)
+        return due
 
-    def _emit(self, sequence, until: int, final: bool) -> None:
+    def _emit(self, sequence, until: int, final: bool, then=None) -> None:
         start = max(0, self._emitted - self.context_steps)
-        chunk = self.decode.span(
+
+        def sent(chunk: np.ndarray) -> None:
+            self._parts.append(chunk)
+            self.chunks.put(chunk)
+            if then is not None:
+                then()
+
+        self.decodes.submit(
             sequence.hiddens[start : sequence.steps],
             self._emitted - start,
             None if final else until - start,
+            sent,
+            self._failed,
         )
-        self._parts.append(chunk)
-        self.chunks.put(chunk)
         self._emitted = until
+
+    def _failed(self, error: Exception) -> None:
+        log.error("decoding a segment's audio failed: %s", error)
+        if not self.future.done():
+            self.future.set_exception(error)
 
     def advance(self, finished):
         if finished.kind == "text":
@@ -106,14 +123,24 @@ class SynthesisJob:
         if finished.steps == 0:
             raise EngineError("the model ended speech before producing any audio")
         if self.chunks is not None and self.early:
-            self._emit(finished, finished.steps, final=True)
-            self.chunks.put(None)
-            audio = np.concatenate(self._parts)
-        else:
-            audio = self.decode(finished.result_hiddens())
+
+            def streamed() -> None:
+                self.chunks.put(None)
+                self._finish(finished, np.concatenate(self._parts))
+
+            self._emit(finished, finished.steps, final=True, then=streamed)
+            return None
+
+        def whole(audio: np.ndarray) -> None:
             if self.chunks is not None:  # a stream that takes its audio a segment at a time
                 self.chunks.put(audio)
                 self.chunks.put(None)
+            self._finish(finished, audio)
+
+        self.decodes.submit(finished.result_hiddens(), 0, None, whole, self._failed)
+        return None
+
+    def _finish(self, finished, audio: np.ndarray) -> None:
         truncated = self.fixed_steps is None and finished.steps >= finished.max_steps
         if truncated:
             log.warning(
@@ -122,13 +149,13 @@ class SynthesisJob:
             )
         if self.on_finished is not None:
             self.on_finished(time.monotonic() - self.started)
-        self.future.set_result(
-            Synthesis(
-                audio=audio,
-                sample_rate=SAMPLE_RATE,
-                steps=finished.steps,
-                spoken_text=self.text,
-                truncated=int(truncated),
+        if not self.future.done():
+            self.future.set_result(
+                Synthesis(
+                    audio=audio,
+                    sample_rate=SAMPLE_RATE,
+                    steps=finished.steps,
+                    spoken_text=self.text,
+                    truncated=int(truncated),
+                )
             )
-        )
-        return None

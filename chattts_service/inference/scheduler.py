@@ -61,12 +61,14 @@ class Job(Protocol):
 
     def advance(self, finished: Sequence) -> Sequence | None: ...
 
-    # optional: ``progress(sequence)`` is called after every step the job's sequence takes
+    # optional: ``progress(sequence, joining)`` is called after every step the job's sequence
+    # takes, and says whether it asked for audio to be decoded (``joining``: a decode runs anyway)
 
 
 class Scheduler:
     def __init__(self, policy: BatchingPolicy, on_step: Callable[[int, float], None] | None = None):
         self.batch: Batch | None = None  # attached from the model thread once loaded
+        self.decodes = None
         self.policy = policy
         self.kv_budget_positions = 0
         # unbounded: ``submit`` holds it to the policy's bound, which may change at run time
@@ -89,9 +91,11 @@ class Scheduler:
         if self._thread.is_alive():
             self._thread.join(timeout)
 
-    def attach(self, batch: Batch, kv_budget_positions: int) -> None:
+    def attach(self, batch: Batch, kv_budget_positions: int, decodes=None) -> None:
+        """``decodes``: the ``DecodeQueue`` jobs hand their audio to, run once per iteration."""
         self.batch = batch
         self.kv_budget_positions = kv_budget_positions
+        self.decodes = decodes
 
     def call(self, function: Callable[[], object]) -> Future:
         """Run ``function`` on the scheduler thread between two steps."""
@@ -138,6 +142,8 @@ class Scheduler:
                 self._drop_cancelled()
                 if len(self.batch):
                     self._step()
+                if self.decodes is not None:
+                    self.decodes.run()  # what the jobs asked for in this iteration, together
             except Exception:  # pragma: no cover - a bug: fail what is running, keep serving
                 log.exception("scheduler iteration failed; failing the running jobs")
                 self._fail_all(RuntimeError("internal error in the scheduler"))
@@ -243,18 +249,29 @@ class Scheduler:
             self._on_step(rows, time.perf_counter() - started)
         for sequence in finished:
             self._advance(sequence)
+        not_yet = []
         for sequence in self.batch.active:
-            job = self._owners[sequence]
-            progress = getattr(job, "progress", None)
-            if progress is None:
-                continue
-            try:
-                progress(sequence)  # e.g. a streaming job decodes its next chunk
-            except Exception as error:
-                log.exception("job progress failed")
-                job.future.stop_requested = True  # leaves the batch before the next step
-                if not job.future.done():
-                    job.future.set_exception(error)
+            if not self._progress(sequence, joining=False):
+                not_yet.append(sequence)
+        if self.decodes is not None and len(self.decodes):  # e.g. streams' chunks worth joining
+            for sequence in not_yet:
+                self._progress(sequence, joining=True)
+
+    def _progress(self, sequence: Sequence, joining: bool) -> bool:
+        """The job's ``progress`` (e.g. a stream asks for its next chunk); whether it asked
+        for audio."""
+        job = self._owners[sequence]
+        progress = getattr(job, "progress", None)
+        if progress is None:
+            return False
+        try:
+            return bool(progress(sequence, joining))
+        except Exception as error:
+            log.exception("job progress failed")
+            job.future.stop_requested = True  # leaves the batch before the next step
+            if not job.future.done():
+                job.future.set_exception(error)
+            return False
 
     def _drop_cancelled(self) -> None:
         """Sequences whose caller gave up (deadline passed, client left) stop costing steps."""
