@@ -555,3 +555,30 @@ def test_a_failed_decode_fails_its_own_request_only(engine):
     assert [index for index, _ in outcomes] == [0, 1, 2]
     assert isinstance(outcomes[1][1], RuntimeError) and outcomes[0][1] > 0 and outcomes[2][1] > 0
     assert len(queue) == 0
+
+
+def test_concurrent_streams_are_their_whole_answers_and_chunks_follow_the_listener(engine):
+    """Four streams decoded together (their chunks batched) give what each gives whole, and a
+    stream's chunks grow: no chunk but the first and the last is under the low-water size."""
+    from chattts_service.inference import job
+
+    requests = [SynthesisRequest("并发流式测试。", seed=90 + i) for i in range(4)]
+    wholes = [engine.synthesize(request, fixed_steps=180).audio for request in requests]
+    runs = [engine.start(request, fixed_steps=180, stream=True) for request in requests]
+    results: list = [None] * len(runs)
+
+    def read(index):
+        results[index] = list(runs[index].chunks(timeout=120))
+
+    threads = [threading.Thread(target=read, args=(index,)) for index in range(len(runs))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    bound = 1e-3 if engine.model.decoder.dtype == "fp32" else 0.03
+    for whole, chunks in zip(wholes, results, strict=True):
+        streamed = np.concatenate(chunks)
+        assert len(streamed) == len(whole)
+        assert np.linalg.norm(streamed - whole) <= bound * np.linalg.norm(whole)
+        assert len(chunks[0]) == job.FIRST_CHUNK_STEPS * 512
+        assert all(len(chunk) >= 16 * 512 for chunk in chunks[1:-1]), [len(c) for c in chunks]

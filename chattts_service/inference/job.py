@@ -5,6 +5,12 @@ through the scheduler's ``DecodeQueue``: what every job asks for between two ste
 together. A streaming job decodes its audio in chunks while it generates (``progress``); each
 chunk is decoded with enough context on both sides (the decoders' receptive field) to be the
 same stretch of a decode of the whole, so streamed and non-streamed audio match.
+
+A stream's chunks follow its listener: the first as soon as it can be decoded, then the next
+when what has been sent runs low (``LOW_WATER_SECONDS`` of audio ahead of a player that started
+at the first chunk), or when a decode runs anyway and joining it pays, or when the chunk has
+grown to ``MAX_CHUNK_STEPS``. A stream ahead of its listener waits for a bigger piece, so the
+context each chunk decodes again weighs less per second of audio.
 """
 
 from __future__ import annotations
@@ -33,8 +39,17 @@ if TYPE_CHECKING:  # prompts bring torch; a job is built once the model has load
 
 log = logging.getLogger(__name__)
 
-FIRST_CHUNK_STEPS = 8  # streamed audio: first chunk (170 ms), then doubling
-MAX_CHUNK_STEPS = 96
+# A stream's chunks: the first once FIRST_CHUNK_STEPS can be decoded (256 ms of audio); each
+# later one once its listener has less than LOW_WATER_SECONDS of audio left (HIGH_WATER_SECONDS
+# when a decode runs anyway, so it joins that batch) and its size has waited (doubling from
+# FIRST_CHUNK_STEPS, capped at LOW_CHUNK_STEPS, or JOIN_CHUNK_STEPS to join); any chunk once
+# MAX_CHUNK_STEPS wait. (Tuned on 2 vCPUs of a Xeon with AMX, docs/benchmarks.md.)
+FIRST_CHUNK_STEPS = 12
+LOW_CHUNK_STEPS = 32
+JOIN_CHUNK_STEPS = 16
+MAX_CHUNK_STEPS = 128
+LOW_WATER_SECONDS = 0.6
+HIGH_WATER_SECONDS = 2.0
 
 
 class SynthesisJob:
@@ -67,6 +82,7 @@ class SynthesisJob:
         self.early = early  # a stream: chunks as it generates, else its whole audio at the end
         self._parts: list[np.ndarray] = []
         self._emitted = 0  # steps whose audio has been asked for
+        self._runs_out: float | None = None  # when the listener's audio runs out
         self._asked = 0  # chunks asked for
 
     def start(self):
@@ -80,12 +96,33 @@ class SynthesisJob:
             self.text, self.request, self.voice, self.fixed_steps, self.step_cap
         )
 
+    def ahead(self, now: float | None = None) -> float:
+        """Seconds of audio sent and not yet played by a listener who started at the first
+        chunk and waits when it has nothing left (0 then, and before the first chunk)."""
+        if self._runs_out is None:
+            return 0.0
+        return max(0.0, self._runs_out - (time.monotonic() if now is None else now))
+
     def progress(self, sequence, joining: bool = False) -> bool:
-        """After a step: ask for the next chunk if it is due; whether it did."""
+        """After a step: ask for the next chunk if it is due (``joining``: a decode runs anyway
+        this time, so a smaller chunk is worth sending); whether it did."""
         if self.chunks is None or not self.early or sequence.kind != "code":
             return False
         waiting = sequence.steps - self.context_steps - self._emitted  # decodable, not asked for
-        due = waiting >= min(FIRST_CHUNK_STEPS << self._asked, MAX_CHUNK_STEPS)
+        size = min(FIRST_CHUNK_STEPS << self._asked, MAX_CHUNK_STEPS)
+        if self._runs_out is None:  # nothing has reached the listener yet
+            due = waiting >= size
+        else:
+            ahead = self.ahead()
+            due = (
+                waiting >= MAX_CHUNK_STEPS
+                or (ahead < LOW_WATER_SECONDS and waiting >= min(size, LOW_CHUNK_STEPS))
+                or (
+                    joining
+                    and ahead < HIGH_WATER_SECONDS
+                    and waiting >= min(size, JOIN_CHUNK_STEPS)
+                )
+            )
         if due:
             self._asked += 1
             self._emit(sequence, self._emitted + waiting, final=False)
@@ -95,6 +132,10 @@ class SynthesisJob:
         start = max(0, self._emitted - self.context_steps)
 
         def sent(chunk: np.ndarray) -> None:
+            now = time.monotonic()
+            if self._runs_out is None or self._runs_out < now:  # (re)starts playing now
+                self._runs_out = now
+            self._runs_out += len(chunk) / SAMPLE_RATE
             self._parts.append(chunk)
             self.chunks.put(chunk)
             if then is not None:
