@@ -59,7 +59,9 @@ def create_app(
 def build_state(settings: Settings, engine: Engine | None = None) -> ServiceState:
     """Everything one running service holds, wired together."""
     metrics = Metrics()
-    engine = engine or Engine(settings, step_observer=metrics.observe_step)
+    engine = engine or Engine(
+        settings, step_observer=metrics.observe_step, decode_observer=metrics.observe_decode
+    )
     state = ServiceState(
         settings=settings,
         engine=engine,

@@ -210,6 +210,10 @@ def test_metrics_move_by_the_right_amounts(server):
     assert moved("chatts_audio_seconds_total") == pytest.approx(2 * seconds, abs=2e-3)
     assert moved("chatts_requests_total{status=200}") == 2
     assert moved("chatts_requests_total{status=400}") == 1
+    # one segment decoded once (the hit and the refusal decode nothing)
+    assert moved("chatts_audio_decode_items_total") == 1
+    assert moved("chatts_audio_decode_seconds_count") == 1
+    assert moved("chatts_audio_decode_seconds_sum") > 0
     assert after["chatts_queue_depth"] == 0
     assert after["chatts_ready"] == 1
     assert 0 <= after["chatts_cpu_percent"] <= 100

@@ -210,6 +210,17 @@ class Metrics:
             buckets=(1, 2, 3, 4, 6, 8, 12, 16, 32, 64),
             registry=r,
         )
+        self.audio_decode = Histogram(
+            "chatts_audio_decode_seconds",
+            "One round of audio decoding between two steps (every chunk and segment asked for)",
+            buckets=(0.01, 0.025, 0.05, 0.1, 0.2, 0.4, 0.8, 1.6),
+            registry=r,
+        )
+        self.audio_decode_items = Counter(
+            "chatts_audio_decode_items_total",
+            "Chunks and segments decoded into audio",
+            registry=r,
+        )
         self._cpu = CpuSampler()
         self.cpu_percent.set_function(self._cpu.percent)
         r.register(HeapCollector())
@@ -221,6 +232,10 @@ class Metrics:
     def observe_step(self, rows: int, seconds: float) -> None:
         self.step_duration.observe(seconds)
         self.batch_rows.observe(rows)
+
+    def observe_decode(self, items: int, seconds: float) -> None:
+        self.audio_decode.observe(seconds)
+        self.audio_decode_items.inc(items)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
