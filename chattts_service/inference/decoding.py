@@ -67,11 +67,13 @@ class AudioDecoder:
         placed on a common canvas with the first step it keeps in one column, and before every
         stage that mixes frames each row is zeroed outside the frames its own ``span`` would
         still hold, so every row reads what it would read alone (as a convolution pads). The
-        canvas is as wide as a width from a short list (``bucket``): oneDNN prepares a kernel
-        for every new shape (tens of ms in bf16), and streams' windows would otherwise rarely
-        repeat one. Fewer, larger convolutions: about half the time of one call per window in
-        bf16. (In bf16 a batch of one and a batch of several round differently: 0.8% of the
-        waveform, each 1% from fp32; docs/benchmarks.md.)"""
+        canvas is as wide as a width from a short list (``bucket``) and narrows, stage by
+        stage, only by ``CROP_FRAMES`` at a time: oneDNN prepares a kernel for every new shape
+        (tens of ms in bf16) and the service keeps only 64 of them (``runtime/heap.py``), so a
+        decode must use few shapes, and the same ones call after call. Fewer, larger
+        convolutions: about half the time of one call per window in bf16. (In bf16 a batch of
+        one and a batch of several round differently: 0.8% of the waveform, each 1% from fp32;
+        docs/benchmarks.md.)"""
         rows = [_Row(hiddens, first, last) for hiddens, first, last in items]
         reach = self._head_radius + sum(radius for _, radius in self._stages)
         anchor = max(min(row.keep_lo, reach) for row in rows)  # canvas column of a row's keep_lo
@@ -90,8 +92,9 @@ class AudioDecoder:
                 for stage, radius in self._stages:
                     lo = anchor - max(min(row.keep_lo, reach) for row in rows)
                     hi = anchor + max(row.right(reach) for row in rows)
-                    x = x[..., lo - offset : lo - offset + bucket(hi - lo)]
-                    offset = lo
+                    if x.shape[-1] - bucket(hi - lo) >= CROP_FRAMES:  # few widths: kernels reused
+                        x = x[..., lo - offset : lo - offset + bucket(hi - lo)]
+                        offset = lo
                     if radius:
                         x = x * _mask(rows, reach, anchor, offset, x.shape[-1]).to(x.dtype)
                     x = stage(x)
@@ -125,6 +128,9 @@ class AudioDecoder:
             for index, samples in zip(group, decoded, strict=True):
                 results[index] = samples
         return results
+
+
+CROP_FRAMES = 64  # a stage narrows the canvas only by this much at least
 
 
 def bucket(frames: int) -> int:
