@@ -44,7 +44,9 @@ def test_engine_benchmark_smoke(tiny_model_dir):
     )
     data = json.loads(result.stdout)
     assert data["baseline"]["ms_per_step"] > 0
-    assert set(data["ours"]["concurrency"]) == {"1", "4", "8"}
+    assert set(data["ours"]["concurrency"]) == {"1", "4", "8", "16"}
+    for level in data["ours"]["concurrency"].values():  # the time rows waited on decoding
+        assert 0 < level["decode_share"] < 1
     assert 0 <= data["fidelity"]["top1_agreement"] <= 1
     readings = data["ours"]["bandwidth_readings_gb_per_s"]
     assert len(readings) == 2 and data["ours"]["bandwidth_gb_per_s"] == max(readings) > 0
@@ -58,6 +60,10 @@ def test_engine_benchmark_smoke(tiny_model_dir):
     text = report(data)
     assert "batch-1 step within 1.3x" in text and "8-row step within 2.5x" in text
     assert "a loop only reading them took" in text
+    assert "decode share at 8 concurrent < 20%" in text and "decoded as one batch" in text
+    fidelity = data["fidelity"]
+    assert fidelity["bf16_batched_vs_alone_relative_l2"] < 0.05
+    assert fidelity["bf16_batched_vs_fp32_relative_l2"] < 0.05
     assert data["ours"]["kernel_tuning"] in text and data["cpu"] in text
 
 
