@@ -143,6 +143,10 @@ def bucket(frames: int) -> int:
 Span = tuple  # (hiddens [steps, hidden], first step kept, last step kept (exclusive) or None)
 MAX_BATCH_ROWS = 16
 MAX_PADDING = 0.25  # a batch's canvas may be this much larger than its rows' own widths
+# frames in one batch's canvas (rows x width): its activations are transient memory, one
+# ConvNeXt intermediate alone 6 KB a frame in fp32, so 16 segments of 2,048 steps would take
+# ~400 MB at once; streams' windows (16 rows of up to ~460 frames) still batch whole
+MAX_BATCH_FRAMES = 8192
 
 
 def _groups(widths: list[int]) -> list[list[int]]:
@@ -155,6 +159,7 @@ def _groups(widths: list[int]) -> list[list[int]]:
         if (
             group is not None
             and len(group) < MAX_BATCH_ROWS
+            and widths[group[0]] * (len(group) + 1) <= MAX_BATCH_FRAMES
             and widths[group[0]] * (len(group) + 1)
             <= (1 + MAX_PADDING) * (sum(widths[i] for i in group) + widths[index])
         ):
