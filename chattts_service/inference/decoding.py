@@ -15,9 +15,6 @@ class AudioDecoder:
 
     def __init__(self, decoder, vocos, dtype: str):
         self.decoder, self.vocos, self.dtype = decoder, vocos, dtype
-        if dtype == "bf16":
-            _keep_bf16_copies(decoder)
-            _keep_bf16_copies(vocos.backbone)
         self.context_steps = decoder_context_steps(decoder, vocos)
         self._stages = _stages(decoder, vocos)
         self._head_radius = _head_radius(vocos)
@@ -235,33 +232,6 @@ def _mask(rows, reach: int, anchor: int, offset: int, width: int) -> torch.Tenso
         hi = anchor + row.right(reach) - offset
         mask[index, :, max(0, lo) : max(0, hi)] = 1.0
     return mask
-
-
-class _TwoPrecisionLinear(torch.nn.Module):
-    """A pointwise layer kept in fp32 and, cast once, in bf16. Under autocast it computes with
-    its bf16 copy, the one autocast would otherwise make on every call (weights that need no
-    gradient stay out of autocast's cache): the same numbers without re-reading and writing
-    ~38 MB of weights per decode. fp32 work (a ``dtype="fp32"`` decode) uses the original."""
-
-    def __init__(self, linear: torch.nn.Linear):
-        super().__init__()
-        self.linear = linear
-        self.weight16 = linear.weight.detach().to(torch.bfloat16)
-        self.bias16 = None if linear.bias is None else linear.bias.detach().to(torch.bfloat16)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if torch.is_autocast_enabled("cpu"):
-            return torch.nn.functional.linear(x, self.weight16, self.bias16)
-        return self.linear(x)
-
-
-def _keep_bf16_copies(module: torch.nn.Module) -> None:
-    """Every ``nn.Linear`` under ``module`` wrapped in a ``_TwoPrecisionLinear``."""
-    for name, child in list(module.named_children()):
-        if isinstance(child, torch.nn.Linear):
-            setattr(module, name, _TwoPrecisionLinear(child))
-        else:
-            _keep_bf16_copies(child)
 
 
 def _samples(audio: torch.Tensor) -> np.ndarray:
