@@ -18,6 +18,12 @@ class AudioDecoder:
         self.context_steps = decoder_context_steps(decoder, vocos)
         self._stages = _stages(decoder, vocos)
         self._head_radius = _head_radius(vocos)
+        # frames either side of a kept one that can change it (what ``context_steps`` rounds up)
+        self._reach = (
+            None
+            if self._stages is None
+            else self._head_radius + sum(radius for _, radius in self._stages)
+        )
         self._hop = vocos.head.istft.hop_length
 
     def __call__(self, hiddens: torch.Tensor, dtype: str | None = None) -> np.ndarray:
@@ -45,7 +51,7 @@ class AudioDecoder:
                 x = _frames(hiddens.T[None].contiguous())
                 total = x.shape[-1]
                 keep_lo, keep_hi = 2 * first, total if last is None else 2 * last
-                reach = self._head_radius + sum(radius for _, radius in self._stages)
+                reach = self._reach
                 offset = 0  # the frame x starts at
                 for stage, radius in self._stages:
                     lo, hi = max(0, keep_lo - reach), min(total, keep_hi + reach)
@@ -72,8 +78,8 @@ class AudioDecoder:
         one and a batch of several round differently: 0.8% of the waveform, each 1% from fp32;
         docs/benchmarks.md.)"""
         rows = [_Row(hiddens, first, last) for hiddens, first, last in items]
-        reach = self._head_radius + sum(radius for _, radius in self._stages)
-        anchor = max(min(row.keep_lo, reach) for row in rows)  # canvas column of a row's keep_lo
+        reach = self._reach
+        anchor = max(row.left(reach) for row in rows)  # canvas column of a row's keep_lo
         width = bucket(anchor + max(row.right(reach) for row in rows))
         with torch.inference_mode():
             first_frames = _frames(rows[0].hiddens.T[None].contiguous())
@@ -87,7 +93,7 @@ class AudioDecoder:
             with torch.autocast("cpu", dtype=torch.bfloat16, enabled=self.dtype == "bf16"):
                 offset = 0  # the canvas column x starts at
                 for stage, radius in self._stages:
-                    lo = anchor - max(min(row.keep_lo, reach) for row in rows)
+                    lo = anchor - max(row.left(reach) for row in rows)
                     hi = anchor + max(row.right(reach) for row in rows)
                     if x.shape[-1] - bucket(hi - lo) >= CROP_FRAMES:  # few widths: kernels reused
                         x = x[..., lo - offset : lo - offset + bucket(hi - lo)]
@@ -120,7 +126,7 @@ class AudioDecoder:
                 for hiddens, first, last in items
             ]
         results: list[np.ndarray | None] = [None] * len(items)
-        for group in _groups([_Row(*item).width(self.context_steps) for item in items]):
+        for group in _groups([_Row(*item).width(self._reach) for item in items]):
             decoded = self.spans([items[index] for index in group])
             for index, samples in zip(group, decoded, strict=True):
                 results[index] = samples
@@ -213,14 +219,17 @@ class _Row:
         self.keep_hi = self.total if last is None else 2 * last
         self.keep_len = self.keep_hi - self.keep_lo
 
+    def left(self, reach: int) -> int:
+        """Frames before its first kept one that it reads, at most ``reach``."""
+        return min(self.keep_lo, reach)
+
     def right(self, reach: int) -> int:
         """Frames from its first kept one to the last it reads, ``reach`` past what it keeps."""
         return self.keep_len + min(self.total - self.keep_hi, reach)
 
-    def width(self, context_steps: int) -> int:
+    def width(self, reach: int) -> int:
         """The frames a batch reads for this row (what it keeps and its context)."""
-        reach = 2 * context_steps
-        return self.keep_len + min(self.keep_lo, reach) + min(self.total - self.keep_hi, reach)
+        return self.left(reach) + self.right(reach)
 
 
 def _mask(rows, reach: int, anchor: int, offset: int, width: int) -> torch.Tensor:
@@ -228,7 +237,7 @@ def _mask(rows, reach: int, anchor: int, offset: int, width: int) -> torch.Tenso
     window, within ``reach`` of what it keeps), 0 elsewhere."""
     mask = torch.zeros(len(rows), 1, width)
     for index, row in enumerate(rows):
-        lo = anchor - min(row.keep_lo, reach) - offset
+        lo = anchor - row.left(reach) - offset
         hi = anchor + row.right(reach) - offset
         mask[index, :, max(0, lo) : max(0, hi)] = 1.0
     return mask
