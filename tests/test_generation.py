@@ -17,6 +17,7 @@ from chattts_service.inference.generation import (
 from chattts_service.inference.transformer import KVCache, Transformer
 from chattts_service.inference.types import CODE_SAMPLING, TEXT_SAMPLING, Sampling
 from chattts_service.kernels import bindings as cpp_kernels
+from chattts_service.kernels import tuning
 
 # the test environment has a compiler: the kernels must build and load here
 CPP = cpp_kernels.load("on")
@@ -239,20 +240,27 @@ def test_one_call_through_every_layer_gives_the_layer_by_layer_bits(
             ), name
 
 
-@pytest.mark.parametrize("quantization", ["int8", "int4"])
+@pytest.mark.parametrize("quantization, tiles", [("int8", False), ("int4", False), ("int8", True)])
 @pytest.mark.parametrize("kv_cache", ["bf16", "int8"])
 def test_a_prompt_in_one_call_gives_the_bits_of_its_tokens_stepped_one_by_one(
-    tiny_model_dir, quantization, kv_cache
+    tiny_model_dir, quantization, tiles, kv_cache
 ):
     """The kernels' prefill (the prompt's positions as the rows of one call) stores every key
     and value, and ends on the hidden state, that decode steps over the same tokens one at a
-    time give."""
+    time give. With tiles from 2 rows, the prompt's 37 rows run on AMX tiles (three passes of
+    16, the last padded) and each step's one row on VNNI: the same bits."""
     llama = LlamaModel.from_pretrained(str(tiny_model_dir / "asset/gpt"))
     torch.manual_seed(5)
     hidden = llama.config.hidden_size
     model = Transformer(llama, quantization, "on", kv_cache=kv_cache)
-    prompt = torch.randn(13, hidden) * 4
-    together, alone = model.new_cache(reserve=16), model.new_cache(reserve=16)
+    length = 13
+    if tiles:
+        if not model.kernels.has_tiles:
+            pytest.skip("no AMX tiles here (the CPU lacks AMX-INT8, or the OS grants none)")
+        model.kernels.tuning = tuning.KernelTuning(16, "nta", 2, 2).to_abi()
+        length = 37
+    prompt = torch.randn(length, hidden) * 4
+    together, alone = model.new_cache(reserve=40), model.new_cache(reserve=40)
     last = model.prefill(prompt, together)
     for position in range(len(prompt)):
         stepped = model.step(prompt[position : position + 1], [alone], [position])[0]

@@ -31,12 +31,19 @@ def _packings(kernels, seed=0):
     ]
 
 
-def _every_tuning():
+def _every_tuning(kernels):
+    tiles = (tuning.NO_TILES, 2, 9) if kernels.has_tiles else (tuning.NO_TILES,)
     return [
-        replace(candidate, pair_blocks_from=pairs)
+        replace(candidate, pair_blocks_from=pairs, tiles_from=start)
         for candidate in tuning.CANDIDATES
         for pairs in (*tuning.PAIRINGS, 5)
+        for start in tiles
     ]
+
+
+def _needs_tiles(kernels):
+    if not kernels.has_tiles:
+        pytest.skip("no AMX tiles here (the CPU lacks AMX-INT8, or the OS grants no tile state)")
 
 
 @pytest.mark.parametrize("shape", [(256, 64), (40, 68), (2504, 768)])
@@ -54,7 +61,7 @@ def test_every_candidate_gives_the_same_bits(kernels, shape):
     x = torch.randn(10, packing.in_features, generator=generator)
     residual = torch.randn(10, packing.out_features, generator=generator)
     reference = None
-    for candidate in _every_tuning():
+    for candidate in _every_tuning(kernels):
         kernels.tuning = candidate.to_abi()
         results = {
             rows: kernels.int8_linear(x[:rows], packing, residual=residual[:rows])
@@ -68,21 +75,86 @@ def test_every_candidate_gives_the_same_bits(kernels, shape):
         assert torch.equal(alone, reference[7:8]), candidate
 
 
+@pytest.mark.parametrize("shape", [(40, 68), (64, 40), (300, 768), (96, 3072)])
+def test_tiles_give_the_vnni_products_bits_at_every_row_count(kernels, shape):
+    """On AMX tiles the sums are vpdpbusd's, exactly, and the epilogue is the same: each row
+    gets the bits the VNNI product gives it, past 16 rows (padded tiles) and with inputs past
+    the last whole 64 (68: one tile and a group; 40: no whole tile), the norm, SwiGLU and a
+    residual included."""
+    _needs_tiles(kernels)
+    generator = torch.Generator().manual_seed(11)
+    n, k = shape
+    packing = Int8Packing(
+        torch.randint(-127, 128, shape, dtype=torch.int8, generator=generator),
+        torch.rand(n, generator=generator) / 100,
+        "vnni",
+    )
+    x = torch.randn(40, k, generator=generator) * 3
+    both = torch.randn(40, 2 * k, generator=generator)
+    gain = torch.rand(k, generator=generator) + 0.5
+    residual = torch.randn(40, n, generator=generator)
+    base = tuning.KernelTuning(64, "t0", 2)
+    results = {}
+    for start in (tuning.NO_TILES, 2):
+        kernels.tuning = replace(base, tiles_from=start).to_abi()
+        results[start] = [
+            (
+                kernels.int8_linear(x[:rows], packing, residual=residual[:rows]),
+                kernels.int8_linear(x[:rows], packing, gain=gain),
+                kernels.int8_linear(both[:rows], packing, swiglu=True),
+            )
+            for rows in (1, 2, 7, 16, 17, 33, 40)
+        ]
+    for tiled, plain in zip(results[2], results[tuning.NO_TILES]):
+        for a, b in zip(tiled, plain):
+            assert torch.equal(a, b)
+
+
+def test_tiles_where_there_are_none_are_refused_with_the_reason(kernels):
+    """Asked for tiles, a CPU without AMX (or an OS that grants no tile state) says so
+    instead of faulting; one with them multiplies."""
+    packing = _packings(kernels)[0]
+    kernels.tuning = tuning.KernelTuning(16, "nta", 9, 2).to_abi()
+    x = torch.randn(4, 64)
+    if kernels.has_tiles:
+        assert kernels.int8_linear(x, packing).shape == (4, 192)
+    else:
+        with pytest.raises(cpp_kernels.KernelError, match="AMX tiles asked for"):
+            kernels.int8_linear(x, packing)
+
+
 def test_the_kernel_refuses_a_tuning_out_of_range(kernels):
     packing = _packings(kernels)[0]
     for bad in (
-        abi.Tuning(257, 0, 9),
-        abi.Tuning(-1, 0, 9),
-        abi.Tuning(16, 2, 9),
-        abi.Tuning(16, 0, 1),
-        abi.Tuning(16, 0, 10),
+        abi.Tuning(257, 0, 9, 0),
+        abi.Tuning(-1, 0, 9, 0),
+        abi.Tuning(16, 2, 9, 0),
+        abi.Tuning(16, 0, 1, 0),
+        abi.Tuning(16, 0, 10, 0),
+        abi.Tuning(16, 0, 9, 1),
+        abi.Tuning(16, 0, 9, 66),
     ):
         kernels.tuning = bad
         with pytest.raises(cpp_kernels.KernelError, match="prefetch distance"):
             kernels.int8_linear(torch.randn(1, 64), packing)
-    for bad in ((16, "t2"), (16, "t0", 1), (16, "t0", 10)):
+    for bad in ((16, "t2"), (16, "t0", 1), (16, "t0", 10), (16, "t0", 9, 1), (16, "t0", 9, 66)):
         with pytest.raises(ValueError, match="no such tuning"):
             tuning.KernelTuning(*bad)
+
+
+def _tiles_rule(passes: dict, without: str, tiled: str) -> int:
+    """Tiles from the fewest rows from which they won by TILES_BETTER_BY at every count."""
+    counts = sorted(passes[without], key=int)
+    winning = [
+        passes[tiled][rows] <= passes[without][rows] * (1 - tuning.TILES_BETTER_BY)
+        for rows in counts
+    ]
+    start = tuning.NO_TILES
+    for rows, won in reversed(list(zip(counts, winning))):
+        if not won:
+            break
+        start = int(rows)
+    return start
 
 
 def _rule(passes: dict, baseline: str, better_by: float) -> str:
@@ -112,12 +184,28 @@ def test_measuring_chooses_the_fastest_clearly_faster_than_the_default(product):
         assert set(paired) == {f"{groups}/{hint}/{rows}" for rows in tuning.PAIRINGS}
         assert all(set(by_rows) == {"8"} for by_rows in paired.values())
         single = f"{groups}/{hint}/{tuning.SINGLE_BLOCKS}"
-        assert best.name == _rule(paired, single, tuning.PAIRING_BETTER_BY)
+        paired_best = replace(best, tiles_from=tuning.NO_TILES)
+        assert paired_best.name == _rule(paired, single, tuning.PAIRING_BETTER_BY)
+        if kernels.has_tiles:
+            tiles = report["tiles_ms_per_pass"]
+            tiled = replace(paired_best, tiles_from=tuning.TILE_ROWS[0]).name
+            assert set(tiles) == {paired_best.name, tiled}
+            counts = set(map(str, tuning.TILE_ROWS))
+            assert all(set(by_rows) == counts for by_rows in tiles.values())
+            assert best.tiles_from == _tiles_rule(tiles, paired_best.name, tiled)
+        else:
+            assert "tiles_ms_per_pass" not in report and best.tiles_from == tuning.NO_TILES
     chosen = kernels.tuning
-    assert (chosen.prefetch_groups, chosen.prefetch_hint, chosen.pair_blocks_from) == (
+    assert (
+        chosen.prefetch_groups,
+        chosen.prefetch_hint,
+        chosen.pair_blocks_from,
+        chosen.tiles_from,
+    ) == (
         best.prefetch_groups,
         tuning.HINTS[best.prefetch_hint],
         best.pair_blocks_from,
+        best.tiles_from,
     )
 
 
@@ -141,6 +229,7 @@ def test_a_measured_choice_is_kept_and_read_on_the_next_start(kernels, tmp_path)
         "prefetch_groups": first.tuning.prefetch_groups,
         "prefetch_hint": first.tuning.prefetch_hint,
         "pair_blocks_from": first.tuning.pair_blocks_from,
+        "tiles_from": first.tuning.tiles_from,
     }
     assert stored["cpu"] == tuning.cpu_identity()["name"] and "ms_per_pass" in stored
     # what the next start reads, not what it measures: a choice written by hand is used as is

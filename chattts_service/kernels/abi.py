@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import ctypes
 
-ABI_VERSION = 6
+ABI_VERSION = 7
 
 _i64, _i32, _f32, _ptr = ctypes.c_int64, ctypes.c_int32, ctypes.c_float, ctypes.c_void_p
 
@@ -21,7 +21,12 @@ PRODUCT_VNNI = 2
 
 
 class Tuning(ctypes.Structure):
-    _fields_ = [("prefetch_groups", _i32), ("prefetch_hint", _i32), ("pair_blocks_from", _i32)]
+    _fields_ = [
+        ("prefetch_groups", _i32),
+        ("prefetch_hint", _i32),
+        ("pair_blocks_from", _i32),
+        ("tiles_from", _i32),
+    ]
 
 
 class AttentionArgs(ctypes.Structure):
@@ -228,6 +233,8 @@ def declare(library: ctypes.CDLL) -> None:
     library.chatts_args_layout.argtypes = [_i32]
     library.chatts_status_message.restype = ctypes.c_char_p
     library.chatts_status_message.argtypes = [_i32]
+    library.chatts_amx_tiles.restype = _i32
+    library.chatts_amx_tiles.argtypes = []
     for name, struct, result in (
         ("chatts_decode_attention", AttentionArgs, _i32),
         ("chatts_rms_norm_unit_rows", RmsNormArgs, None),

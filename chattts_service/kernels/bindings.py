@@ -70,7 +70,15 @@ class Kernels:
             int8_product = "vnni" if cpu_supports(VNNI_CPU_FLAGS) else "avx2"
         self.int8_instructions = int8_product
         # how the int8 product prefetches its weights; kernels/tuning.py sets what suits the CPU
-        self.tuning = abi.Tuning(prefetch_groups=16, prefetch_hint=0, pair_blocks_from=9)
+        self.tuning = abi.Tuning(
+            prefetch_groups=16, prefetch_hint=0, pair_blocks_from=9, tiles_from=0
+        )
+
+    @property
+    def has_tiles(self) -> bool:
+        """Whether the VNNI product may run on AMX tiles here (the CPU has AMX-INT8 and the
+        OS granted the process its tile state): the tuning's ``tiles_from`` needs it."""
+        return self.int8_instructions == "vnni" and bool(self.library.chatts_amx_tiles())
 
     def check(self, status: int, product: str = "") -> None:
         """Raise the library's own message for a kernel that refused its arguments."""

@@ -4,13 +4,14 @@ A decode step reads every weight once, so how far ahead the product prefetches a
 hint decides how near it gets to the memory's bandwidth, and the best differs from one CPU (and
 memory system) to the next: a non-temporal prefetch that suits a Zen 3 halves what an Intel
 Xeon (family 6 model 207) reads. So does, for the VNNI product, from how many rows two blocks of
-16 channels share each broadcast input. ``CHATTTS_KERNEL_TUNING`` says how the parameters are
-chosen:
+16 channels share each broadcast input, and, where the CPU has AMX, from how many rows the
+product runs on its tiles. ``CHATTTS_KERNEL_TUNING`` says how the parameters are chosen:
 
 - ``measure`` (the default): at the first start on a CPU, each candidate in ``CANDIDATES`` is
   timed on the model's own packed layers at 1 and 8 rows; the fastest, if clearly faster than
   the default, is used; then, for the VNNI product, that prefetch with each of ``PAIRINGS``
-  at 8 rows (about a second in all on the full-size model). The choice is kept beside
+  at 8 rows; then, with AMX, on tiles or not at each of ``TILE_ROWS`` rows (about two
+  seconds in all on the full-size model). The choice is kept beside
   the packed weights (``<model dir>/.packed/tuning-<key>.json``, keyed by the CPU's model,
   flags and thread count and by the kernel library) and read on later starts: a restart
   measures nothing, another CPU measures again.
@@ -50,7 +51,10 @@ BETTER_BY = 0.05  # a candidate replaces the default only when this much faster:
 PAIRING_BETTER_BY = 0.03  # timed at one row count, twice the rounds: less noise
 PAIRING_ROUNDS = 9
 SINGLE_BLOCKS = 9  # pair_blocks_from: pairs only past a step's 8 rows
-FILE_VERSION = 2
+TILE_ROWS = (2, 4, 8, 16, 32)  # AMX: tiles or not at each; 32 rows stand for a prompt's prefill
+TILES_BETTER_BY = 0.03  # tiles from the fewest rows from which they win by this at every count
+NO_TILES = 0
+FILE_VERSION = 3
 
 
 @dataclass(frozen=True)
@@ -58,21 +62,26 @@ class KernelTuning:
     prefetch_groups: int  # 64-byte groups of weights ahead; 0: the hardware prefetcher alone
     prefetch_hint: str  # "nta" (non-temporal) or "t0"
     pair_blocks_from: int = SINGLE_BLOCKS  # VNNI: rows from which blocks go in pairs, 2..9
+    tiles_from: int = NO_TILES  # VNNI with AMX: rows from which the product runs on tiles
 
     def __post_init__(self):
         if (
             not 0 <= self.prefetch_groups <= 256
             or self.prefetch_hint not in HINTS
             or not 2 <= self.pair_blocks_from <= SINGLE_BLOCKS
+            or not (self.tiles_from == NO_TILES or 2 <= self.tiles_from <= 65)
         ):
             raise ValueError(f"no such tuning: {self}")
 
     def to_abi(self) -> abi.Tuning:
-        return abi.Tuning(self.prefetch_groups, HINTS[self.prefetch_hint], self.pair_blocks_from)
+        return abi.Tuning(
+            self.prefetch_groups, HINTS[self.prefetch_hint], self.pair_blocks_from, self.tiles_from
+        )
 
     @property
     def name(self) -> str:
-        return f"{self.prefetch_groups}/{self.prefetch_hint}/{self.pair_blocks_from}"
+        tiles = f"/tiles {self.tiles_from}" if self.tiles_from else ""
+        return f"{self.prefetch_groups}/{self.prefetch_hint}/{self.pair_blocks_from}{tiles}"
 
     def describe(self) -> str:
         prefetch = (
@@ -80,9 +89,11 @@ class KernelTuning:
             if self.prefetch_groups
             else "no software prefetch"
         )
-        if self.pair_blocks_from == SINGLE_BLOCKS:
-            return prefetch
-        return f"{prefetch}, blocks in pairs from {self.pair_blocks_from} rows"
+        if self.pair_blocks_from != SINGLE_BLOCKS:
+            prefetch += f", blocks in pairs from {self.pair_blocks_from} rows"
+        if self.tiles_from:
+            prefetch += f", AMX tiles from {self.tiles_from} rows"
+        return prefetch
 
 
 DEFAULT = KernelTuning(16, "nta")
@@ -170,6 +181,17 @@ def _fastest(medians: dict, baseline: KernelTuning, better_by: float) -> KernelT
     return baseline if scores[best] > scores[baseline] * (1 - better_by) else best
 
 
+def _tiles_from(medians: dict, without: KernelTuning, tiled: KernelTuning) -> int:
+    """The fewest of ``TILE_ROWS`` rows from which tiles were ``TILES_BETTER_BY`` faster at
+    every count measured, or ``NO_TILES``."""
+    start = NO_TILES
+    for rows in sorted(TILE_ROWS, reverse=True):
+        if medians[tiled][rows] > medians[without][rows] * (1 - TILES_BETTER_BY):
+            break
+        start = rows
+    return start
+
+
 def _milliseconds(medians: dict) -> dict:
     return {
         candidate.name: {str(rows): seconds * 1000 for rows, seconds in by_rows.items()}
@@ -182,8 +204,9 @@ def measure(kernels, packings, rounds: int = 5, candidates=CANDIDATES) -> tuple[
     rows, ``rounds`` times interleaved; the score is the sum over the row counts of the
     median pass, and the fastest replaces the first candidate only when ``BETTER_BY`` faster.
     For the VNNI product, the chosen prefetch is then timed with each of ``PAIRINGS`` at
-    ``PAIRING_ROWS``, likewise. Returns the choice and the timings. The kernels' tuning is
-    left as chosen."""
+    ``PAIRING_ROWS``, likewise; where the kernels may use AMX tiles, that choice with tiles
+    and without at each of ``TILE_ROWS`` (``_tiles_from`` decides). Returns the choice and the
+    timings. The kernels' tuning is left as chosen."""
     medians = _time(kernels, packings, candidates, ROWS, rounds)
     best = _fastest(medians, candidates[0], BETTER_BY)
     report = {"ms_per_pass": _milliseconds(medians), "rounds": rounds}
@@ -193,6 +216,11 @@ def measure(kernels, packings, rounds: int = 5, candidates=CANDIDATES) -> tuple[
         paired = _time(kernels, packings, pairings, PAIRING_ROWS, PAIRING_ROUNDS)
         best = _fastest(paired, pairings[0], PAIRING_BETTER_BY)
         report["pairing_ms_per_pass"] = _milliseconds(paired)
+        if kernels.has_tiles:
+            tiled = replace(best, tiles_from=TILE_ROWS[0])
+            timed = _time(kernels, packings, [best, tiled], TILE_ROWS, PAIRING_ROUNDS)
+            best = replace(best, tiles_from=_tiles_from(timed, best, tiled))
+            report["tiles_ms_per_pass"] = _milliseconds(timed)
     kernels.tuning = best.to_abi()
     return best, report
 
@@ -206,6 +234,7 @@ def cache_path(directory: Path, identity: dict, threads: int, library: Path) -> 
             "library": library.name,
             "candidates": [asdict(c) for c in CANDIDATES],
             "pairings": PAIRINGS,
+            "tile_rows": TILE_ROWS,
         }
     )
     return Path(directory) / f"tuning-{key}.json"

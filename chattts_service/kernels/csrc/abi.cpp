@@ -122,7 +122,7 @@ std::string layout(int32_t kind) {
         case CHATTS_ARGS_TUNING: {
             using S = ChattsTuning;
             CHATTS_FIELD(S, prefetch_groups); CHATTS_FIELD(S, prefetch_hint);
-            CHATTS_FIELD(S, pair_blocks_from);
+            CHATTS_FIELD(S, pair_blocks_from); CHATTS_FIELD(S, tiles_from);
             break;
         }
         case CHATTS_ARGS_LINEAR_WEIGHTS: {
@@ -161,7 +161,9 @@ extern "C" const char* chatts_status_message(int32_t status) {
         case CHATTS_UNKNOWN_PRODUCT: return "unknown int8 product";
         case CHATTS_BAD_SAMPLING: return "sample needs a vocabulary and min_keep >= 1";
         case CHATTS_BAD_TUNING:
-            return "prefetch distance must be 0-256 groups, hint 0 or 1, pairs from 2-9 rows";
+            return "prefetch distance must be 0-256 groups, hint 0 or 1, pairs from 2-9 rows, "
+                   "tiles from 2-65 rows or never (0)";
+        case CHATTS_NO_TILES: return "AMX tiles asked for, but this CPU or its OS has none";
         case CHATTS_BAD_READ: return "read needs a count and prefetch >= 0 and a thread";
         case CHATTS_BAD_GROUP:
             return "int4 groups must be 8 to 64 inputs, a multiple of 8, and divide in_features";

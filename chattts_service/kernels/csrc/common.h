@@ -1,8 +1,11 @@
 // What the kernels share: the standard headers, bf16 conversions, a vectorisable exp(x).
 #pragma once
 
+#include <cpuid.h>
 #include <immintrin.h>
 #include <omp.h>
+#include <sys/syscall.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <cmath>

@@ -243,6 +243,165 @@ void gemm(int64_t rows, int64_t n, int64_t k, const uint8_t* xq, const int8_t* p
     }
 }
 
+// The same product on AMX tiles (Intel Xeon from Sapphire Rapids on), for a batch of rows: a
+// tile holds up to 16 rows of 64 quantized inputs (A), 16 groups of 4 inputs of a block's 16
+// channels (B: 1 KB of the packed block as it lies, rows 64 bytes apart), and 16 x 16 int32
+// sums (C). tdpbusd adds to each sum what vpdpbusd adds for the same four inputs, exactly, so
+// every row gets the bits gemm gives it; the inputs past the last whole 64 (k % 64) are added
+// by vpdpbusd before the epilogue, which is gemm_blocks'. Blocks go in pairs (one A tile
+// serves two B tiles); more than 16 rows walk a block once per 16 (the quantized rows are
+// padded with zero rows to a multiple of 16, which are never stored). Where it pays is the
+// CPU's to say (ChattsTuning::tiles_from, measured by kernels/tuning.py): at one row a tile
+// multiplies 15 rows of nothing, and gemm_row already reads as fast as memory goes.
+
+// Whether this process may use AMX tiles: the CPU has AMX-TILE and AMX-INT8 (CPUID 7.0:EDX
+// bits 24 and 25) and Linux granted the tile data state (arch_prctl ARCH_REQ_XCOMP_PERM,
+// XFEATURE_XTILEDATA; granted once, for every thread of the process). Asked once.
+bool tiles_granted() {
+    static const bool granted = [] {
+        unsigned eax = 0, ebx = 0, ecx = 0, edx = 0;
+        if (__get_cpuid_max(0, nullptr) < 7) return false;
+        __cpuid_count(7, 0, eax, ebx, ecx, edx);
+        if ((edx & (1u << 24)) == 0 || (edx & (1u << 25)) == 0) return false;
+        constexpr long kArchRequestPermission = 0x1023, kTileData = 18;
+        return syscall(SYS_arch_prctl, kArchRequestPermission, kTileData) == 0;
+    }();
+    return granted;
+}
+
+// ldtilecfg's 64 bytes: palette 1; tiles 0 and 1 the sums (C) of two blocks, 2 the inputs (A),
+// 4 and 5 the two blocks' weights (B).
+struct alignas(64) TileConfig {
+    uint8_t palette = 1, start_row = 0, reserved[14] = {};
+    uint16_t bytes_per_row[16] = {};
+    uint8_t rows[16] = {};
+
+    explicit TileConfig(int input_rows) {
+        for (const int tile : {0, 1, 2}) {
+            rows[tile] = static_cast<uint8_t>(input_rows);
+            bytes_per_row[tile] = 64;
+        }
+        for (const int tile : {4, 5}) {
+            rows[tile] = 16;
+            bytes_per_row[tile] = 64;
+        }
+    }
+};
+
+// One pass of `count` (<= the tiles' rows) rows over BLOCKS (1 or 2) blocks: the sums of the
+// first `chunks` * 64 inputs by tiles into `sums` ([16][BLOCKS * 16] int32), then the rest's.
+template <int BLOCKS, int HINT>
+__attribute__((target("amx-tile,amx-int8,avx512f,avx512bw,avx512vnni")))
+void tile_sums(int64_t chunks, int64_t tail_groups, const uint8_t* xq, int64_t x_stride,
+               int count, const int8_t* blocks, int64_t block_bytes, int32_t (*sums)[32],
+               uintptr_t weights_end, int64_t prefetch_bytes) {
+    _tile_zero(0);
+    if constexpr (BLOCKS == 2) _tile_zero(1);
+    const int8_t* w = blocks;
+    const uint8_t* x = xq;
+    for (int64_t chunk = 0; chunk < chunks; ++chunk, w += 1024, x += 64) {
+        if (prefetch_bytes > 0) {  // each block's next kilobyte, as gemm_blocks fetches ahead
+            const uintptr_t ahead = reinterpret_cast<uintptr_t>(w) + prefetch_bytes;
+            for (int line = 0; line < 1024; line += 64) {
+                if (ahead + line + (BLOCKS - 1) * block_bytes >= weights_end) break;
+                prefetch_weights<HINT>(ahead + line);
+                if constexpr (BLOCKS == 2) prefetch_weights<HINT>(ahead + line + block_bytes);
+            }
+        }
+        _tile_loadd(2, x, x_stride);
+        _tile_loadd(4, w, 64);
+        _tile_dpbusd(0, 2, 4);
+        if constexpr (BLOCKS == 2) {
+            _tile_loadd(5, w + block_bytes, 64);
+            _tile_dpbusd(1, 2, 5);
+        }
+    }
+    _tile_stored(0, &sums[0][0], 32 * sizeof(int32_t));
+    if constexpr (BLOCKS == 2) _tile_stored(1, &sums[0][16], 32 * sizeof(int32_t));
+    for (int64_t group = 0; group < tail_groups; ++group, x += 4, w += 64) {
+        for (int r = 0; r < count; ++r) {
+            int32_t four;
+            std::memcpy(&four, x + r * x_stride, sizeof four);
+            const __m512i inputs = _mm512_set1_epi32(four);
+            for (int b = 0; b < BLOCKS; ++b) {
+                const __m512i weights = _mm512_loadu_si512(w + b * block_bytes);
+                _mm512_storeu_si512(&sums[r][16 * b],
+                                    _mm512_dpbusd_epi32(_mm512_loadu_si512(&sums[r][16 * b]),
+                                                        inputs, weights));
+            }
+        }
+    }
+}
+
+// gemm_blocks' epilogue for one row's sums of one block, the same operations in the same order.
+__attribute__((target("avx512f,avx512bw"),
+               optimize("no-associative-math", "signed-zeros", "trapping-math",
+                        "fp-contract=off")))
+void store_row(const int32_t* sums, const int32_t* offsets, const float* weight_scale,
+               float row_max, const float* residual, float* out, int valid) {
+    const __mmask16 mask = static_cast<__mmask16>((1u << valid) - 1u);
+    const __m512 scaled = _mm512_cvtepi32_ps(
+        _mm512_sub_epi32(_mm512_loadu_si512(sums), _mm512_loadu_si512(offsets)));
+    __m512 result = _mm512_mul_ps(_mm512_mul_ps(scaled, _mm512_loadu_ps(weight_scale)),
+                                  _mm512_set1_ps(row_max));
+    if (residual != nullptr)  // added after the product is rounded, as torch adds
+        result = _mm512_add_ps(_mm512_maskz_loadu_ps(mask, residual), result);
+    _mm512_mask_storeu_ps(out, mask, result);
+}
+
+// gemm on tiles: `xq` holds `rows` rows, or a multiple of 16 when rows > 16 (zero padding).
+__attribute__((target("amx-tile,amx-int8,avx512f,avx512bw,avx512vnni")))
+void gemm_tiles(int64_t rows, int64_t n, int64_t k, const uint8_t* xq, const int8_t* packed,
+                const int32_t* offsets, const float* weight_scale, const float* row_max,
+                const float* residual, int64_t residual_stride, float* out, int64_t out_stride,
+                int threads, const ChattsTuning& tuning) {
+    const int64_t blocks = (n + 15) / 16, block_bytes = 16 * k, tasks = (blocks + 1) / 2;
+    const int64_t chunks = k / 64, tail_groups = (k % 64) / 4;
+    const uintptr_t weights_end = reinterpret_cast<uintptr_t>(packed) + blocks * block_bytes;
+    const int64_t prefetch_bytes = static_cast<int64_t>(tuning.prefetch_groups) * 64;
+    const bool t0 = tuning.prefetch_hint == 1;
+    const TileConfig config(rows < 16 ? static_cast<int>(rows) : 16);
+#pragma omp parallel num_threads(threads)
+    {
+        // the configuration is each thread's own; torch's AMX kernels (oneDNN) set theirs too
+        _tile_loadconfig(&config);
+        alignas(64) int32_t sums[16][32];
+#pragma omp for schedule(guided)  // as gemm, for the same reason
+        for (int64_t task = 0; task < tasks; ++task) {
+            const int64_t block = task * 2;
+            const bool both = block + 1 < blocks;
+            for (int64_t first = 0; first < rows; first += 16) {
+                const int count = static_cast<int>(rows - first < 16 ? rows - first : 16);
+                // the weights stream from memory on the first pass; later ones find them cached
+                const int64_t ahead = first == 0 ? prefetch_bytes : 0;
+                const uint8_t* x = xq + first * k;
+                const int8_t* w = packed + block * block_bytes;
+                if (both) {
+                    (t0 ? tile_sums<2, 1> : tile_sums<2, 0>)(chunks, tail_groups, x, k, count, w,
+                                                             block_bytes, sums, weights_end, ahead);
+                } else {
+                    (t0 ? tile_sums<1, 1> : tile_sums<1, 0>)(chunks, tail_groups, x, k, count, w,
+                                                             block_bytes, sums, weights_end, ahead);
+                }
+                for (int b = 0; b < (both ? 2 : 1); ++b) {
+                    const int64_t channel = (block + b) * 16;
+                    const int valid = static_cast<int>(n - channel < 16 ? n - channel : 16);
+                    for (int r = 0; r < count; ++r) {
+                        const int64_t row = first + r;
+                        store_row(&sums[r][16 * b], offsets + channel, weight_scale + channel,
+                                  row_max[row],
+                                  residual == nullptr
+                                      ? nullptr
+                                      : residual + row * residual_stride + channel,
+                                  out + row * out_stride + channel, valid);
+                    }
+                }
+            }
+        }
+        _tile_release();
+    }
+}
+
 // The same product for CPUs with AVX2 but not AVX512-VNNI (Haswell to Skylake, Zen 1-3), on
 // the same packed weights. vpmaddubsw multiplies u8 by s8 and adds pairs into int16, saturating:
 // with activations of 63 levels a side (u8 in [1, 127]) and weights in [-127, 127] a pair's
@@ -357,18 +516,23 @@ void silu_times(const float* gate, const float* up, int64_t width, float* out) {
 bool valid_tuning(const ChattsTuning& tuning) {
     return tuning.prefetch_groups >= 0 && tuning.prefetch_groups <= 256 &&
            tuning.prefetch_hint >= 0 && tuning.prefetch_hint <= 1 &&
-           tuning.pair_blocks_from >= 2 && tuning.pair_blocks_from <= 9;
+           tuning.pair_blocks_from >= 2 && tuning.pair_blocks_from <= 9 &&
+           (tuning.tiles_from == 0 || (tuning.tiles_from >= 2 && tuning.tiles_from <= 65));
 }
 
 // Each row of x (RMSNorm-ed with `gain`, or silu(gate) * up with `swiglu`) quantized as
-// quantize_row does: `quantized` [rows, k] and each row's largest magnitude, `row_max`.
+// quantize_row does: `quantized` [rows, k] and each row's largest magnitude, `row_max`; then
+// zero rows up to `padded_rows` (gemm_tiles reads whole tiles).
 struct QuantizedRows {
     std::unique_ptr<uint8_t[]> quantized;
     std::unique_ptr<float[]> row_max;
 
     QuantizedRows(int64_t rows, int64_t k, const float* x, int64_t x_row_stride,
-                  const float* gain, float eps, int swiglu, int levels, int threads)
-        : quantized(new uint8_t[rows * k]), row_max(new float[rows]) {
+                  const float* gain, float eps, int swiglu, int levels, int threads,
+                  int64_t padded_rows = 0)
+        : quantized(new uint8_t[std::max(rows, padded_rows) * k]), row_max(new float[rows]) {
+        if (padded_rows > rows)
+            std::memset(quantized.get() + rows * k, 0, (padded_rows - rows) * k);
         std::unique_ptr<float[]> products(swiglu ? new float[rows * k] : nullptr);
 #pragma omp parallel for num_threads(threads) schedule(static) if (rows > 1)
         for (int64_t row = 0; row < rows; ++row) {
@@ -409,8 +573,13 @@ static int32_t int8_linear(
     } else {
         return CHATTS_UNKNOWN_PRODUCT;
     }
-    const QuantizedRows prepared(rows, k, x, x_row_stride, gain, eps, swiglu, levels, threads);
-    (instructions == CHATTS_PRODUCT_VNNI ? gemm : gemm_avx2)(
+    // tiles: VNNI's integers on AMX, from as many rows as the tuning says
+    const bool tiles = instructions == CHATTS_PRODUCT_VNNI && tuning.tiles_from > 0 &&
+                       rows >= tuning.tiles_from;
+    if (tiles && !tiles_granted()) return CHATTS_NO_TILES;
+    const QuantizedRows prepared(rows, k, x, x_row_stride, gain, eps, swiglu, levels, threads,
+                                 tiles && rows > 16 ? (rows + 15) / 16 * 16 : rows);
+    (tiles ? gemm_tiles : instructions == CHATTS_PRODUCT_VNNI ? gemm : gemm_avx2)(
         rows, n, k, prepared.quantized.get(), packed, offsets, weight_scale,
         prepared.row_max.get(), residual, residual_stride, out, out_stride, threads, tuning);
     return CHATTS_OK;
@@ -421,3 +590,5 @@ extern "C" int32_t chatts_int8_linear(const ChattsInt8LinearArgs* a) {
                        a->packed, a->offsets, a->weight_scale, a->residual, a->residual_stride,
                        a->out, a->out_stride, a->levels, a->product, a->threads, a->tuning);
 }
+
+extern "C" int32_t chatts_amx_tiles() { return tiles_granted() ? 1 : 0; }

@@ -9,7 +9,7 @@
 #include <cstdint>
 
 #ifndef CHATTS_ABI_VERSION  // a test builds a library of another version to see it refused
-#define CHATTS_ABI_VERSION 6
+#define CHATTS_ABI_VERSION 7
 #endif
 
 // What a kernel returns. chatts_status_message() gives each one's text.
@@ -25,6 +25,7 @@ enum ChattsStatus : int32_t {
     CHATTS_BAD_TUNING = 8,             // int8/int4 linear: prefetch or pairing out of range
     CHATTS_BAD_GROUP = 9,              // int4 linear: group not 8..64 in 8s, or not dividing k
     CHATTS_BAD_READ = 10,              // read buffers: a negative count or prefetch, no thread
+    CHATTS_NO_TILES = 11,              // int8 linear: tiles asked for, AMX not granted
 };
 
 // The int8 product's instructions.
@@ -38,6 +39,7 @@ struct ChattsTuning {
     int32_t prefetch_groups;         // prefetch this many 64-byte groups of weights ahead, 0..256
     int32_t prefetch_hint;           // 0: non-temporal (NTA), 1: into every cache level (T0)
     int32_t pair_blocks_from;        // VNNI: from this many rows (2..9) blocks go in pairs
+    int32_t tiles_from;              // VNNI: from this many rows (2..65) on AMX tiles; 0: never
 };
 
 struct ChattsAttentionArgs {
@@ -221,4 +223,5 @@ int32_t chatts_decode_layers(const ChattsDecodeLayersArgs* args);
 void chatts_rms_norm(const ChattsRmsNormArgs* args);
 int32_t chatts_int4_linear(const ChattsInt4LinearArgs* args);
 int32_t chatts_read_buffers(ChattsReadArgs* args);
+int32_t chatts_amx_tiles();  // 1: the int8 product may use AMX tiles here (tiles_from)
 }
