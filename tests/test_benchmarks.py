@@ -153,8 +153,10 @@ def test_tuning_benchmark_smoke(tiny_model_dir):
     assert lines[0].startswith("cpu ") and "family" in lines[0]
     from chattts_service.kernels import bindings, tuning
 
-    # every candidate, and on a VNNI CPU the chosen prefetch with and without pairs
+    # every candidate, on a VNNI CPU the chosen prefetch with and without pairs, and where
+    # the product may use AMX tiles the chosen pairing with and without them
     vnni = bindings.cpu_supports(bindings.VNNI_CPU_FLAGS)
-    expected = len(tuning.CANDIDATES) + (len(tuning.PAIRINGS) if vnni else 0)
+    tiles = bindings.load("on").has_tiles
+    expected = len(tuning.CANDIDATES) + (len(tuning.PAIRINGS) if vnni else 0) + 2 * tiles
     assert sum(" rows " in line and "GB/s" in line for line in lines) == expected
     assert any(line.startswith("measure would choose: ") for line in lines)
