@@ -373,6 +373,61 @@ def test_a_span_decodes_what_the_whole_window_gives_for_those_steps(engine):
         assert error < 1e-6, (first, last, error)
 
 
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_streams_decoded_stage_by_stage_are_their_whole_decodes(engine, dtype):
+    """``advance_many`` keeps each stream's stage inputs between calls: three streams fed at
+    different paces (a call before any audio is exact, calls of a few steps, one stream ending
+    while the others go on, batched together) give each a decode of the whole, every chunk
+    ending at its ``until``. Without the inputs kept between calls (a fresh state each time)
+    the samples go wrong: the kept frames are what makes it exact."""
+    from chattts_service.inference.decoding import Advance, AudioDecoder
+
+    model = engine.model.decoder
+    decoder = AudioDecoder(model.decoder, model.vocos, dtype)
+    context = decoder.context_steps
+    generator = torch.Generator().manual_seed(4)
+    hidden = engine.model.heads.hidden_size
+    streams = [torch.randn(steps, hidden, generator=generator) for steps in (3 * context, 70, 25)]
+    paces = [
+        [context // 2, context + 12, context + 13, 2 * context + 5, 3 * context],
+        [context + 40, 70],
+        [25],
+    ]
+
+    def run(fresh: bool) -> list[tuple[list[np.ndarray], np.ndarray]]:
+        states = [decoder.stream() for _ in streams]
+        chunks: list[list[np.ndarray]] = [[] for _ in streams]
+        for call in range(max(map(len, paces))):
+            items, owners = [], []
+            for index, (hiddens, pace) in enumerate(zip(streams, paces, strict=True)):
+                if call < len(pace):
+                    steps, final = pace[call], call == len(pace) - 1
+                    state = decoder.stream() if fresh else states[index]
+                    until = max(0, steps - context)
+                    items.append(Advance(state, hiddens[:steps], until, final))
+                    owners.append(index)
+            for index, samples in zip(owners, decoder.advance_many(items), strict=True):
+                chunks[index].append(samples)
+        return [(pieces, decoder(hiddens)) for pieces, hiddens in zip(chunks, streams, strict=True)]
+
+    bound = 1e-5 if dtype == "fp32" else 0.03
+    results = engine.scheduler.call(lambda: run(fresh=False)).result()
+    for (pieces, whole), pace in zip(results, paces, strict=True):
+        streamed = np.concatenate(pieces)
+        assert len(streamed) == len(whole)
+        assert np.linalg.norm(streamed - whole) <= bound * np.linalg.norm(whole)
+        untils = [0] + [max(0, steps - context) for steps in pace[:-1]]
+        for piece, before, after in zip(pieces[:-1], untils, untils[1:], strict=False):
+            assert len(piece) == (after - before) * 512
+    assert len(results[0][0][0]) == 0  # before its first exact step: nothing yet
+    broken = engine.scheduler.call(lambda: run(fresh=True)).result()
+    pieces, whole = broken[0]
+    streamed = np.concatenate(pieces)[: len(whole)]
+    assert len(streamed) != len(whole) or np.linalg.norm(streamed - whole) > 0.1 * np.linalg.norm(
+        whole
+    )
+
+
 def test_long_text_is_split_batched_and_joined_without_losing_a_segment(engine):
     sentence = "第{}句话讲了一件事情。"
     text = "".join(sentence.format(i) for i in range(1, 13))

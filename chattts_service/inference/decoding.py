@@ -115,6 +115,94 @@ class AudioDecoder:
                 results.append(_samples(audio[start:end]))
         return results
 
+    def stream(self) -> StreamState | None:
+        """A new stream's state for ``advance_many``, or None for a decoder of another shape
+        (its streams decode windows with ``span``)."""
+        return None if self._stages is None else StreamState(len(self._stages))
+
+    def advance_many(self, items: list[Advance]) -> list[np.ndarray]:
+        """For each item, the samples of the frames that have become exact since its stream's
+        last call: its ``hiddens`` are the stream's steps so far, and each stage of the decoder
+        and the vocoder computes only its outputs whose inputs are all known (with ``final``,
+        all of them: the true end pads with zeros, as a convolution does), from the inputs it
+        kept of the last call (a receptive field's worth) and the new ones. So a chunk costs its
+        own frames and the stages' radii, where a window decoded again with its context on
+        both sides (``span``) costs the context too: 104 frames a side on ChatTTS's decoders,
+        four times the work of a 32-step chunk. Non-final items stop at step ``until``. The
+        same samples as a decode of the whole, within the rounding of convolutions over other
+        widths (fp32: 1e-6; tested). Rows that compute at a stage do so as one batch, padded
+        to few shapes (``bucket``, and a power of two of rows): oneDNN keeps 64 kernels."""
+        assert self._stages is not None, "a decoder of another shape streams with span"
+        pending: list[torch.Tensor | None] = []
+        with torch.inference_mode():
+            for item in items:  # the new steps' frames: every stage's input starts there
+                state = item.state
+                pending.append(
+                    _frames(item.hiddens[state.fed :].T[None].contiguous())[0]
+                    if item.hiddens.shape[0] > state.fed
+                    else None
+                )
+                state.fed = max(state.fed, item.hiddens.shape[0])
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=self.dtype == "bf16"):
+                for index, (stage, radius) in enumerate(self._stages):
+                    pending = self._advance_stage(items, pending, index, stage, radius)
+            return [self._advance_head(item, new) for item, new in zip(items, pending, strict=True)]
+
+    def _advance_stage(self, items, pending, index: int, stage, radius: int) -> list:
+        """One stage of ``advance_many``: each item's new outputs (None: none yet)."""
+        windows, outputs = [], [None] * len(items)
+        for position, (item, new) in enumerate(zip(items, pending, strict=True)):
+            state = item.state
+            known = state.take(index, new)
+            if known is None:  # nothing has reached this stage yet
+                continue
+            end = state.starts[index] + known.shape[-1]  # input frames known so far
+            target = end if item.final else end - radius  # outputs whose inputs are all known
+            done = state.done[index]
+            if target <= done:
+                continue
+            # inputs [done - radius, target + radius): zeros before the start and, when final,
+            # past the end, as the convolutions pad the whole
+            window = torch.nn.functional.pad(known, (max(0, radius - done), target + radius - end))
+            windows.append((position, window, target - done))
+            state.done[index] = target
+            state.keep(index, max(0, target - radius))
+        if windows:
+            first = windows[0][1]
+            canvas = first.new_zeros(
+                _rows_bucket(len(windows)),
+                first.shape[0],
+                bucket(max(w.shape[-1] for _, w, _ in windows)),
+            )
+            for row, (_, window, _) in enumerate(windows):
+                canvas[row, :, : window.shape[-1]] = window
+            out = stage(canvas)
+            for row, (position, _, count) in enumerate(windows):
+                outputs[position] = out[row, :, radius : radius + count]
+        return outputs
+
+    def _advance_head(self, item: Advance, new) -> np.ndarray:
+        """The vocoder's head (inverse STFT) on the features that became exact: samples."""
+        state, radius, index = item.state, self._head_radius, len(self._stages)
+        known = state.take(index, new)
+        if known is None:
+            return np.zeros(0, dtype=np.float32)
+        end = state.starts[index] + known.shape[-1]
+        done = state.done[index]
+        target = end if item.final else min(end - radius, 2 * item.until)
+        if target <= done:
+            return np.zeros(0, dtype=np.float32)
+        lo = max(0, done - radius)  # where the kept features start (``keep`` below)
+        hi = end if item.final else min(end, target + radius)
+        features = known[:, lo - state.starts[index] : hi - state.starts[index]]
+        with torch.inference_mode():
+            audio = self.vocos.head(features.T[None].float())[0]
+        start = (done - lo) * self._hop
+        audio = audio[start:] if item.final else audio[start : start + (target - done) * self._hop]
+        state.done[index] = target
+        state.keep(index, max(0, target - radius))
+        return _samples(audio)
+
     def decode_many(self, items: list[Span]) -> list[np.ndarray]:
         """Each item's ``span`` (a whole window: ``self(hiddens)``). In bf16 through
         ``spans``, windows of similar widths as one batch; in fp32 one by one, upstream's
@@ -134,6 +222,45 @@ class AudioDecoder:
 
 
 CROP_FRAMES = 64  # a stage narrows the canvas only by this much at least
+
+
+class StreamState:
+    """A stream's place in the decoder between chunks (``AudioDecoder.advance_many``): for each
+    stage, and the head after them, the input frames its next outputs still read (from frame
+    ``starts``) and how many output frames it has made (``done``); how many steps it was fed."""
+
+    def __init__(self, stages: int):
+        self.fed = 0
+        self.inputs: list[torch.Tensor | None] = [None] * (stages + 1)
+        self.starts = [0] * (stages + 1)
+        self.done = [0] * (stages + 1)
+
+    def take(self, index: int, new: torch.Tensor | None) -> torch.Tensor | None:
+        """Stage ``index``'s kept inputs with ``new`` ones after them ([channels, frames])."""
+        kept = self.inputs[index]
+        if new is not None:
+            kept = new if kept is None else torch.cat([kept, new.to(kept.dtype)], dim=-1)
+        self.inputs[index] = kept
+        return kept
+
+    def keep(self, index: int, start: int) -> None:
+        """Drop stage ``index``'s inputs before frame ``start``: nothing later reads them."""
+        kept = self.inputs[index]
+        self.inputs[index] = kept[:, start - self.starts[index] :].clone()
+        self.starts[index] = start
+
+
+class Advance:
+    """One stream's call to ``advance_many``: its steps so far, the step its audio may stop
+    at (unless ``final``: the stream's last call), and its state."""
+
+    def __init__(self, state: StreamState, hiddens: torch.Tensor, until: int, final: bool):
+        self.state, self.hiddens, self.until, self.final = state, hiddens, until, final
+
+
+def _rows_bucket(rows: int) -> int:
+    """Rows padded to a power of two: few shapes for oneDNN's kernels."""
+    return 1 << (rows - 1).bit_length()
 
 
 def bucket(frames: int) -> int:
@@ -174,7 +301,8 @@ def _groups(widths: list[int]) -> list[list[int]]:
 
 class DecodeQueue:
     """Audio decoding gathered between two GPT steps and done together on the model's thread
-    (``run``): each item's ``done(samples)`` is called in the order submitted, or
+    (``run``): windows (``submit``) and streams' chunks (``submit_stream``), each kind as
+    batches; each item's ``done(samples)`` is called in the order submitted, or
     ``failed(error)`` if its decode raised."""
 
     def __init__(self, decoder: AudioDecoder, on_run=None):
@@ -188,13 +316,17 @@ class DecodeQueue:
     def submit(self, hiddens, first: int, last: int | None, done, failed) -> None:
         self._items.append(((hiddens, first, last), done, failed))
 
+    def submit_stream(self, state, hiddens, until: int, final: bool, done, failed) -> None:
+        """A stream's next chunk: ``AudioDecoder.advance_many`` on its steps so far."""
+        self._items.append((Advance(state, hiddens, until, final), done, failed))
+
     def run(self) -> None:
         items, self._items = self._items, []
         if not items:
             return
         started = time.perf_counter()
         try:
-            decoded = self.decoder.decode_many([span for span, _, _ in items])
+            decoded = self._decode([work for work, _, _ in items])
         except Exception as error:  # every item of the batch fails; the thread goes on
             for _, _, failed in items:
                 failed(error)
@@ -207,6 +339,21 @@ class DecodeQueue:
                 done(samples)
             except Exception as error:  # the item's own failure, not its neighbours'
                 failed(error)
+
+    def _decode(self, work: list) -> list[np.ndarray]:
+        """Windows through ``decode_many`` and streams' chunks through ``advance_many``, the
+        results in the order of ``work``."""
+        chunks = [index for index, item in enumerate(work) if isinstance(item, Advance)]
+        windows = [index for index, item in enumerate(work) if not isinstance(item, Advance)]
+        results: list[np.ndarray | None] = [None] * len(work)
+        for indices, decode in (
+            (windows, self.decoder.decode_many),
+            (chunks, self.decoder.advance_many),
+        ):
+            if indices:
+                for index, samples in zip(indices, decode([work[i] for i in indices]), strict=True):
+                    results[index] = samples
+        return results
 
 
 class _Row:

@@ -6,6 +6,9 @@ together. A streaming job decodes its audio in chunks while it generates (``prog
 chunk is decoded with enough context on both sides (the decoders' receptive field) to be the
 same stretch of a decode of the whole, so streamed and non-streamed audio match.
 
+A stream's decoder keeps, stage by stage, the inputs its next outputs read (``StreamState``), so
+a chunk costs its own frames rather than its window and context again.
+
 A stream's chunks follow its listener: the first as soon as it can be decoded, then the next
 when what has been sent runs low (``LOW_WATER_SECONDS`` of audio ahead of a player that started
 at the first chunk), or when a decode runs anyway and joining it pays, or when the chunk has
@@ -81,6 +84,9 @@ class SynthesisJob:
         self.chunks: queue.SimpleQueue | None = queue.SimpleQueue() if stream else None
         self.early = early  # a stream: chunks as it generates, else its whole audio at the end
         self._parts: list[np.ndarray] = []
+        # where the decoder's stages are between this stream's chunks (None: it decodes each
+        # chunk's window with its context again)
+        self._stream = decoder.decoder.stream() if stream and early else None
         self._emitted = 0  # steps whose audio has been asked for
         self._runs_out: float | None = None  # when the listener's audio runs out
         self._asked = 0  # chunks asked for
@@ -141,13 +147,18 @@ class SynthesisJob:
             if then is not None:
                 then()
 
-        self.decodes.submit(
-            sequence.hiddens[start : sequence.steps],
-            self._emitted - start,
-            None if final else until - start,
-            sent,
-            self._failed,
-        )
+        if self._stream is not None:
+            self.decodes.submit_stream(
+                self._stream, sequence.hiddens[: sequence.steps], until, final, sent, self._failed
+            )
+        else:
+            self.decodes.submit(
+                sequence.hiddens[start : sequence.steps],
+                self._emitted - start,
+                None if final else until - start,
+                sent,
+                self._failed,
+            )
         self._emitted = until
 
     def _failed(self, error: Exception) -> None:
