@@ -314,8 +314,15 @@ def phase_fidelity(
     from chattts_service.inference.transformer import Transformer
     from chattts_service.inference.types import SynthesisRequest
 
-    engine = Engine(
-        Settings.from_env({}, model_dir=model_dir, verify_model=False, quantize="none", max_batch=1)
+    engine = Engine(  # an fp32 decoder decodes both ways (a bf16 one holds bf16 weights)
+        Settings.from_env(
+            {},
+            model_dir=model_dir,
+            verify_model=False,
+            quantize="none",
+            max_batch=1,
+            decoder_dtype="fp32",
+        )
     )
     engine.load()
     engine.close()

@@ -23,6 +23,20 @@ def engine(tiny_model_dir):
     return engine
 
 
+@pytest.fixture(scope="module")
+def fp32_decoder_engine(tiny_model_dir):
+    """An engine whose decoder keeps fp32 weights, so it decodes either way (a bf16 decoder
+    holds its weights in bf16)."""
+    engine = Engine(
+        Settings.from_env(
+            {}, model_dir=tiny_model_dir, verify_model=False, threads=1, decoder_dtype="fp32"
+        )
+    )
+    engine.load()
+    yield engine
+    engine.close()
+
+
 def test_audio_has_the_shape_the_steps_imply(engine):
     result = engine.synthesize(SynthesisRequest("你好，欢迎。", seed=3))
     assert result.sample_rate == SAMPLE_RATE
@@ -320,10 +334,11 @@ def test_streamed_audio_is_the_non_streamed_audio(engine):
     assert error < 1e-3, error
 
 
-def test_decoder_context_covers_the_receptive_field(engine):
+def test_decoder_context_covers_the_receptive_field(fp32_decoder_engine):
     """A window decoded with less context than ``context_steps`` differs from the whole
     decode, with exactly that much it does not: the stream's overlap is neither short nor
     arbitrary."""
+    engine = fp32_decoder_engine
     context = engine.context_steps
     assert context >= 4
     hiddens = torch.randn(
@@ -374,7 +389,7 @@ def test_a_span_decodes_what_the_whole_window_gives_for_those_steps(engine):
 
 
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
-def test_streams_decoded_stage_by_stage_are_their_whole_decodes(engine, dtype):
+def test_streams_decoded_stage_by_stage_are_their_whole_decodes(fp32_decoder_engine, dtype):
     """``advance_many`` keeps each stream's stage inputs between calls: three streams fed at
     different paces (a call before any audio is exact, calls of a few steps, one stream ending
     while the others go on, batched together) give each a decode of the whole, every chunk
@@ -382,6 +397,7 @@ def test_streams_decoded_stage_by_stage_are_their_whole_decodes(engine, dtype):
     the samples go wrong: the kept frames are what makes it exact."""
     from chattts_service.inference.decoding import Advance, AudioDecoder
 
+    engine = fp32_decoder_engine
     model = engine.model.decoder
     decoder = AudioDecoder(model.decoder, model.vocos, dtype)
     context = decoder.context_steps
@@ -426,6 +442,45 @@ def test_streams_decoded_stage_by_stage_are_their_whole_decodes(engine, dtype):
     assert len(streamed) != len(whole) or np.linalg.norm(streamed - whole) > 0.1 * np.linalg.norm(
         whole
     )
+
+
+def test_a_bf16_decoder_holds_bf16_weights_and_gives_autocasts_samples(tiny_model_dir):
+    """Autocast casts the convolutions' and linears' weights to bf16 on every call; a bf16
+    decoder keeps them so: the same samples, whole and streamed, half the bytes; asked to
+    decode in fp32 it says it cannot."""
+    from chattts_service.inference.decoding import Advance
+
+    engine = Engine(
+        Settings.from_env(
+            {}, model_dir=tiny_model_dir, verify_model=False, threads=1, decoder_dtype="fp32"
+        )
+    )
+    engine.load()
+    try:
+        decoder = engine.model.decoder
+        hiddens = torch.randn(
+            90, engine.model.heads.hidden_size, generator=torch.Generator().manual_seed(8)
+        )
+
+        def both():
+            state = decoder.stream()
+            return decoder(hiddens, "bf16"), decoder.advance_many(
+                [Advance(state, hiddens, 90, True)]
+            )[0]
+
+        decoder.dtype = "bf16"  # decodes in bf16 by casting, as the service did before
+        cast_whole, cast_streamed = engine.scheduler.call(both).result()
+        before = sum(p.numel() * p.element_size() for p in decoder.vocos.backbone.parameters())
+        decoder.hold_in_bf16()
+        held_whole, held_streamed = engine.scheduler.call(both).result()
+        after = sum(p.numel() * p.element_size() for p in decoder.vocos.backbone.parameters())
+        assert np.array_equal(held_whole, cast_whole)
+        assert np.array_equal(held_streamed, cast_streamed)
+        assert after < 0.6 * before
+        with pytest.raises(ValueError, match="holds its weights in bf16"):
+            engine.scheduler.call(lambda: decoder(hiddens, "fp32")).result()
+    finally:
+        engine.close()
 
 
 def test_long_text_is_split_batched_and_joined_without_losing_a_segment(engine):
@@ -537,11 +592,13 @@ def _windows(engine, seed: int):
 
 
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
-def test_a_batch_of_windows_decodes_what_each_window_gives_alone(engine, dtype):
+def test_a_batch_of_windows_decodes_what_each_window_gives_alone(fp32_decoder_engine, dtype):
     """``AudioDecoder.spans`` puts windows of any widths on one canvas, masked so that each
     row reads what it would alone: fp32 within GEMM rounding of one call per window; bf16
     within the batch-of-one kernel's other rounding (docs/benchmarks.md)."""
     from chattts_service.runtime.cpu import cpu_has_native_bf16
+
+    engine = fp32_decoder_engine
 
     if dtype == "bf16" and not cpu_has_native_bf16():
         pytest.skip("bf16 decoding runs only where the CPU has native bf16 dot products")

@@ -119,6 +119,9 @@ def _load_modules(settings: Settings, paths: model_files.ModelPaths, architectur
             f"the model expects {config.gpt.num_text_tokens}"
         )
 
+    decoder = AudioDecoder(chat.decoder, chat.vocos, settings.resolved_decoder_dtype)
+    if decoder.dtype == "bf16":
+        decoder.hold_in_bf16()
     heap.release()  # what loading freed goes back to the OS (nothing is cyclic: no gc pass)
     kv_positions = settings.kv_cache_mb * 2**20 // transformer.bytes_per_position()
     batch = Batch(transformer, heads, settings.max_batch, on_empty=heap.release)
@@ -127,7 +130,7 @@ def _load_modules(settings: Settings, paths: model_files.ModelPaths, architectur
         heads=heads,
         transformer=transformer,
         batch=batch,
-        decoder=AudioDecoder(chat.decoder, chat.vocos, settings.resolved_decoder_dtype),
+        decoder=decoder,
         kv_positions=kv_positions,
         name="chattts",
         seconds=0.0,
