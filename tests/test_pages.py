@@ -59,3 +59,40 @@ def test_nothing_is_settled_where_huge_pages_are_off_or_the_file_is_small(tmp_pa
     monkeypatch.setattr(pages, "THP_SETTING", setting)
     assert not pages.huge_pages_allowed()
     assert pages.settle(path) == 0.0
+
+
+def _resident_kb(path) -> int:
+    target, total, inside = str(path.resolve()), 0, False
+    with open("/proc/self/smaps") as smaps:
+        for line in smaps:
+            fields = line.split()
+            if fields and "-" in fields[0] and not fields[0].endswith(":"):
+                inside = len(fields) >= 6 and " ".join(fields[5:]) == target
+            elif inside and fields and fields[0] == "Rss:":
+                total += int(fields[1])
+    return total
+
+
+def test_dropping_a_files_clean_mapping_frees_its_pages_and_keeps_its_bytes(tmp_path):
+    """A private mapping nobody wrote to is the file: dropped, its pages leave the process and
+    come back from the file when read. One written to keeps its pages (and the change)."""
+    clean, written = tmp_path / "clean.bin", tmp_path / "written.bin"
+    payload = os.urandom(4 << 20)
+    clean.write_bytes(payload)
+    written.write_bytes(payload)
+    with open(clean, "rb") as one, open(written, "r+b") as other:
+        first = mmap.mmap(one.fileno(), 0, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ)
+        second = mmap.mmap(other.fileno(), 0, flags=mmap.MAP_PRIVATE)
+        try:
+            assert first[:] == payload and second[:] == payload  # both read in
+            second[0] = payload[0] ^ 0xFF  # a private change: not the file's any more
+            assert _resident_kb(clean) >= 4096 and _resident_kb(written) > 0
+            assert pages.drop_mapped(clean) == 4 << 20
+            assert pages.drop_mapped(written) == 0
+            assert _resident_kb(clean) == 0 and _resident_kb(written) > 0
+            assert first[:] == payload  # read back from the file
+            assert second[0] == payload[0] ^ 0xFF and second[1:] == payload[1:]
+        finally:
+            first.close()
+            second.close()
+    assert pages.drop_mapped(tmp_path / "absent.bin") == 0

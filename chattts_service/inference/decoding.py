@@ -38,6 +38,18 @@ class AudioDecoder:
             for layer in module.modules():
                 if isinstance(layer, (torch.nn.Linear, torch.nn.Conv1d)):
                     layer.to(torch.bfloat16)
+        # the rest (norms, scales, the head) in memory of their own: the weights came mapped
+        # from their files, one mapping per file, which stays (resident) while any tensor of
+        # it does
+        with torch.no_grad():
+            for module in (self.decoder, self.vocos):
+                for tensor in [*module.parameters(), *module.buffers()]:
+                    if tensor.dtype != torch.bfloat16:
+                        tensor.data = tensor.data.clone()
+                for layer in module.modules():  # plain tensors too (the DVAE's ``coef``)
+                    for name, value in list(vars(layer).items()):
+                        if type(value) is torch.Tensor:
+                            setattr(layer, name, value.clone())
         self.held = "bf16"
 
     def __call__(self, hiddens: torch.Tensor, dtype: str | None = None) -> np.ndarray:

@@ -29,7 +29,7 @@ from chattts_service.inference.packed_cache import PackedCache
 from chattts_service.inference.tokenizer import load_tokenizer
 from chattts_service.inference.transformer import Transformer
 from chattts_service.kernels import tuning
-from chattts_service.runtime import heap
+from chattts_service.runtime import heap, pages
 
 log = logging.getLogger(__name__)
 
@@ -122,6 +122,8 @@ def _load_modules(settings: Settings, paths: model_files.ModelPaths, architectur
     decoder = AudioDecoder(chat.decoder, chat.vocos, settings.resolved_decoder_dtype)
     if decoder.dtype == "bf16":
         decoder.hold_in_bf16()
+        for path in (paths.decoder, paths.vocos):  # their fp32 weights, read once to convert
+            pages.drop_mapped(path)
     heap.release()  # what loading freed goes back to the OS (nothing is cyclic: no gc pass)
     kv_positions = settings.kv_cache_mb * 2**20 // transformer.bytes_per_position()
     batch = Batch(transformer, heads, settings.max_batch, on_empty=heap.release)

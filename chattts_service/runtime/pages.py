@@ -94,3 +94,43 @@ def settle(path: Path) -> float:
         return 0.0
     finally:
         os.close(descriptor)
+
+
+MADV_DONTNEED = 4
+
+
+def drop_mapped(path: Path, smaps: Path = Path("/proc/self/smaps")) -> int:
+    """Drop this process's resident pages of its private mappings of ``path`` that it never
+    wrote to (no page copied on write: each page is the file's); returns the bytes dropped. Such a
+    page touched again is read back from the file, so nothing is lost but memory the process
+    no longer reads: weights it has converted and copied elsewhere, kept mapped while a small
+    tensor of the same file lives on. Best effort."""
+    import ctypes
+
+    target = str(Path(path).resolve())
+    ranges, current = [], None
+    try:
+        lines = smaps.read_text().splitlines()
+    except OSError:
+        return 0
+    for line in lines:
+        fields = line.split()
+        if fields and "-" in fields[0] and not fields[0].endswith(":"):  # a mapping's header
+            current = None
+            if len(fields) >= 6 and " ".join(fields[5:]) == target and fields[1].endswith("p"):
+                start, end = (int(value, 16) for value in fields[0].split("-"))
+                current = [start, end - start, 0]
+                ranges.append(current)
+        elif current is not None and fields and fields[0] == "Anonymous:":  # copied on write
+            current[2] += int(fields[1])
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    dropped = 0
+    for start, length, written in ranges:
+        if written:  # a page the process changed: dropping it would lose the change
+            continue
+        if libc.madvise(start, length, MADV_DONTNEED) == 0:
+            dropped += length
+        else:
+            log.debug("madvise(DONTNEED) on %s failed: errno %d", target, ctypes.get_errno())
+    return dropped
