@@ -13,7 +13,7 @@ A stream's chunks follow its listener: the first as soon as it can be decoded, t
 when what has been sent runs low (``LOW_WATER_SECONDS`` of audio ahead of a player that started
 at the first chunk), or when a decode runs anyway and joining it pays, or when the chunk has
 grown to ``MAX_CHUNK_STEPS``. A stream ahead of its listener waits for a bigger piece, so the
-context each chunk decodes again weighs less per second of audio.
+fixed cost of each decode round weighs less per second of audio.
 """
 
 from __future__ import annotations
