@@ -391,10 +391,10 @@ def test_a_span_decodes_what_the_whole_window_gives_for_those_steps(engine):
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
 def test_streams_decoded_stage_by_stage_are_their_whole_decodes(fp32_decoder_engine, dtype):
     """``advance_many`` keeps each stream's stage inputs between calls: three streams fed at
-    different paces (a call before any audio is exact, calls of a few steps, one stream ending
-    while the others go on, batched together) give each a decode of the whole, every chunk
-    ending at its ``until``. Without the inputs kept between calls (a fresh state each time)
-    the samples go wrong: the kept frames are what makes it exact."""
+    different paces (a call before any audio is exact, calls of a few steps, a stream ending
+    while the others go on, an end with no new step, batched together) give each a decode of
+    the whole, every chunk ending at its ``until``. Without the inputs kept between calls (a
+    fresh state each time) the samples go wrong: the kept frames are what makes it exact."""
     from chattts_service.inference.decoding import Advance, AudioDecoder
 
     engine = fp32_decoder_engine
@@ -407,7 +407,7 @@ def test_streams_decoded_stage_by_stage_are_their_whole_decodes(fp32_decoder_eng
     paces = [
         [context // 2, context + 12, context + 13, 2 * context + 5, 3 * context],
         [context + 40, 70],
-        [25],
+        [20, 25, 25],  # the last call brings no new step: only the end's padding
     ]
 
     def run(fresh: bool) -> list[tuple[list[np.ndarray], np.ndarray]]:
