@@ -160,3 +160,31 @@ def test_tuning_benchmark_smoke(tiny_model_dir):
     expected = len(tuning.CANDIDATES) + (len(tuning.PAIRINGS) if vnni else 0) + 2 * tiles
     assert sum(" rows " in line and "GB/s" in line for line in lines) == expected
     assert any(line.startswith("measure would choose: ") for line in lines)
+
+
+def test_streams_benchmark_smoke(tiny_model_dir):
+    result = run_benchmark(
+        "benchmarks/streams.py",
+        "--model-dir",
+        str(tiny_model_dir),
+        "--streams",
+        "1,2",
+        "--steps",
+        "80",
+        "--rounds",
+        "1",
+        "--repeats",
+        "2",
+        "--chunks",
+        "2x8",
+        timeout=300,
+    )
+    lines = result.stdout.splitlines()
+    assert lines[0].startswith("cpu ") and lines[1].startswith("decoder ")
+    levels = [line for line in lines if " streams: first audio max " in line]
+    assert [line.split()[0] for line in levels] == ["1", "2"]
+    for line in levels:
+        match = re.search(r"behind max ([\d.]+) s .* ([\d.]+) chunks, ([\d.]+) audio s", line)
+        assert match and float(match[2]) >= 2 and float(match[3]) > 0, line
+    (decode,) = [line for line in lines if line.startswith("a round of 2 x 8-step chunks")]
+    assert re.search(r"stage by stage [\d.]+ ms, as windows [\d.]+ ms \([\d.]+\)$", decode)

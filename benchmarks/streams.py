@@ -1,0 +1,197 @@
+"""Streams in the engine: how far each falls behind its listener, and what a chunk costs.
+
+    python benchmarks/streams.py [--model-dir DIR] [--streams 1,4,8] [--steps N] [--rounds N]
+
+Starts N streamed requests at once in the engine (no HTTP), each held to exactly ``--steps``
+GPT steps, and plays each stream to a listener who starts at its first chunk and waits when it
+runs dry: the first audio, how far the stream fell behind (seconds the listener waited), its
+chunks, and the audio made per wall second. Then a round of streamed chunks decoded both ways
+the decoder can: stage by stage from what each stream kept (``AudioDecoder.advance_many``, the
+service's way) and as windows with their context on both sides (``decode_many``), medians of
+``--repeats``. Without ``--model-dir`` the full-size random-weight model is used. For the same
+question over HTTP, with a capacity search, use ``bench.py --capacity``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import threading
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+from benchmarks.engine import RELEVANT_CPU_FLAGS, TEXT, default_model  # noqa: E402
+from chattts_service.runtime.cpu import cpu_flags, cpu_model  # noqa: E402
+
+SAMPLE_RATE = 24_000
+
+
+def behind(arrivals: list[tuple[float, float]]) -> float:
+    """Seconds a listener who starts at the first chunk waits in all: ``arrivals`` are each
+    chunk's (arrival time, seconds of audio)."""
+    clock, waited = arrivals[0][0], 0.0
+    for arrived, seconds in arrivals:
+        if arrived > clock:
+            waited += arrived - clock
+            clock = arrived
+        clock += seconds
+    return waited
+
+
+def run_streams(engine, count: int, steps: int, seed: int) -> dict:
+    from chattts_service.inference.types import SynthesisRequest
+
+    results: list = [None] * count
+    started = time.perf_counter()
+    runs = [
+        engine.start(SynthesisRequest(TEXT, seed + index), fixed_steps=steps, stream=True)
+        for index in range(count)
+    ]
+
+    def listen(index: int) -> None:
+        arrivals = [
+            (time.perf_counter(), len(chunk) / SAMPLE_RATE)
+            for chunk in runs[index].chunks(timeout=600)
+        ]
+        results[index] = arrivals
+
+    threads = [threading.Thread(target=listen, args=(index,)) for index in range(count)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    wall = time.perf_counter() - started
+    audio = sum(seconds for arrivals in results for _, seconds in arrivals)
+    return {
+        "streams": count,
+        "first_audio_max": max(arrivals[0][0] - started for arrivals in results),
+        "behind_max": max(behind(arrivals) for arrivals in results),
+        "behind_median": statistics.median(behind(arrivals) for arrivals in results),
+        "chunks_median": statistics.median(len(arrivals) for arrivals in results),
+        "audio_per_wall_second": audio / wall,
+    }
+
+
+def decode_round(engine, rows: int, chunk: int, repeats: int) -> dict:
+    """A round of ``rows`` streams' ``chunk``-step chunks in steady state, both ways."""
+    import torch
+
+    from chattts_service.inference.decoding import Advance
+
+    decoder = engine.model.decoder
+    context = decoder.context_steps
+    hidden = engine.model.heads.hidden_size
+
+    def measure():
+        generator = torch.Generator().manual_seed(rows * 1000 + chunk)
+        total = context + 100 + (repeats + 1) * chunk + context
+        streams = [torch.randn(total, hidden, generator=generator) for _ in range(rows)]
+        states = [decoder.stream() for _ in streams]
+        steps = context + 100
+        decoder.advance_many(
+            [Advance(s, h[:steps], steps - context, False) for s, h in zip(states, streams)]
+        )
+        staged, windows = [], []
+        for _ in range(repeats):
+            steps += chunk
+            until = steps - context
+            began = time.perf_counter()
+            decoder.advance_many(
+                [Advance(s, h[:steps], until, False) for s, h in zip(states, streams)]
+            )
+            staged.append(time.perf_counter() - began)
+            start = until - chunk - context
+            began = time.perf_counter()
+            decoder.decode_many([(h[start:steps], context, context + chunk) for h in streams])
+            windows.append(time.perf_counter() - began)
+        return statistics.median(staged), statistics.median(windows)
+
+    staged, windows = engine.scheduler.call(measure).result()
+    return {
+        "rows": rows,
+        "chunk_steps": chunk,
+        "staged_ms": staged * 1e3,
+        "windows_ms": windows * 1e3,
+    }
+
+
+def report(data: dict) -> str:
+    lines = [
+        f"cpu {data['cpu']}; flags: {' '.join(data['cpu_flags']) or 'none of interest'}",
+        f"decoder {data['decoder_dtype']}, {data['steps']} steps a stream, "
+        f"{data['threads']} threads",
+    ]
+    for level in data["levels"]:
+        lines.append(
+            f"{level['streams']:>3} streams: first audio max {level['first_audio_max']:.2f} s, "
+            f"behind max {level['behind_max']:.3f} s (median {level['behind_median']:.3f}), "
+            f"{level['chunks_median']:g} chunks, "
+            f"{level['audio_per_wall_second']:.2f} audio s per wall s"
+        )
+    for round_ in data["decode_rounds"]:
+        lines.append(
+            f"a round of {round_['rows']} x {round_['chunk_steps']}-step chunks: stage by stage "
+            f"{round_['staged_ms']:.1f} ms, as windows {round_['windows_ms']:.1f} ms "
+            f"({round_['staged_ms'] / round_['windows_ms']:.2f})"
+        )
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model-dir", type=Path, default=None)
+    parser.add_argument("--streams", default="1,4,8", help="levels: streams started at once")
+    parser.add_argument("--steps", type=int, default=300, help="GPT steps a stream")
+    parser.add_argument("--rounds", type=int, default=2, help="runs per level")
+    parser.add_argument("--repeats", type=int, default=9, help="decode rounds timed (median)")
+    parser.add_argument("--chunks", default="8x32,8x16,1x32", help="decode rounds: rowsxsteps")
+    parser.add_argument("--json", action="store_true")
+    args = parser.parse_args(argv)
+
+    import torch
+
+    from chattts_service.config import Settings
+    from chattts_service.inference.engine import Engine
+
+    levels = [int(value) for value in args.streams.split(",") if value]
+    engine = Engine(
+        Settings.from_env(
+            {},
+            model_dir=args.model_dir or default_model(),
+            verify_model=False,
+            max_batch=max(levels + [8]),
+        )
+    )
+    engine.load()
+    engine.warm_up()
+    data = {
+        "cpu": cpu_model(),
+        "cpu_flags": sorted(RELEVANT_CPU_FLAGS & cpu_flags()),
+        "decoder_dtype": engine.model.decoder.dtype,
+        "steps": args.steps,
+        "threads": torch.get_num_threads(),
+        "levels": [],
+        "decode_rounds": [],
+    }
+    seed = 1000
+    try:
+        for count in levels:
+            for _ in range(args.rounds):
+                data["levels"].append(run_streams(engine, count, args.steps, seed))
+                seed += count
+        for spec in (value for value in args.chunks.split(",") if value):
+            rows, chunk = (int(part) for part in spec.split("x"))
+            data["decode_rounds"].append(decode_round(engine, rows, chunk, args.repeats))
+    finally:
+        engine.close()
+    print(json.dumps(data, indent=1) if args.json else report(data))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
