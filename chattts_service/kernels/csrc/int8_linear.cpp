@@ -65,6 +65,25 @@ inline PassPrefetch pass_prefetch(uintptr_t block_start, int64_t block_bytes, in
     return {block_start + static_cast<uintptr_t>(block_bytes + pass * steps * step), step};
 }
 
+// The VNNI products' epilogue for one row's int32 sums of a block of 16 channels: the u8 offset
+// removed, times the channel's scale, times the row's largest magnitude, the residual added
+// after the product is rounded (as torch adds it); the first `valid` channels stored. One
+// function for gemm_blocks, gemm_row and gemm_tiles, so all three round alike.
+__attribute__((target("avx512f,avx512bw"),
+               optimize("no-associative-math", "signed-zeros", "trapping-math",
+                        "fp-contract=off")))
+inline void store_row(__m512i sums, const int32_t* offsets, const float* weight_scale,
+                      float row_max, const float* residual, float* out, int valid) {
+    const __mmask16 mask = static_cast<__mmask16>((1u << valid) - 1u);
+    const __m512 scaled =
+        _mm512_cvtepi32_ps(_mm512_sub_epi32(sums, _mm512_loadu_si512(offsets)));
+    __m512 result = _mm512_mul_ps(_mm512_mul_ps(scaled, _mm512_loadu_ps(weight_scale)),
+                                  _mm512_set1_ps(row_max));
+    if (residual != nullptr)
+        result = _mm512_add_ps(_mm512_maskz_loadu_ps(mask, residual), result);
+    _mm512_mask_storeu_ps(out, mask, result);
+}
+
 // BLOCKS (1 or 2) neighbouring blocks of 16 channels for ROWS (1..8) rows: each broadcast input
 // serves both blocks, and 2 * ROWS accumulators keep the multiply unit busy. The accumulators
 // are named variables, not an array: GCC 12 kept an array of them on the stack, or copied them
@@ -113,19 +132,12 @@ void gemm_blocks(int64_t k_groups, const uint8_t* xq, int64_t x_stride, const in
     const __m512i accumulators[2][8] = {{a0, a1, a2, a3, a4, a5, a6, a7},
                                         {b0, b1, b2, b3, b4, b5, b6, b7}};
     for (int b = 0; b < BLOCKS; ++b) {
-        // zero point * (sum of the channel's weights): the u8 offset of the activations
-        const __m512i offset = _mm512_loadu_si512(offsets + b * 16);
-        const __m512 scale = _mm512_loadu_ps(weight_scale + b * 16);
+        // offsets: zero point * (sum of the channel's weights), the activations' u8 offset
         const int channels = b + 1 < BLOCKS ? 16 : valid;
-        const __mmask16 mask = static_cast<__mmask16>((1u << channels) - 1u);
-        for (int r = 0; r < ROWS; ++r) {
-            const __m512 sums = _mm512_cvtepi32_ps(_mm512_sub_epi32(accumulators[b][r], offset));
-            __m512 result = _mm512_mul_ps(_mm512_mul_ps(sums, scale), _mm512_set1_ps(row_max[r]));
-            if (residual != nullptr)  // added after the product is rounded, as torch adds
-                result = _mm512_add_ps(
-                    _mm512_maskz_loadu_ps(mask, residual + r * residual_stride + b * 16), result);
-            _mm512_mask_storeu_ps(out + r * out_stride + b * 16, mask, result);
-        }
+        for (int r = 0; r < ROWS; ++r)
+            store_row(accumulators[b][r], offsets + b * 16, weight_scale + b * 16, row_max[r],
+                      residual == nullptr ? nullptr : residual + r * residual_stride + b * 16,
+                      out + r * out_stride + b * 16, channels);
     }
 }
 
@@ -166,14 +178,7 @@ void gemm_row(int64_t k_groups, const uint8_t* x, const int8_t* w, const int32_t
         a0 = _mm512_dpbusd_epi32(a0, _mm512_set1_epi32(four), _mm512_loadu_si512(w));
     }
     const __m512i sums = _mm512_add_epi32(_mm512_add_epi32(a0, a1), _mm512_add_epi32(a2, a3));
-    const __mmask16 mask = static_cast<__mmask16>((1u << valid) - 1u);
-    const __m512 scaled =
-        _mm512_cvtepi32_ps(_mm512_sub_epi32(sums, _mm512_loadu_si512(offsets)));
-    __m512 result = _mm512_mul_ps(_mm512_mul_ps(scaled, _mm512_loadu_ps(weight_scale)),
-                                  _mm512_set1_ps(row_max));
-    if (residual != nullptr)  // added after the product is rounded, as torch adds
-        result = _mm512_add_ps(_mm512_maskz_loadu_ps(mask, residual), result);
-    _mm512_mask_storeu_ps(out, mask, result);
+    store_row(sums, offsets, weight_scale, row_max, residual, out, valid);
 }
 
 using BlockFunction = void (*)(int64_t, const uint8_t*, int64_t, const int8_t*, int64_t,
@@ -248,7 +253,7 @@ void gemm(int64_t rows, int64_t n, int64_t k, const uint8_t* xq, const int8_t* p
 // channels (B: 1 KB of the packed block as it lies, rows 64 bytes apart), and 16 x 16 int32
 // sums (C). tdpbusd adds to each sum what vpdpbusd adds for the same four inputs, exactly, so
 // every row gets the bits gemm gives it; the inputs past the last whole 64 (k % 64) are added
-// by vpdpbusd before the epilogue, which is gemm_blocks'. Blocks go in pairs (one A tile
+// by vpdpbusd before the epilogue, store_row, as in gemm_blocks. Blocks go in pairs (one A tile
 // serves two B tiles); more than 16 rows walk a block once per 16 (the quantized rows are
 // padded with zero rows to a multiple of 16, which are never stored). Where it pays is the
 // CPU's to say (ChattsTuning::tiles_from, measured by kernels/tuning.py): at one row a tile
@@ -333,22 +338,6 @@ void tile_sums(int64_t chunks, int64_t tail_groups, const uint8_t* xq, int64_t x
     }
 }
 
-// gemm_blocks' epilogue for one row's sums of one block, the same operations in the same order.
-__attribute__((target("avx512f,avx512bw"),
-               optimize("no-associative-math", "signed-zeros", "trapping-math",
-                        "fp-contract=off")))
-void store_row(const int32_t* sums, const int32_t* offsets, const float* weight_scale,
-               float row_max, const float* residual, float* out, int valid) {
-    const __mmask16 mask = static_cast<__mmask16>((1u << valid) - 1u);
-    const __m512 scaled = _mm512_cvtepi32_ps(
-        _mm512_sub_epi32(_mm512_loadu_si512(sums), _mm512_loadu_si512(offsets)));
-    __m512 result = _mm512_mul_ps(_mm512_mul_ps(scaled, _mm512_loadu_ps(weight_scale)),
-                                  _mm512_set1_ps(row_max));
-    if (residual != nullptr)  // added after the product is rounded, as torch adds
-        result = _mm512_add_ps(_mm512_maskz_loadu_ps(mask, residual), result);
-    _mm512_mask_storeu_ps(out, mask, result);
-}
-
 // gemm on tiles: `xq` holds `rows` rows, or a multiple of 16 when rows > 16 (zero padding).
 __attribute__((target("amx-tile,amx-int8,avx512f,avx512bw,avx512vnni")))
 void gemm_tiles(int64_t rows, int64_t n, int64_t k, const uint8_t* xq, const int8_t* packed,
@@ -388,7 +377,8 @@ void gemm_tiles(int64_t rows, int64_t n, int64_t k, const uint8_t* xq, const int
                     const int valid = static_cast<int>(n - channel < 16 ? n - channel : 16);
                     for (int r = 0; r < count; ++r) {
                         const int64_t row = first + r;
-                        store_row(&sums[r][16 * b], offsets + channel, weight_scale + channel,
+                        store_row(_mm512_loadu_si512(&sums[r][16 * b]), offsets + channel,
+                                  weight_scale + channel,
                                   row_max[row],
                                   residual == nullptr
                                       ? nullptr
