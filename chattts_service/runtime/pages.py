@@ -35,20 +35,33 @@ def huge_pages_allowed() -> bool:
         return False
 
 
-def mapped_in_huge_pages(path: Path, smaps: Path = Path("/proc/self/smaps")) -> int:
-    """Bytes of ``path`` this process maps 2 MB at a time, over all its mappings of it."""
-    target, total, inside = str(Path(path).resolve()), 0, False
+def mappings_of(path: Path, smaps: Path = Path("/proc/self/smaps")) -> list[tuple[list, dict]]:
+    """This process's mappings of ``path``: each one's header fields (address range,
+    permissions, ...) and its counters in kB (``FilePmdMapped``, ``Anonymous``, ...); none where
+    smaps cannot be read."""
+    target, found, counters = str(Path(path).resolve()), [], None
     try:
         lines = smaps.read_text().splitlines()
     except OSError:
-        return 0
+        return []
     for line in lines:
         fields = line.split()
         if fields and "-" in fields[0] and not fields[0].endswith(":"):  # a mapping's header
-            inside = len(fields) >= 6 and " ".join(fields[5:]) == target
-        elif inside and fields and fields[0] == "FilePmdMapped:":
-            total += int(fields[1]) * 1024
-    return total
+            counters = None
+            if len(fields) >= 6 and " ".join(fields[5:]) == target:
+                counters = {}
+                found.append((fields, counters))
+        elif counters is not None and len(fields) >= 2 and fields[0].endswith(":"):
+            try:
+                counters[fields[0][:-1]] = int(fields[1])
+            except ValueError:
+                pass
+    return found
+
+
+def mapped_in_huge_pages(path: Path, smaps: Path = Path("/proc/self/smaps")) -> int:
+    """Bytes of ``path`` this process maps 2 MB at a time, over all its mappings of it."""
+    return sum(counters.get("FilePmdMapped", 0) for _, counters in mappings_of(path, smaps)) * 1024
 
 
 def _read_in(descriptor: int, size: int) -> float:
@@ -107,22 +120,11 @@ def drop_mapped(path: Path, smaps: Path = Path("/proc/self/smaps")) -> int:
     tensor of the same file lives on. Best effort."""
     import ctypes
 
-    target = str(Path(path).resolve())
-    ranges, current = [], None
-    try:
-        lines = smaps.read_text().splitlines()
-    except OSError:
-        return 0
-    for line in lines:
-        fields = line.split()
-        if fields and "-" in fields[0] and not fields[0].endswith(":"):  # a mapping's header
-            current = None
-            if len(fields) >= 6 and " ".join(fields[5:]) == target and fields[1].endswith("p"):
-                start, end = (int(value, 16) for value in fields[0].split("-"))
-                current = [start, end - start, 0]
-                ranges.append(current)
-        elif current is not None and fields and fields[0] == "Anonymous:":  # copied on write
-            current[2] += int(fields[1])
+    ranges = []
+    for header, counters in mappings_of(path, smaps):
+        if header[1].endswith("p"):  # private; one copied on write has anonymous pages
+            start, end = (int(value, 16) for value in header[0].split("-"))
+            ranges.append((start, end - start, counters.get("Anonymous", 0)))
     libc = ctypes.CDLL(None, use_errno=True)
     libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
     dropped = 0
@@ -132,5 +134,5 @@ def drop_mapped(path: Path, smaps: Path = Path("/proc/self/smaps")) -> int:
         if libc.madvise(start, length, MADV_DONTNEED) == 0:
             dropped += length
         else:
-            log.debug("madvise(DONTNEED) on %s failed: errno %d", target, ctypes.get_errno())
+            log.debug("madvise(DONTNEED) on %s failed: errno %d", path, ctypes.get_errno())
     return dropped
