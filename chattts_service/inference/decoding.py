@@ -228,8 +228,7 @@ class AudioDecoder:
         lo = max(0, done - radius)  # where the kept features start (``keep`` below)
         hi = end if item.final else min(end, target + radius)
         features = known[:, lo - state.starts[index] : hi - state.starts[index]]
-        with torch.inference_mode():
-            audio = self.vocos.head(features.T[None].float())[0]
+        audio = self.vocos.head(features.T[None].float())[0]  # (advance_many's inference mode)
         start = (done - lo) * self._hop
         audio = audio[start:] if item.final else audio[start : start + (target - done) * self._hop]
         state.done[index] = target
