@@ -186,6 +186,37 @@ def test_a_row_is_bit_identical_alone_and_in_any_batch(kernel, dtype):
         assert torch.equal(alone[0], together[row]), row
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.int8])
+def test_a_cache_is_position_major_and_the_kernel_reads_no_other(kernel, dtype):
+    """A layer's positions lie in one run, every head of a position together (the kernel
+    reads it as one stream); a cache laid out otherwise is refused, not misread."""
+    cache = _caches([40], dtype=dtype)[0]
+    size = cache.keys.element_size()
+    start = cache.keys[1].data_ptr()
+    for head, position in ((0, 0), (2, 5), (HEADS - 1, 39)):
+        offset = (position * HEADS + head) * DIM * size
+        assert cache.keys[1, head, position].data_ptr() == start + offset
+    if cache.key_scales is not None:
+        assert cache.key_scales[1, 2, 5].data_ptr() == cache.key_scales[1].data_ptr() + (
+            (5 * HEADS + 2) * 4
+        )
+    lengths = [39]
+    q, k, v = (torch.randn(1, HEADS, DIM) for _ in range(3))
+    expected = _step(kernel, _caches(lengths, dtype=dtype), lengths, q, k, v)
+    head_major = _caches(lengths, dtype=dtype)[0]
+    head_major.keys = head_major.keys.contiguous()
+    with pytest.raises(ValueError, match="position-major"):
+        _step(kernel, [head_major], lengths, q, k, v)
+    grown = _caches(lengths, dtype=dtype)[0]
+    grown.ensure(500)  # a grown cache is laid out the same way, and attends the same
+    assert torch.equal(_step(kernel, [grown], lengths, q, k, v), expected)
+    if dtype == torch.int8:
+        scales_apart = _caches(lengths, dtype=dtype)[0]
+        scales_apart.key_scales = scales_apart.key_scales.contiguous()
+        with pytest.raises(ValueError, match="position-major"):
+            _step(kernel, [scales_apart], lengths, q, k, v)
+
+
 def test_rows_may_be_strided_views(kernel):
     """q, k and v arrive as views into the projection's output, rows further apart."""
     lengths = [20, 21]

@@ -97,7 +97,10 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 class KVCache:
-    """One sequence's keys and values, [layers, heads, capacity, dim] each.
+    """One sequence's keys and values, [layers, heads, capacity, dim] each as Python sees them,
+    stored position-major, [layers, capacity, heads, dim] (the views ``keys`` and ``values``
+    are permuted): one layer's keys lie in one run that grows at its end, which the attention
+    kernel reads as one stream (attention.cpp).
 
     Each sequence owns its cache, so memory follows the sequences actually running (not the
     longest one times the batch size) and a finished sequence's memory is freed at once.
@@ -115,13 +118,13 @@ class KVCache:
     ):
         self.shape = (layers, heads, 0, head_dim)
         self.dtype = dtype
-        self.keys = torch.empty(self.shape, dtype=dtype)
-        self.values = torch.empty(self.shape, dtype=dtype)
+        self.keys = _position_major((layers, heads, 0, head_dim), dtype)
+        self.values = _position_major((layers, heads, 0, head_dim), dtype)
         # int8: each (layer, head, position)'s key and value has its own scale
         self.key_scales = self.value_scales = None
         if dtype == torch.int8:
-            self.key_scales = torch.empty(self.shape[:3])
-            self.value_scales = torch.empty(self.shape[:3])
+            self.key_scales = _position_major((layers, heads, 0), torch.float32)
+            self.value_scales = _position_major((layers, heads, 0), torch.float32)
         self.layer_keys, self.layer_values = self.keys.unbind(0), self.values.unbind(0)
         if reserve:
             self.ensure(reserve)
@@ -139,7 +142,8 @@ class KVCache:
         def grown(tensor: torch.Tensor) -> torch.Tensor:
             """``tensor`` [layers, heads, positions, ...] with room for ``capacity`` positions,
             the ``held`` ones copied."""
-            larger = tensor.new_empty((*tensor.shape[:2], capacity, *tensor.shape[3:]))
+            shape = (*tensor.shape[:2], capacity, *tensor.shape[3:])
+            larger = _position_major(shape, tensor.dtype)
             larger[:, :, :held].copy_(tensor)
             return larger
 
@@ -182,6 +186,13 @@ class KVCache:
             quantized, scale = quantize_vectors(source)
             target[layer, :, start:end].copy_(quantized)
             scales[layer, :, start:end].copy_(scale)
+
+
+def _position_major(shape: tuple, dtype: torch.dtype) -> torch.Tensor:
+    """An empty [layers, heads, positions, ...] view of [layers, positions, heads, ...]
+    storage."""
+    layers, heads, positions, *rest = shape
+    return torch.empty((layers, positions, heads, *rest), dtype=dtype).transpose(1, 2)
 
 
 def quantize_vectors(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import ctypes
 
-ABI_VERSION = 7
+ABI_VERSION = 8
 
 _i64, _i32, _f32, _ptr = ctypes.c_int64, ctypes.c_int32, ctypes.c_float, ctypes.c_void_p
 

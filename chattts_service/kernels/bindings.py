@@ -359,6 +359,15 @@ class StepRows:
                 "the attention kernel reads KV caches of bf16, or of int8 with "
                 "scales, all of a step's the same"
             )
+        for cache in caches:  # the kernel reads them position-major (KVCache's storage)
+            _, heads, capacity, dim = cache.keys.shape
+            runs = (capacity * heads * dim, dim, heads * dim, 1)
+            major = cache.keys.stride() == cache.values.stride() == runs
+            if cache.key_scales is not None:
+                scales = (capacity * heads, 1, heads)
+                major &= cache.key_scales.stride() == cache.value_scales.stride() == scales
+            if not major:
+                raise ValueError("the attention kernel reads position-major KV caches (KVCache)")
         self.caches = caches  # hold the caches (and so their memory) while the step runs
 
         def addresses(name: str) -> torch.Tensor:

@@ -4,9 +4,12 @@
 // that depends only on that sequence's own length, so a sequence's result is the same
 // whatever else shares its batch and however the threads split the work.
 //
-// Layout: each sequence has its own cache, [layers, heads, capacity, dim] bf16 values for keys
+// Layout: each sequence has its own cache, [layers, capacity, heads, dim] bf16 values for keys
 // and another for values (half the bytes of fp32 to read each step; rounded to nearest even,
-// as torch converts). q, k_new, v_new: per sequence, heads * dim contiguous floats, rows
+// as torch converts). Position-major: one sequence's keys of a layer lie in one run that grows
+// at its end, which a thread reads front to back, every head of a block of positions in turn,
+// as one long stream (a run per head, [heads, capacity, dim], is a dozen short streams a layer:
+// they read at about half the rate). q, k_new, v_new: per sequence, heads * dim contiguous floats, rows
 // `*_row_stride` floats apart. out: [rows, heads * dim]. With rotary tables, q and k_new are
 // rotated here at the new token's position first (so they can come straight from the fused
 // q/k/v projection).
@@ -14,7 +17,9 @@
 
 namespace {
 
-constexpr int64_t kPrefetchPositions = 32;  // (dim 64: 128 bytes of bf16 a position)
+constexpr int64_t kBlockPositions = 16;  // a block: a multiple of four positions
+constexpr int64_t kPrefetchBytes = 2048;  // how far ahead of its use the run is fetched
+constexpr int64_t kMaxHeadsAGroup = 64;   // heads one task attends (more: more tasks)
 
 // Rotary position embedding of one head's vector, as transformers' Llama applies it:
 // x * cos + rotate_half(x) * sin, rotate_half(x) = (-x[half:], x[:half]). Two products and a
@@ -52,15 +57,16 @@ inline __m256 load8(const int8_t* k) {
     return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(bytes));
 }
 
-// The query's products with COUNT consecutive keys (dim % 8 == 0), eight lanes each, the lanes
-// accumulated in dimension order: sums[i] for key i.
+// The query's products with COUNT consecutive keys (`stride` elements apart; dim % 8 == 0),
+// eight lanes each, the lanes accumulated in dimension order: sums[i] for key i.
 template <typename Element, int COUNT>
-inline void dot_lanes(const float* query, const Element* keys, int64_t dim, __m256* sums) {
+inline void dot_lanes(const float* query, const Element* keys, int64_t stride, int64_t dim,
+                      __m256* sums) {
     for (int i = 0; i < COUNT; ++i) sums[i] = _mm256_setzero_ps();
     for (int64_t d = 0; d < dim; d += 8) {
         const __m256 q = _mm256_loadu_ps(query + d);
         for (int i = 0; i < COUNT; ++i)
-            sums[i] = _mm256_fmadd_ps(q, load8(keys + i * dim + d), sums[i]);
+            sums[i] = _mm256_fmadd_ps(q, load8(keys + i * stride + d), sums[i]);
     }
 }
 
@@ -71,126 +77,182 @@ inline float hsum(__m256 lanes) {
     return _mm_cvtss_f32(_mm_add_ss(two, _mm_movehdup_ps(two)));
 }
 
-// One (row, head) of a decode step's attention, over a cache of bf16 (uint16_t) or of int8
-// with one scale per (position, head) (int8_t; `key_scale`/`value_scale` point at this head's
-// scales).
+// One sequence's cache at one layer (position-major: position p of head h at
+// (p * heads + h) * dim; an int8 cache's scales at p * heads + h).
 template <typename Element>
-void store(Element* key, Element* value, float* key_scale, float* value_scale, int64_t length,
-           int64_t dim, const float* new_key, const float* new_value) {
+struct LayerRun {
+    Element* keys;
+    Element* values;
+    float* key_scales;    // int8 caches only
+    float* value_scales;
+    int64_t heads, dim, held;  // held: positions the cache can hold (never read past)
+
+    int64_t stride() const { return heads * dim; }
+    Element* key(int64_t position, int64_t head) const {
+        return keys + (position * heads + head) * dim;
+    }
+    Element* value(int64_t position, int64_t head) const {
+        return values + (position * heads + head) * dim;
+    }
+};
+
+// Store the new position's key and value of one head.
+template <typename Element>
+void store(const LayerRun<Element>& run, int64_t head, int64_t length, const float* new_key,
+           const float* new_value) {
+    Element* key = run.key(length, head);
+    Element* value = run.value(length, head);
+    const int64_t dim = run.dim;
     if constexpr (sizeof(Element) == 2) {
         for (int64_t d = 0; d < dim; ++d) {
-            key[length * dim + d] = to_bf16(new_key[d]);
-            value[length * dim + d] = to_bf16(new_value[d]);
+            key[d] = to_bf16(new_key[d]);
+            value[d] = to_bf16(new_value[d]);
         }
     } else {
-        key_scale[length] = quantize_vector(new_key, dim, key + length * dim);
-        value_scale[length] = quantize_vector(new_value, dim, value + length * dim);
+        const int64_t at = length * run.heads + head;
+        run.key_scales[at] = quantize_vector(new_key, dim, key);
+        run.value_scales[at] = quantize_vector(new_value, dim, value);
     }
 }
 
-// The query over positions 0..length of the cache (the new token's key and value stored).
+// Fetch ahead what heads [head_lo, head_hi) read of positions [first, end) (never past the
+// cache).
 template <typename Element>
-void attend(Element* key, Element* value, float* key_scale, float* value_scale,
-            int64_t length, int64_t held, int64_t dim, float scale, const float* query,
-            float* score, float* result) {
-    const int64_t positions = length + 1;
+inline void fetch(const Element* base, const LayerRun<Element>& run, int64_t first, int64_t end,
+                  int64_t head_lo, int64_t head_hi) {
+    end = end < run.held ? end : run.held;
+    const int64_t span = (head_hi - head_lo) * run.dim * static_cast<int64_t>(sizeof(Element));
+    for (int64_t position = first; position < end; ++position) {
+        const char* at =
+            reinterpret_cast<const char*>(base + (position * run.heads + head_lo) * run.dim);
+        for (int64_t byte = 0; byte < span; byte += 64) __builtin_prefetch(at + byte, 0, 3);
+    }
+}
 
-    // fetch ahead: the keys (read once), and the values into the cache for the pass after the
-    // softmax; one (row, head) stream is short (12.8 KB of bf16 at 100 positions) and the
-    // hardware prefetcher alone ramps up too late (20 layers, 8 rows x 100 positions: 2.4 ->
-    // 1.3 ms; x 600: 8.7 -> 7.5 ms)
-    const auto fetch = [key, value, dim, held](int64_t position) {
-        // never past the cache: clamped, not skipped (with a branch here GCC made the whole
-        // loop 2x slower, as slow as no prefetch at all)
-        position = position < held ? position : held - 1;
-        for (int64_t d = 0; d < dim; d += 64 / sizeof(Element)) {  // a cache line at a time
-            __builtin_prefetch(key + position * dim + d, 0, 0);
-            __builtin_prefetch(value + position * dim + d, 0, 3);
-        }
+// Heads [head_lo, head_hi) of one sequence over positions 0..length of its cache (the new
+// token's key and value stored), a block of positions at a time, so the layer's run is read
+// front to back once for the keys and once for the values. Each head's numbers are formed as
+// they would be alone: every score one dot_lanes and hsum, the softmax over that head's scores,
+// each output lane's multiply-adds in position order (its running sums kept in `sums` between
+// blocks). queries: [heads][dim] (rotated); scores: [heads][length + 1]; sums: [heads][dim];
+// results: the row's output at head_lo.
+template <typename Element>
+void attend(const LayerRun<Element>& run, int64_t length, int64_t head_lo, int64_t head_hi,
+            float scale, const float* queries, float* scores, float* sums, float* results) {
+    const int64_t positions = length + 1, dim = run.dim, stride = run.stride();
+    const int64_t count = head_hi - head_lo;
+    const int64_t per_position = count * dim * static_cast<int64_t>(sizeof(Element));
+    const int64_t ahead = (kPrefetchBytes + per_position - 1) / per_position;  // positions
+    const auto block_end = [positions](int64_t first) {
+        return first + kBlockPositions < positions ? first + kBlockPositions : positions;
     };
-    for (int64_t position = 0; position < kPrefetchPositions; ++position) fetch(position);
-    const auto scaled = [&](int64_t position, float dot) {
-        if constexpr (sizeof(Element) == 2) {
-            score[position] = dot * scale;
-        } else {
-            score[position] = dot * (key_scale[position] * scale);
-        }
-    };
-    int64_t position = 0;
-    if (dim % 8 == 0) {
-        // four positions at a time: four independent chains of multiply-adds, where one
-        // position's chain waited on each add; each
-        // position's sum is formed the same way whatever its group (dot_lanes, hsum)
-        for (; position + 4 <= positions; position += 4) {
-            for (int64_t ahead = 0; ahead < 4; ++ahead) fetch(position + ahead + kPrefetchPositions);
-            __m256 sums[4];
-            dot_lanes<Element, 4>(query, key + position * dim, dim, sums);
-            for (int64_t i = 0; i < 4; ++i) scaled(position + i, hsum(sums[i]));
-        }
-        for (; position < positions; ++position) {
-            fetch(position + kPrefetchPositions);
-            __m256 sums[1];
-            dot_lanes<Element, 1>(query, key + position * dim, dim, sums);
-            scaled(position, hsum(sums[0]));
-        }
-    }
-    for (; position < positions; ++position) {  // a head dimension not a multiple of 8
-        const Element* k = key + position * dim;
-        fetch(position + kPrefetchPositions);
-        float dot = 0.0f;
-        if constexpr (sizeof(Element) == 2) {
-            for (int64_t d = 0; d < dim; ++d) dot += query[d] * from_bf16(k[d]);
-        } else {
-            for (int64_t d = 0; d < dim; ++d) dot += query[d] * static_cast<float>(k[d]);
-        }
-        scaled(position, dot);
-    }
-    float largest = score[0];
-    for (int64_t position = 1; position < positions; ++position)
-        largest = score[position] > largest ? score[position] : largest;
-    float total = 0.0f;
-    for (int64_t position = 0; position < positions; ++position) {
-        score[position] = exp_nonpositive(score[position] - largest);
-        total += score[position];
-    }
-    const auto weight_of = [&](int64_t position) {
-        if constexpr (sizeof(Element) == 2) {
-            return score[position];
-        } else {
-            return score[position] * value_scale[position];
-        }
-    };
-    const float inverse = 1.0f / total;
-    if (dim % 64 == 0) {
-        // 64 dimensions at a time in eight registers: an array in memory made each position's
-        // adds wait on the previous position's stores; the same sums in the same order
-        for (int64_t d0 = 0; d0 < dim; d0 += 64) {
-            __m256 sums[8];
-            for (int j = 0; j < 8; ++j) sums[j] = _mm256_setzero_ps();
-            for (int64_t position = 0; position < positions; ++position) {
-                const __m256 weight = _mm256_set1_ps(weight_of(position));
-                const Element* v = value + position * dim + d0;
-                for (int j = 0; j < 8; ++j)
-                    sums[j] = _mm256_fmadd_ps(weight, load8(v + 8 * j), sums[j]);
+
+    fetch(run.keys, run, 0, ahead, head_lo, head_hi);
+    for (int64_t first = 0; first < positions; first += kBlockPositions) {
+        const int64_t end = block_end(first);
+        fetch(run.keys, run, first + ahead, end + ahead, head_lo, head_hi);
+        for (int64_t head = head_lo; head < head_hi; ++head) {
+            const float* query = queries + (head - head_lo) * dim;
+            float* score = scores + (head - head_lo) * positions;
+            const auto scaled = [&](int64_t position, float dot) {
+                if constexpr (sizeof(Element) == 2) {
+                    score[position] = dot * scale;
+                } else {
+                    score[position] = dot * (run.key_scales[position * run.heads + head] * scale);
+                }
+            };
+            int64_t position = first;
+            if (dim % 8 == 0) {
+                // four positions at a time: four independent chains of multiply-adds (a block
+                // is whole groups of four); each position's sum is formed the same way
+                // whatever its group
+                for (; position + 4 <= end; position += 4) {
+                    __m256 lanes[4];
+                    dot_lanes<Element, 4>(query, run.key(position, head), stride, dim, lanes);
+                    for (int64_t i = 0; i < 4; ++i) scaled(position + i, hsum(lanes[i]));
+                }
+                for (; position < end; ++position) {
+                    __m256 lanes[1];
+                    dot_lanes<Element, 1>(query, run.key(position, head), stride, dim, lanes);
+                    scaled(position, hsum(lanes[0]));
+                }
             }
-            for (int j = 0; j < 8; ++j)
-                _mm256_storeu_ps(result + d0 + 8 * j,
-                                 _mm256_mul_ps(sums[j], _mm256_set1_ps(inverse)));
-        }
-        return;
-    }
-    float accumulated[256] = {0.0f};
-    for (int64_t position = 0; position < positions; ++position) {
-        const Element* v = value + position * dim;
-        if constexpr (sizeof(Element) == 2) {
-            const float weight = score[position];
-            for (int64_t d = 0; d < dim; ++d) accumulated[d] += weight * from_bf16(v[d]);
-        } else {
-            const float weight = score[position] * value_scale[position];
-            for (int64_t d = 0; d < dim; ++d) accumulated[d] += weight * static_cast<float>(v[d]);
+            for (; position < end; ++position) {  // a head dimension not a multiple of 8
+                const Element* k = run.key(position, head);
+                float dot = 0.0f;
+                if constexpr (sizeof(Element) == 2) {
+                    for (int64_t d = 0; d < dim; ++d) dot += query[d] * from_bf16(k[d]);
+                } else {
+                    for (int64_t d = 0; d < dim; ++d) dot += query[d] * static_cast<float>(k[d]);
+                }
+                scaled(position, dot);
+            }
         }
     }
-    for (int64_t d = 0; d < dim; ++d) result[d] = accumulated[d] * inverse;
+
+    float inverses[kMaxHeadsAGroup];
+    for (int64_t head = head_lo; head < head_hi; ++head) {
+        float* score = scores + (head - head_lo) * positions;
+        float largest = score[0];
+        for (int64_t position = 1; position < positions; ++position)
+            largest = score[position] > largest ? score[position] : largest;
+        float total = 0.0f;
+        for (int64_t position = 0; position < positions; ++position) {
+            score[position] = exp_nonpositive(score[position] - largest);
+            total += score[position];
+        }
+        inverses[head - head_lo] = 1.0f / total;
+    }
+
+    std::fill(sums, sums + count * dim, 0.0f);
+    fetch(run.values, run, 0, ahead, head_lo, head_hi);
+    for (int64_t first = 0; first < positions; first += kBlockPositions) {
+        const int64_t end = block_end(first);
+        fetch(run.values, run, first + ahead, end + ahead, head_lo, head_hi);
+        for (int64_t head = head_lo; head < head_hi; ++head) {
+            const float* score = scores + (head - head_lo) * positions;
+            float* sum = sums + (head - head_lo) * dim;
+            const auto weight_of = [&](int64_t position) {
+                if constexpr (sizeof(Element) == 2) {
+                    return score[position];
+                } else {
+                    return score[position] * run.value_scales[position * run.heads + head];
+                }
+            };
+            if (dim % 64 == 0) {
+                // 64 dimensions at a time in eight registers (loaded and stored once a block:
+                // an array in memory made each position's adds wait on the previous
+                // position's stores); the same sums in the same order
+                for (int64_t d0 = 0; d0 < dim; d0 += 64) {
+                    __m256 lanes[8];
+                    for (int j = 0; j < 8; ++j) lanes[j] = _mm256_loadu_ps(sum + d0 + 8 * j);
+                    for (int64_t position = first; position < end; ++position) {
+                        const __m256 weight = _mm256_set1_ps(weight_of(position));
+                        const Element* v = run.value(position, head) + d0;
+                        for (int j = 0; j < 8; ++j)
+                            lanes[j] = _mm256_fmadd_ps(weight, load8(v + 8 * j), lanes[j]);
+                    }
+                    for (int j = 0; j < 8; ++j) _mm256_storeu_ps(sum + d0 + 8 * j, lanes[j]);
+                }
+                continue;
+            }
+            for (int64_t position = first; position < end; ++position) {
+                const Element* v = run.value(position, head);
+                const float weight = weight_of(position);
+                if constexpr (sizeof(Element) == 2) {
+                    for (int64_t d = 0; d < dim; ++d) sum[d] += weight * from_bf16(v[d]);
+                } else {
+                    for (int64_t d = 0; d < dim; ++d) sum[d] += weight * static_cast<float>(v[d]);
+                }
+            }
+        }
+    }
+    for (int64_t head = head_lo; head < head_hi; ++head) {
+        const float* sum = sums + (head - head_lo) * dim;
+        float* result = results + (head - head_lo) * dim;
+        const float inverse = inverses[head - head_lo];
+        for (int64_t d = 0; d < dim; ++d) result[d] = sum[d] * inverse;
+    }
 }
 
 // What a pass of `attention_pass` does for each (row, head): store the new key and value, then
@@ -198,10 +260,38 @@ void attend(Element* key, Element* value, float* key_scale, float* value_scale,
 // before any attends).
 enum AttentionPass { kStoreAndAttend, kStore, kAttend };
 
+// One task: heads [head_lo, head_hi) of one row. scratch: 2 * heads * dim + heads * (length +
+// 1) floats.
+template <typename Element>
+void run_task(AttentionPass pass, const LayerRun<Element>& run, int64_t length,
+              int64_t head_lo, int64_t head_hi, float scale, const float* q, const float* k_new,
+              const float* v_new, const float* position_cos, const float* position_sin,
+              float* scratch, float* out) {
+    const int64_t dim = run.dim, count = head_hi - head_lo;
+    float* queries = scratch;             // [count][dim]
+    float* sums = queries + count * dim;  // [count][dim]
+    float* scores = sums + count * dim;   // [count][length + 1]
+    float rotated_key[256];
+    for (int64_t head = head_lo; head < head_hi; ++head) {
+        const float* new_key = k_new + head * dim;
+        float* query = queries + (head - head_lo) * dim;
+        if (position_cos != nullptr) {  // at the new token's position
+            if (pass != kStore) rotate(q + head * dim, position_cos, position_sin, dim, query);
+            if (pass != kAttend) rotate(new_key, position_cos, position_sin, dim, rotated_key);
+            new_key = rotated_key;
+        } else if (pass != kStore) {
+            std::copy(q + head * dim, q + (head + 1) * dim, query);
+        }
+        if (pass != kAttend) store(run, head, length, new_key, v_new + head * dim);
+    }
+    if (pass != kStore)
+        attend(run, length, head_lo, head_hi, scale, queries, scores, sums, out + head_lo * dim);
+}
+
 }  // namespace
 
 // With `key_scales`/`value_scales` NULL the caches hold bf16; otherwise int8, and these give
-// each row's scales, [layers, heads, capacity] float32.
+// each row's scales, [layers, capacity, heads] float32.
 
 static int32_t attention_pass(
     AttentionPass pass,
@@ -221,50 +311,49 @@ static int32_t attention_pass(
         if (lengths[row] >= capacity[row]) return CHATTS_CACHE_FULL;
         if (lengths[row] + 1 > longest) longest = lengths[row] + 1;
     }
+    // a row's heads split into groups where there are fewer rows than two a thread, so every
+    // thread has work (a step of one row); a head's numbers do not depend on its group
+    int64_t groups = rows >= 2 * threads ? 1 : (2 * threads + rows - 1) / rows;
+    groups = groups < heads ? groups : heads;
+    while ((heads + groups - 1) / groups > kMaxHeadsAGroup) ++groups;
+    const int64_t widest = (heads + groups - 1) / groups;
     const bool int8 = key_scales != nullptr;
 #pragma omp parallel num_threads(threads)
     {
-        std::vector<float> scores(longest);
+        std::vector<float> scratch(widest * (2 * dim + longest));
         // guided, as the int8 product: a slow vCPU's share goes to the other thread
 #pragma omp for schedule(guided)
-        for (int64_t task = 0; task < rows * heads; ++task) {
-            const int64_t row = task / heads, head = task % heads;
-            const int64_t head_index = layer * heads + head;
-            const int64_t head_offset = head_index * capacity[row] * dim;
-            const float* query = q + row * q_row_stride + head * dim;
-            const float* new_key = k_new + row * k_row_stride + head * dim;
-            const float* new_value = v_new + row * v_row_stride + head * dim;
-            float rotated_query[256], rotated_key[256];
-            if (cos != nullptr) {  // at the new token's position, lengths[row]
-                const float* position_cos = cos + lengths[row] * dim;
-                const float* position_sin = sin + lengths[row] * dim;
-                if (pass != kStore) rotate(query, position_cos, position_sin, dim, rotated_query);
-                if (pass != kAttend) rotate(new_key, position_cos, position_sin, dim, rotated_key);
-                query = rotated_query;
-                new_key = rotated_key;
-            }
-            float* result = out + row * heads * dim + head * dim;
+        for (int64_t task = 0; task < rows * groups; ++task) {
+            const int64_t row = task / groups, group = task % groups;
+            const int64_t head_lo = group * heads / groups;
+            const int64_t head_hi = (group + 1) * heads / groups;
+            const int64_t layer_at = layer * capacity[row] * heads;  // (positions x heads)
+            const float* position_cos = cos == nullptr ? nullptr : cos + lengths[row] * dim;
+            const float* position_sin = sin == nullptr ? nullptr : sin + lengths[row] * dim;
+            const float* row_q = q + row * q_row_stride;
+            const float* row_k = k_new + row * k_row_stride;
+            const float* row_v = v_new + row * v_row_stride;
+            float* row_out = out + row * heads * dim;
             if (int8) {
-                const int64_t scale_offset = head_index * capacity[row];
-                int8_t* key = static_cast<int8_t*>(keys[row]) + head_offset;
-                int8_t* value = static_cast<int8_t*>(values[row]) + head_offset;
-                float* key_scale = key_scales[row] + scale_offset;
-                float* value_scale = value_scales[row] + scale_offset;
-                if (pass != kAttend)
-                    store(key, value, key_scale, value_scale, lengths[row], dim, new_key,
-                          new_value);
-                if (pass != kStore)
-                    attend(key, value, key_scale, value_scale, lengths[row], capacity[row], dim,
-                           scale, query, scores.data(), result);
+                const LayerRun<int8_t> run{static_cast<int8_t*>(keys[row]) + layer_at * dim,
+                                           static_cast<int8_t*>(values[row]) + layer_at * dim,
+                                           key_scales[row] + layer_at,
+                                           value_scales[row] + layer_at,
+                                           heads,
+                                           dim,
+                                           capacity[row]};
+                run_task(pass, run, lengths[row], head_lo, head_hi, scale, row_q, row_k, row_v,
+                         position_cos, position_sin, scratch.data(), row_out);
             } else {
-                uint16_t* key = static_cast<uint16_t*>(keys[row]) + head_offset;
-                uint16_t* value = static_cast<uint16_t*>(values[row]) + head_offset;
-                float* none = nullptr;
-                if (pass != kAttend)
-                    store(key, value, none, none, lengths[row], dim, new_key, new_value);
-                if (pass != kStore)
-                    attend(key, value, none, none, lengths[row], capacity[row], dim, scale,
-                           query, scores.data(), result);
+                const LayerRun<uint16_t> run{static_cast<uint16_t*>(keys[row]) + layer_at * dim,
+                                             static_cast<uint16_t*>(values[row]) + layer_at * dim,
+                                             nullptr,
+                                             nullptr,
+                                             heads,
+                                             dim,
+                                             capacity[row]};
+                run_task(pass, run, lengths[row], head_lo, head_hi, scale, row_q, row_k, row_v,
+                         position_cos, position_sin, scratch.data(), row_out);
             }
         }
     }

@@ -9,7 +9,7 @@
 #include <cstdint>
 
 #ifndef CHATTS_ABI_VERSION  // a test builds a library of another version to see it refused
-#define CHATTS_ABI_VERSION 7
+#define CHATTS_ABI_VERSION 8
 #endif
 
 // What a kernel returns. chatts_status_message() gives each one's text.
