@@ -82,10 +82,11 @@ def test_kernel_matches_torch_attention_and_writes_the_new_position(kernel):
     assert torch.allclose(out[0], v[0].bfloat16().float())
 
 
-@pytest.mark.parametrize("dim", [12, 40, 128])
+@pytest.mark.parametrize("dim", [12, 40, 48, 128])
 def test_heads_of_any_width_attend_as_torch_does(kernel, dim):
-    """Widths off the vectorised paths too: not a multiple of 8 (12), of 8 but not 64 (40),
-    two blocks of 64 (128); lengths around the groups of four positions."""
+    """Widths off the vectorised paths too: not a multiple of 8 (12), of 8 but not 16 (40),
+    of 16 (bf16 keys read in pairs) but not 64 (48), two blocks of 64 (128); lengths around
+    the groups of four positions."""
     generator = torch.Generator().manual_seed(dim)
     lengths = [0, 2, 3, 4, 70]
     caches = []

@@ -52,6 +52,21 @@ inline __m256 load8(const uint16_t* k) {
     return _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
 }
 
+// Sixteen bf16 elements as two vectors of floats without a shuffle: a 32-bit lane holds
+// elements 2j (its low half) and 2j + 1 (its high half), so `low_halves` gives the even
+// elements and `high_halves` the odd ones, each moved or masked into a float's top 16 bits.
+inline __m256 low_halves(__m256i pairs) {
+    return _mm256_castsi256_ps(_mm256_slli_epi32(pairs, 16));
+}
+
+inline __m256 high_halves(__m256i pairs) {
+    return _mm256_castsi256_ps(_mm256_and_si256(pairs, _mm256_set1_epi32(-65536)));
+}
+
+inline __m256i load_pairs(const uint16_t* k) {
+    return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(k));
+}
+
 inline __m256 load8(const int8_t* k) {
     const __m128i bytes = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(k));
     return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(bytes));
@@ -68,6 +83,34 @@ inline void dot_lanes(const float* query, const Element* keys, int64_t stride, i
         for (int i = 0; i < COUNT; ++i)
             sums[i] = _mm256_fmadd_ps(q, load8(keys + i * stride + d), sums[i]);
     }
+}
+
+// The same for bf16 keys (dim % 16 == 0) against a query in split_pairs' order: each 16
+// dimensions widened without a shuffle, the even and the odd elements in chains of their own.
+template <int COUNT>
+inline void dot_pairs(const float* split_query, const uint16_t* keys, int64_t stride,
+                      int64_t dim, __m256* sums) {
+    __m256 even[COUNT], odd[COUNT];
+    for (int i = 0; i < COUNT; ++i) even[i] = odd[i] = _mm256_setzero_ps();
+    for (int64_t d = 0; d < dim; d += 16) {
+        const __m256 q_even = _mm256_loadu_ps(split_query + d);
+        const __m256 q_odd = _mm256_loadu_ps(split_query + d + 8);
+        for (int i = 0; i < COUNT; ++i) {
+            const __m256i pairs = load_pairs(keys + i * stride + d);
+            even[i] = _mm256_fmadd_ps(q_even, low_halves(pairs), even[i]);
+            odd[i] = _mm256_fmadd_ps(q_odd, high_halves(pairs), odd[i]);
+        }
+    }
+    for (int i = 0; i < COUNT; ++i) sums[i] = _mm256_add_ps(even[i], odd[i]);
+}
+
+// A vector's 16-element pieces each as its 8 even elements, then its 8 odd ones.
+inline void split_pairs(const float* x, int64_t dim, float* out) {
+    for (int64_t d = 0; d < dim; d += 16)
+        for (int64_t j = 0; j < 8; ++j) {
+            out[d + j] = x[d + 2 * j];
+            out[d + 8 + j] = x[d + 2 * j + 1];
+        }
 }
 
 // The eight lanes' sum, always in the same order.
@@ -162,6 +205,20 @@ void attend(const LayerRun<Element>& run, int64_t length, int64_t head_lo, int64
                 }
             };
             int64_t position = first;
+            if constexpr (sizeof(Element) == 2) {
+                if (dim % 16 == 0) {  // the query in split_pairs' order (run_task)
+                    for (; position + 4 <= end; position += 4) {
+                        __m256 lanes[4];
+                        dot_pairs<4>(query, run.key(position, head), stride, dim, lanes);
+                        for (int64_t i = 0; i < 4; ++i) scaled(position + i, hsum(lanes[i]));
+                    }
+                    for (; position < end; ++position) {
+                        __m256 lanes[1];
+                        dot_pairs<1>(query, run.key(position, head), stride, dim, lanes);
+                        scaled(position, hsum(lanes[0]));
+                    }
+                }
+            }
             if (dim % 8 == 0) {
                 // four positions at a time: four independent chains of multiply-adds (a block
                 // is whole groups of four); each position's sum is formed the same way
@@ -219,6 +276,29 @@ void attend(const LayerRun<Element>& run, int64_t length, int64_t head_lo, int64
                     return score[position] * run.value_scales[position * run.heads + head];
                 }
             };
+            if (sizeof(Element) == 2 && dim % 64 == 0) {
+                // bf16: 64 dimensions at a time in eight registers, each 16 as its even and
+                // its odd elements (`sum` holds them so: split_pairs' order), which takes no
+                // shuffle to widen; each dimension's multiply-adds the same, in position order
+                for (int64_t d0 = 0; d0 < dim; d0 += 64) {
+                    __m256 lanes[8];
+                    for (int j = 0; j < 8; ++j) lanes[j] = _mm256_loadu_ps(sum + d0 + 8 * j);
+                    for (int64_t position = first; position < end; ++position) {
+                        const __m256 weight = _mm256_set1_ps(weight_of(position));
+                        const uint16_t* v =
+                            reinterpret_cast<const uint16_t*>(run.value(position, head)) + d0;
+                        for (int c = 0; c < 4; ++c) {
+                            const __m256i pairs = load_pairs(v + 16 * c);
+                            lanes[2 * c] =
+                                _mm256_fmadd_ps(weight, low_halves(pairs), lanes[2 * c]);
+                            lanes[2 * c + 1] =
+                                _mm256_fmadd_ps(weight, high_halves(pairs), lanes[2 * c + 1]);
+                        }
+                    }
+                    for (int j = 0; j < 8; ++j) _mm256_storeu_ps(sum + d0 + 8 * j, lanes[j]);
+                }
+                continue;
+            }
             if (dim % 64 == 0) {
                 // 64 dimensions at a time in eight registers (loaded and stored once a block:
                 // an array in memory made each position's adds wait on the previous
@@ -247,10 +327,19 @@ void attend(const LayerRun<Element>& run, int64_t length, int64_t head_lo, int64
             }
         }
     }
+    const bool split = sizeof(Element) == 2 && dim % 64 == 0;  // the sums' order, as above
     for (int64_t head = head_lo; head < head_hi; ++head) {
         const float* sum = sums + (head - head_lo) * dim;
         float* result = results + (head - head_lo) * dim;
         const float inverse = inverses[head - head_lo];
+        if (split) {
+            for (int64_t d = 0; d < dim; d += 16)
+                for (int64_t j = 0; j < 8; ++j) {
+                    result[d + 2 * j] = sum[d + j] * inverse;
+                    result[d + 2 * j + 1] = sum[d + 8 + j] * inverse;
+                }
+            continue;
+        }
         for (int64_t d = 0; d < dim; ++d) result[d] = sum[d] * inverse;
     }
 }
@@ -283,6 +372,11 @@ void run_task(AttentionPass pass, const LayerRun<Element>& run, int64_t length,
             std::copy(q + head * dim, q + (head + 1) * dim, query);
         }
         if (pass != kAttend) store(run, head, length, new_key, v_new + head * dim);
+        if (pass != kStore && sizeof(Element) == 2 && dim % 16 == 0) {  // for dot_pairs
+            float plain[256];
+            std::copy(query, query + dim, plain);
+            split_pairs(plain, dim, query);
+        }
     }
     if (pass != kStore)
         attend(run, length, head_lo, head_hi, scale, queries, scores, sums, out + head_lo * dim);
