@@ -188,3 +188,25 @@ def test_streams_benchmark_smoke(tiny_model_dir):
         assert match and float(match[2]) >= 2 and float(match[3]) > 0, line
     (decode,) = [line for line in lines if line.startswith("a round of 2 x 8-step chunks")]
     assert re.search(r"stage by stage [\d.]+ ms, as windows [\d.]+ ms \([\d.]+\)$", decode)
+
+
+def test_attention_benchmark_smoke():
+    result = run_benchmark(
+        "benchmarks/attention.py",
+        "--shapes",
+        "1x10,3x40",
+        "--reserve",
+        "64",
+        "--rounds",
+        "2",
+        timeout=300,
+    )
+    lines = result.stdout.splitlines()
+    assert lines[0].startswith("cpu ") and lines[1].startswith("bf16 KV cache, 20 layers")
+    shapes = [line for line in lines if " positions: attention " in line]
+    assert [line.split()[:4] for line in shapes] == [
+        ["1", "rows", "x", "10"],
+        ["3", "rows", "x", "40"],
+    ]
+    for line in shapes:
+        assert re.search(r"attention [\d.]+ ms \([\d.]+ GB/s\); reading as many", line), line

@@ -1,0 +1,139 @@
+"""A decode step's attention alone: how fast it reads the KV caches, against a plain read.
+
+    python benchmarks/attention.py [--shapes 1x105,8x105,8x300,16x105] [--rounds N]
+
+For each ROWSxPOSITIONS, fills that many requests' caches (the full-size GPT's 20 layers, 12
+heads of 64; bf16, or int8 with ``--kv-cache-dtype int8``; reserved for ``--reserve`` positions
+as the engine reserves a request's worst case), then times the attention kernel over all 20
+layers for one step, with every cache evicted before each call (a step's 190 MB of weights
+sweep the caches between two of its attentions), medians of ``--rounds``. Prints the CPU, the
+milliseconds and the rate the caches were read at, beside a read-only loop over the same
+bytes (``Kernels.read``, copies of the caches: one stream a thread), so the two compare on
+this machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+from benchmarks.engine import RELEVANT_CPU_FLAGS  # noqa: E402
+from chattts_service.runtime.cpu import cpu_flags, cpu_model  # noqa: E402
+
+LAYERS, HEADS, DIM = 20, 12, 64  # ChatTTS's GPT
+EVICT_MB = 400  # more than any last-level cache this runs on
+
+
+def measure(kernels, rows: int, positions: int, reserve: int, dtype, rounds: int) -> dict:
+    import torch
+
+    from chattts_service.inference.transformer import KVCache
+    from chattts_service.kernels import bindings
+
+    generator = torch.Generator().manual_seed(rows * 1000 + positions)
+    caches = []
+    with torch.inference_mode():
+        for _ in range(rows):
+            cache = KVCache(LAYERS, HEADS, DIM, reserve=max(reserve, positions + 1), dtype=dtype)
+            for layer in range(LAYERS):
+                cache.write(
+                    layer,
+                    0,
+                    torch.randn(HEADS, positions, DIM, generator=generator),
+                    torch.randn(HEADS, positions, DIM, generator=generator),
+                )
+            caches.append(cache)
+    q, k, v = (torch.randn(rows, HEADS, DIM, generator=generator) for _ in range(3))
+    out = torch.empty(rows, HEADS, 1, DIM)
+    step = bindings.StepRows(caches, [positions] * rows)
+    evict = torch.ones(EVICT_MB * 250_000)
+    # what a step reads: every position's key and value (scales too, for int8), all layers
+    element = 1 if dtype == torch.int8 else 2
+    per_position = HEADS * DIM * element + (2 * HEADS * 4 if dtype == torch.int8 else 0) // 2
+    megabytes = rows * LAYERS * (positions + 1) * 2 * per_position / 1e6
+    plain = [
+        tensor[:, :positions].contiguous()
+        for cache in caches
+        for tensor in (cache.keys.transpose(1, 2), cache.values.transpose(1, 2))
+    ]
+    times, reads = [], []
+    with torch.inference_mode():
+        for index in range(rounds + 2):  # two untimed: threads started, pages touched
+            evict.sum()
+            started = time.perf_counter()
+            for layer in range(LAYERS):
+                kernels.attention(layer, q, k, v, step, out, 1 / math.sqrt(DIM))
+            elapsed = time.perf_counter() - started
+            evict.sum()
+            started = time.perf_counter()
+            kernels.read(plain)
+            read = time.perf_counter() - started
+            if index >= 2:
+                times.append(elapsed)
+                reads.append(read)
+    milliseconds = statistics.median(times) * 1e3
+    read_ms = statistics.median(reads) * 1e3
+    return {
+        "rows": rows,
+        "positions": positions,
+        "megabytes": megabytes,
+        "ms": milliseconds,
+        "gb_per_s": megabytes / milliseconds,
+        "read_ms": read_ms,
+        "read_gb_per_s": megabytes / read_ms,
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--shapes", default="1x105,8x105,8x300,16x105", help="ROWSxPOSITIONS,...")
+    parser.add_argument("--reserve", type=int, default=2048, help="positions each cache reserves")
+    parser.add_argument("--kv-cache-dtype", default="bf16", choices=("bf16", "int8"))
+    parser.add_argument("--rounds", type=int, default=15)
+    parser.add_argument("--json", action="store_true")
+    args = parser.parse_args(argv)
+
+    import torch
+
+    from chattts_service.kernels import bindings
+
+    kernels = bindings.load("on")
+    dtype = torch.bfloat16 if args.kv_cache_dtype == "bf16" else torch.int8
+    data = {
+        "cpu": cpu_model(),
+        "cpu_flags": sorted(RELEVANT_CPU_FLAGS & cpu_flags()),
+        "threads": torch.get_num_threads(),
+        "kv_cache_dtype": args.kv_cache_dtype,
+        "shapes": [],
+    }
+    for shape in (value for value in args.shapes.split(",") if value):
+        rows, positions = (int(part) for part in shape.split("x"))
+        data["shapes"].append(measure(kernels, rows, positions, args.reserve, dtype, args.rounds))
+    if args.json:
+        print(json.dumps(data, indent=1))
+        return 0
+    print(f"cpu {data['cpu']}; flags: {' '.join(data['cpu_flags']) or 'none of interest'}")
+    print(
+        f"{args.kv_cache_dtype} KV cache, {LAYERS} layers x {HEADS} heads x {DIM}, "
+        f"{data['threads']} threads, caches evicted before each call, medians of {args.rounds}"
+    )
+    for shape in data["shapes"]:
+        print(
+            f"{shape['rows']:>3} rows x {shape['positions']:>4} positions: attention "
+            f"{shape['ms']:.2f} ms ({shape['gb_per_s']:.1f} GB/s); reading as many "
+            f"{shape['megabytes']:.0f} MB alone {shape['read_ms']:.2f} ms "
+            f"({shape['read_gb_per_s']:.1f} GB/s)"
+        )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
