@@ -8,11 +8,11 @@
 // and another for values (half the bytes of fp32 to read each step; rounded to nearest even,
 // as torch converts). Position-major: one sequence's keys of a layer lie in one run that grows
 // at its end, which a thread reads front to back, every head of a block of positions in turn,
-// as one long stream (a run per head, [heads, capacity, dim], is a dozen short streams a layer:
-// they read at about half the rate). q, k_new, v_new: per sequence, heads * dim contiguous floats, rows
-// `*_row_stride` floats apart. out: [rows, heads * dim]. With rotary tables, q and k_new are
-// rotated here at the new token's position first (so they can come straight from the fused
-// q/k/v projection).
+// as one long stream (a run per head, [heads, capacity, dim], is a dozen short streams a
+// layer: they read at about half the rate). q, k_new, v_new: per sequence, heads * dim
+// contiguous floats, rows `*_row_stride` floats apart. out: [rows, heads * dim]. With rotary
+// tables, q and k_new are rotated here at the new token's position first (so they can come
+// straight from the fused q/k/v projection).
 #include "common.h"
 
 namespace {
