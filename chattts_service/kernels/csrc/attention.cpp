@@ -113,6 +113,36 @@ inline void split_pairs(const float* x, int64_t dim, float* out) {
         }
 }
 
+// A bf16 head of dim % 16 == 0 is read in pairs: its query in split_pairs' order, dot_pairs.
+template <typename Element>
+inline bool reads_pairs(int64_t dim) {
+    return sizeof(Element) == 2 && dim % 16 == 0;
+}
+
+// The query's products with COUNT consecutive keys (dim % 8 == 0): dot_pairs where the head is
+// read in pairs, else dot_lanes.
+template <typename Element, int COUNT>
+inline void dot(const float* query, const Element* keys, int64_t stride, int64_t dim,
+                __m256* sums) {
+    if constexpr (sizeof(Element) == 2) {
+        if (reads_pairs<Element>(dim)) return dot_pairs<COUNT>(query, keys, stride, dim, sums);
+    }
+    dot_lanes<Element, COUNT>(query, keys, stride, dim, sums);
+}
+
+// Sixteen consecutive elements as two vectors of floats: bf16 as its even and its odd elements
+// (no shuffle), int8 as its first eight and its last eight.
+inline void load16(const uint16_t* x, __m256& a, __m256& b) {
+    const __m256i pairs = load_pairs(x);
+    a = low_halves(pairs);
+    b = high_halves(pairs);
+}
+
+inline void load16(const int8_t* x, __m256& a, __m256& b) {
+    a = load8(x);
+    b = load8(x + 8);
+}
+
 // The eight lanes' sum, always in the same order.
 inline float hsum(__m256 lanes) {
     __m128 four = _mm_add_ps(_mm256_castps256_ps128(lanes), _mm256_extractf128_ps(lanes, 1));
@@ -175,7 +205,7 @@ inline void fetch(const Element* base, const LayerRun<Element>& run, int64_t fir
 // Heads [head_lo, head_hi) of one sequence over positions 0..length of its cache (the new
 // token's key and value stored), a block of positions at a time, so the layer's run is read
 // front to back once for the keys and once for the values. Each head's numbers are formed as
-// they would be alone: every score one dot_lanes and hsum, the softmax over that head's scores,
+// they would be alone: every score one dot and hsum, the softmax over that head's scores,
 // each output lane's multiply-adds in position order (its running sums kept in `sums` between
 // blocks). queries: [heads][dim] (rotated); scores: [heads][length + 1]; sums: [heads][dim];
 // results: the row's output at head_lo.
@@ -205,32 +235,18 @@ void attend(const LayerRun<Element>& run, int64_t length, int64_t head_lo, int64
                 }
             };
             int64_t position = first;
-            if constexpr (sizeof(Element) == 2) {
-                if (dim % 16 == 0) {  // the query in split_pairs' order (run_task)
-                    for (; position + 4 <= end; position += 4) {
-                        __m256 lanes[4];
-                        dot_pairs<4>(query, run.key(position, head), stride, dim, lanes);
-                        for (int64_t i = 0; i < 4; ++i) scaled(position + i, hsum(lanes[i]));
-                    }
-                    for (; position < end; ++position) {
-                        __m256 lanes[1];
-                        dot_pairs<1>(query, run.key(position, head), stride, dim, lanes);
-                        scaled(position, hsum(lanes[0]));
-                    }
-                }
-            }
             if (dim % 8 == 0) {
                 // four positions at a time: four independent chains of multiply-adds (a block
                 // is whole groups of four); each position's sum is formed the same way
                 // whatever its group
                 for (; position + 4 <= end; position += 4) {
                     __m256 lanes[4];
-                    dot_lanes<Element, 4>(query, run.key(position, head), stride, dim, lanes);
+                    dot<Element, 4>(query, run.key(position, head), stride, dim, lanes);
                     for (int64_t i = 0; i < 4; ++i) scaled(position + i, hsum(lanes[i]));
                 }
                 for (; position < end; ++position) {
                     __m256 lanes[1];
-                    dot_lanes<Element, 1>(query, run.key(position, head), stride, dim, lanes);
+                    dot<Element, 1>(query, run.key(position, head), stride, dim, lanes);
                     scaled(position, hsum(lanes[0]));
                 }
             }
@@ -276,41 +292,24 @@ void attend(const LayerRun<Element>& run, int64_t length, int64_t head_lo, int64
                     return score[position] * run.value_scales[position * run.heads + head];
                 }
             };
-            if (sizeof(Element) == 2 && dim % 64 == 0) {
-                // bf16: 64 dimensions at a time in eight registers, each 16 as its even and
-                // its odd elements (`sum` holds them so: split_pairs' order), which takes no
-                // shuffle to widen; each dimension's multiply-adds the same, in position order
-                for (int64_t d0 = 0; d0 < dim; d0 += 64) {
-                    __m256 lanes[8];
-                    for (int j = 0; j < 8; ++j) lanes[j] = _mm256_loadu_ps(sum + d0 + 8 * j);
-                    for (int64_t position = first; position < end; ++position) {
-                        const __m256 weight = _mm256_set1_ps(weight_of(position));
-                        const uint16_t* v =
-                            reinterpret_cast<const uint16_t*>(run.value(position, head)) + d0;
-                        for (int c = 0; c < 4; ++c) {
-                            const __m256i pairs = load_pairs(v + 16 * c);
-                            lanes[2 * c] =
-                                _mm256_fmadd_ps(weight, low_halves(pairs), lanes[2 * c]);
-                            lanes[2 * c + 1] =
-                                _mm256_fmadd_ps(weight, high_halves(pairs), lanes[2 * c + 1]);
-                        }
-                    }
-                    for (int j = 0; j < 8; ++j) _mm256_storeu_ps(sum + d0 + 8 * j, lanes[j]);
-                }
-                continue;
-            }
             if (dim % 64 == 0) {
                 // 64 dimensions at a time in eight registers (loaded and stored once a block:
                 // an array in memory made each position's adds wait on the previous
-                // position's stores); the same sums in the same order
+                // position's stores), each 16 as load16 gives them: for bf16 its even and its
+                // odd elements, so `sum` holds them in split_pairs' order; every dimension's
+                // multiply-adds in position order
                 for (int64_t d0 = 0; d0 < dim; d0 += 64) {
                     __m256 lanes[8];
                     for (int j = 0; j < 8; ++j) lanes[j] = _mm256_loadu_ps(sum + d0 + 8 * j);
                     for (int64_t position = first; position < end; ++position) {
                         const __m256 weight = _mm256_set1_ps(weight_of(position));
                         const Element* v = run.value(position, head) + d0;
-                        for (int j = 0; j < 8; ++j)
-                            lanes[j] = _mm256_fmadd_ps(weight, load8(v + 8 * j), lanes[j]);
+                        for (int c = 0; c < 4; ++c) {
+                            __m256 a, b;
+                            load16(v + 16 * c, a, b);
+                            lanes[2 * c] = _mm256_fmadd_ps(weight, a, lanes[2 * c]);
+                            lanes[2 * c + 1] = _mm256_fmadd_ps(weight, b, lanes[2 * c + 1]);
+                        }
                     }
                     for (int j = 0; j < 8; ++j) _mm256_storeu_ps(sum + d0 + 8 * j, lanes[j]);
                 }
@@ -372,7 +371,7 @@ void run_task(AttentionPass pass, const LayerRun<Element>& run, int64_t length,
             std::copy(q + head * dim, q + (head + 1) * dim, query);
         }
         if (pass != kAttend) store(run, head, length, new_key, v_new + head * dim);
-        if (pass != kStore && sizeof(Element) == 2 && dim % 16 == 0) {  // for dot_pairs
+        if (pass != kStore && reads_pairs<Element>(dim)) {  // for dot_pairs
             float plain[256];
             std::copy(query, query + dim, plain);
             split_pairs(plain, dim, query);
