@@ -55,15 +55,15 @@ def measure(kernels, rows: int, positions: int, reserve: int, dtype, rounds: int
     out = torch.empty(rows, HEADS, 1, DIM)
     step = bindings.StepRows(caches, [positions] * rows)
     evict = torch.ones(EVICT_MB * 250_000)
-    # what a step reads: every position's key and value (scales too, for int8), all layers
-    element = 1 if dtype == torch.int8 else 2
-    per_position = HEADS * DIM * element + (2 * HEADS * 4 if dtype == torch.int8 else 0) // 2
-    megabytes = rows * LAYERS * (positions + 1) * 2 * per_position / 1e6
+    # what a step reads, copied out as plain buffers: every position's key and value of every
+    # layer (and their scales, for int8)
     plain = [
-        tensor[:, :positions].contiguous()
+        tensor.transpose(1, 2)[:, : positions + 1].contiguous()
         for cache in caches
-        for tensor in (cache.keys.transpose(1, 2), cache.values.transpose(1, 2))
+        for tensor in (cache.keys, cache.values, cache.key_scales, cache.value_scales)
+        if tensor is not None
     ]
+    megabytes = sum(tensor.numel() * tensor.element_size() for tensor in plain) / 1e6
     times, reads = [], []
     with torch.inference_mode():
         for index in range(rounds + 2):  # two untimed: threads started, pages touched
