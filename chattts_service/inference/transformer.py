@@ -118,13 +118,13 @@ class KVCache:
     ):
         self.shape = (layers, heads, 0, head_dim)
         self.dtype = dtype
-        self.keys = _position_major((layers, heads, 0, head_dim), dtype)
-        self.values = _position_major((layers, heads, 0, head_dim), dtype)
+        self.keys = _position_major(self.shape, dtype)
+        self.values = _position_major(self.shape, dtype)
         # int8: each (layer, head, position)'s key and value has its own scale
         self.key_scales = self.value_scales = None
         if dtype == torch.int8:
-            self.key_scales = _position_major((layers, heads, 0), torch.float32)
-            self.value_scales = _position_major((layers, heads, 0), torch.float32)
+            self.key_scales = _position_major(self.shape[:3], torch.float32)
+            self.value_scales = _position_major(self.shape[:3], torch.float32)
         self.layer_keys, self.layer_values = self.keys.unbind(0), self.values.unbind(0)
         if reserve:
             self.ensure(reserve)
