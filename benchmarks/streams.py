@@ -5,11 +5,15 @@
 Starts N streamed requests at once in the engine (no HTTP), each held to exactly ``--steps``
 GPT steps, and plays each stream to a listener who starts at its first chunk and waits when it
 runs dry: the first audio, how far the stream fell behind (seconds the listener waited), its
-chunks, and the audio made per wall second. Then a round of streamed chunks decoded both ways
-the decoder can: stage by stage from what each stream kept (``AudioDecoder.advance_many``, the
-service's way) and as windows with their context on both sides (``decode_many``), medians of
-``--repeats``. Without ``--model-dir`` the full-size random-weight model is used. For the same
-question over HTTP, with a capacity search, use ``bench.py --capacity``.
+chunks, the audio made per wall second, and where listeners waited: for the second chunk (the
+start, when every stream's first chunk is decoded and the listener holds 12 steps of audio) or
+later (generation and decoding slower than playback). Then a round of streamed chunks decoded
+both ways the decoder can: stage by stage from what each stream kept
+(``AudioDecoder.advance_many``, the service's way) and as windows with their context on both
+sides (``decode_many``), medians of ``--repeats``. Without ``--model-dir`` the full-size
+random-weight model is used; ``--text`` sets what every stream says (``bench.py`` streams
+three sentences). For the same question over HTTP, with a capacity search, use
+``bench.py --capacity``.
 """
 
 from __future__ import annotations
@@ -31,25 +35,28 @@ from chattts_service.runtime.cpu import cpu_flags, cpu_model  # noqa: E402
 SAMPLE_RATE = 24_000
 
 
-def behind(arrivals: list[tuple[float, float]]) -> float:
-    """Seconds a listener who starts at the first chunk waits in all: ``arrivals`` are each
-    chunk's (arrival time, seconds of audio)."""
-    clock, waited = arrivals[0][0], 0.0
+def waits(arrivals: list[tuple[float, float]]) -> list[float]:
+    """Seconds a listener who starts at the first chunk waits for each chunk: ``arrivals`` are
+    each chunk's (arrival time, seconds of audio)."""
+    clock, waited = arrivals[0][0], []
     for arrived, seconds in arrivals:
-        if arrived > clock:
-            waited += arrived - clock
-            clock = arrived
-        clock += seconds
+        waited.append(max(0.0, arrived - clock))
+        clock = max(clock, arrived) + seconds
     return waited
 
 
-def run_streams(engine, count: int, steps: int, seed: int) -> dict:
+def behind(arrivals: list[tuple[float, float]]) -> float:
+    """Seconds a listener who starts at the first chunk waits in all."""
+    return sum(waits(arrivals))
+
+
+def run_streams(engine, count: int, steps: int, seed: int, text: str = TEXT) -> dict:
     from chattts_service.inference.types import SynthesisRequest
 
     results: list = [None] * count
     started = time.perf_counter()
     runs = [
-        engine.start(SynthesisRequest(TEXT, seed + index), fixed_steps=steps, stream=True)
+        engine.start(SynthesisRequest(text, seed + index), fixed_steps=steps, stream=True)
         for index in range(count)
     ]
 
@@ -73,6 +80,10 @@ def run_streams(engine, count: int, steps: int, seed: int) -> dict:
         "behind_max": max(behind(arrivals) for arrivals in results),
         "behind_median": statistics.median(behind(arrivals) for arrivals in results),
         "chunks_median": statistics.median(len(arrivals) for arrivals in results),
+        # where listeners wait: for the second chunk (the start: every stream's first chunks
+        # and the decoder's context), or later (generation slower than playback)
+        "second_chunk_wait_max": max(waits(arrivals)[1:2] or [0.0] for arrivals in results)[0],
+        "later_wait_max": max(sum(waits(arrivals)[2:]) for arrivals in results),
         "audio_per_wall_second": audio / wall,
     }
 
@@ -131,7 +142,9 @@ def report(data: dict) -> str:
             f"{level['streams']:>3} streams: first audio max {level['first_audio_max']:.2f} s, "
             f"behind max {level['behind_max']:.3f} s (median {level['behind_median']:.3f}), "
             f"{level['chunks_median']:g} chunks, "
-            f"{level['audio_per_wall_second']:.2f} audio s per wall s"
+            f"{level['audio_per_wall_second']:.2f} audio s per wall s; "
+            f"waits for the 2nd chunk max {level['second_chunk_wait_max']:.3f} s, "
+            f"later max {level['later_wait_max']:.3f} s"
         )
     for round_ in data["decode_rounds"]:
         lines.append(
@@ -150,6 +163,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=2, help="runs per level")
     parser.add_argument("--repeats", type=int, default=9, help="decode rounds timed (median)")
     parser.add_argument("--chunks", default="8x32,8x16,1x32", help="decode rounds: rowsxsteps")
+    parser.add_argument(
+        "--text", default=TEXT, help="what every stream says (bench.py streams three sentences)"
+    )
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args(argv)
 
@@ -182,7 +198,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         for count in levels:
             for _ in range(args.rounds):
-                data["levels"].append(run_streams(engine, count, args.steps, seed))
+                data["levels"].append(run_streams(engine, count, args.steps, seed, args.text))
                 seed += count
         for spec in (value for value in args.chunks.split(",") if value):
             rows, chunk = (int(part) for part in spec.split("x"))

@@ -184,8 +184,16 @@ def test_streams_benchmark_smoke(tiny_model_dir):
     levels = [line for line in lines if " streams: first audio max " in line]
     assert [line.split()[0] for line in levels] == ["1", "2"]
     for line in levels:
-        match = re.search(r"behind max ([\d.]+) s .* ([\d.]+) chunks, ([\d.]+) audio s", line)
+        match = re.search(
+            r"behind max ([\d.]+) s .* ([\d.]+) chunks, ([\d.]+) audio s per wall s; "
+            r"waits for the 2nd chunk max ([\d.]+) s, later max ([\d.]+) s$",
+            line,
+        )
         assert match and float(match[2]) >= 2 and float(match[3]) > 0, line
+        # the waits are the listener's, split at the second chunk: together at most behind max
+        assert (
+            float(match[4]) <= float(match[1]) + 1e-3 and float(match[5]) <= float(match[1]) + 1e-3
+        )
     (decode,) = [line for line in lines if line.startswith("a round of 2 x 8-step chunks")]
     assert re.search(r"stage by stage [\d.]+ ms, as windows [\d.]+ ms \([\d.]+\)$", decode)
 
@@ -210,3 +218,15 @@ def test_attention_benchmark_smoke():
     ]
     for line in shapes:
         assert re.search(r"attention [\d.]+ ms \([\d.]+ GB/s\); reading as many", line), line
+
+
+def test_streams_benchmark_splits_a_listeners_waits_by_chunk():
+    sys.path.insert(0, str(REPO))
+    from benchmarks.streams import behind, waits
+
+    # (arrival, seconds of audio): the player starts at 1.0 with 0.25 s, runs dry at 1.25 and
+    # waits 0.25 s for the second chunk; the third arrives while the second plays (to 2.0);
+    # the fourth arrives 0.5 s after the third ran out (2.5)
+    arrivals = [(1.0, 0.25), (1.5, 0.5), (1.75, 0.5), (3.0, 1.0)]
+    assert waits(arrivals) == [0.0, 0.5 - 0.25, 0.0, 0.5]
+    assert behind(arrivals) == 0.75
