@@ -36,10 +36,11 @@ linear = torch.nn.Linear(256, 1024)
 def run(rows):
     with torch.inference_mode(), torch.autocast("cpu", dtype=torch.bfloat16):
         linear(torch.randn(1, rows, 256))
-for rows in range(1, 80):  # settle: every shape one decode would use, and then some
+settle = heap.NATIVE_CACHE_ENTRIES + 16  # every entry taken, and then some
+for rows in range(1, settle):
     run(rows)
 before = heap.stats()["in_use"]
-for rows in range(80, 480):  # 400 new lengths, as 400 requests of new lengths would bring
+for rows in range(settle, settle + 400):  # 400 new lengths, as 400 requests would bring
     run(rows)
 print((heap.stats()["in_use"] - before) / 2**20)
 """

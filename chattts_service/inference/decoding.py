@@ -103,7 +103,7 @@ class AudioDecoder:
         still hold, so every row reads what it would read alone (as a convolution pads). The
         canvas is as wide as a width from a short list (``bucket``) and narrows, stage by
         stage, only by ``CROP_FRAMES`` at a time: oneDNN prepares a kernel for every new shape
-        (tens of ms in bf16) and the service keeps only 64 of them (``runtime/heap.py``), so a
+        (tens of ms in bf16) and the service keeps only 256 of them (``runtime/heap.py``), so a
         decode must use few shapes, and the same ones call after call. Fewer, larger
         convolutions: about half the time of one call per window in bf16. (In bf16 a batch of
         one and a batch of several round differently: 0.8% of the waveform, each 1% from fp32;
@@ -162,7 +162,7 @@ class AudioDecoder:
         four times the work of a 32-step chunk. Non-final items stop at step ``until``. The
         same samples as a decode of the whole, within the rounding of convolutions over other
         widths (fp32: 1e-6; tested). The windows of the rows that compute at a stage lie side
-        by side in one row, its width rounded to few (``bucket``): oneDNN keeps 64 kernels."""
+        by side in one row, its width rounded to few (``bucket``): oneDNN keeps 256 kernels."""
         assert self._stages is not None, "a decoder of another shape streams with span"
         pending: list[torch.Tensor | None] = []
         with torch.inference_mode():
