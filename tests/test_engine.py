@@ -693,7 +693,8 @@ def test_concurrent_streams_are_their_whole_answers_and_chunks_follow_the_listen
         streamed = np.concatenate(chunks)
         assert len(streamed) == len(whole)
         assert np.linalg.norm(streamed - whole) <= bound * np.linalg.norm(whole)
-        assert len(chunks[0]) == job.FIRST_CHUNK_STEPS * 512
+        # the first: FIRST_CHUNK_STEPS, or a step or two fewer to join the others' first round
+        assert job.JOIN_FIRST_STEPS * 512 <= len(chunks[0]) <= job.FIRST_CHUNK_STEPS * 512
         sizes = [len(chunk) // 512 for chunk in chunks]
         assert len(chunks) < 3 or sizes[1] >= job.FIRST_CHUNK_STEPS, sizes
         assert all(size >= job.JOIN_CHUNK_STEPS for size in sizes[2:-1]), sizes

@@ -9,12 +9,12 @@ same stretch of a decode of the whole, so streamed and non-streamed audio match.
 A stream's decoder keeps, stage by stage, the inputs its next outputs read (``StreamState``), so
 a chunk costs its own frames rather than its window and context again.
 
-A stream's chunks follow its listener: the first as soon as it can be decoded, the second as
-soon as as many steps wait, then the next when what has been sent runs low
-(``LOW_WATER_SECONDS`` of audio ahead of a player that started at the first chunk), or when a
-decode runs anyway and joining it pays, or when the chunk has grown to ``MAX_CHUNK_STEPS``. A
-stream ahead of its listener waits for a bigger piece, so the fixed cost of each decode round
-weighs less per second of audio.
+A stream's chunks follow its listener: the first as soon as it can be decoded (a little
+earlier to join a decode that runs anyway), the second as soon as as many steps wait, then the
+next when what has been sent runs low (``LOW_WATER_SECONDS`` of audio ahead of a player that
+started at the first chunk), or when a decode runs anyway and joining it pays, or when the
+chunk has grown to ``MAX_CHUNK_STEPS``. A stream ahead of its listener waits for a bigger
+piece, so the fixed cost of each decode round weighs less per second of audio.
 """
 
 from __future__ import annotations
@@ -43,14 +43,17 @@ if TYPE_CHECKING:  # prompts bring torch; a job is built once the model has load
 
 log = logging.getLogger(__name__)
 
-# A stream's chunks: the first once FIRST_CHUNK_STEPS can be decoded (256 ms of audio); each
-# later one once its listener has less than LOW_WATER_SECONDS of audio left (HIGH_WATER_SECONDS
-# when a decode runs anyway, so it joins that batch) and its size has waited (FIRST_CHUNK_STEPS
-# for the second chunk too, then doubling, capped at LOW_CHUNK_STEPS, or JOIN_CHUNK_STEPS to
-# join); any chunk once MAX_CHUNK_STEPS wait. The second is no bigger than the first: its
-# listener holds only the first's 256 ms while the other streams' first chunks are decoded
-# too. (Tuned on 2 vCPUs of a Xeon with AMX, docs/benchmarks.md.)
+# A stream's chunks: the first once FIRST_CHUNK_STEPS can be decoded (256 ms of audio), or
+# JOIN_FIRST_STEPS when a decode runs anyway (streams that started a step or two apart then
+# share their first rounds, where each paid one and a stream a step ahead waited for the
+# others'); each later one once its listener has less than LOW_WATER_SECONDS of audio left
+# (HIGH_WATER_SECONDS when a decode runs anyway, so it joins that batch) and its size has
+# waited (FIRST_CHUNK_STEPS for the second chunk too, then doubling, capped at LOW_CHUNK_STEPS,
+# or JOIN_CHUNK_STEPS to join); any chunk once MAX_CHUNK_STEPS wait. The second is no bigger
+# than the first: its listener holds only the first's 256 ms while the other streams' first
+# chunks are decoded too. (Tuned on 2 vCPUs of a Xeon with AMX, docs/benchmarks.md.)
 FIRST_CHUNK_STEPS = 12
+JOIN_FIRST_STEPS = 10
 LOW_CHUNK_STEPS = 32
 JOIN_CHUNK_STEPS = 16
 MAX_CHUNK_STEPS = 128
@@ -120,7 +123,7 @@ class SynthesisJob:
         waiting = sequence.steps - self.context_steps - self._emitted  # decodable, not asked for
         size = min(FIRST_CHUNK_STEPS << max(0, self._asked - 1), MAX_CHUNK_STEPS)
         if self._runs_out is None:  # nothing has reached the listener yet
-            due = waiting >= size
+            due = waiting >= size or (joining and waiting >= JOIN_FIRST_STEPS)
         else:
             ahead = self.ahead()
             due = (
