@@ -82,7 +82,7 @@ def run_streams(engine, count: int, steps: int, seed: int, text: str = TEXT) -> 
         "chunks_median": statistics.median(len(arrivals) for arrivals in results),
         # where listeners wait: for the second chunk (the start: every stream's first chunks
         # and the decoder's context), or later (generation slower than playback)
-        "second_chunk_wait_max": max(waits(arrivals)[1:2] or [0.0] for arrivals in results)[0],
+        "second_chunk_wait_max": max((waits(arrivals)[1:2] or [0.0])[0] for arrivals in results),
         "later_wait_max": max(sum(waits(arrivals)[2:]) for arrivals in results),
         "audio_per_wall_second": audio / wall,
     }

@@ -220,8 +220,8 @@ def test_attention_benchmark_smoke():
         assert re.search(r"attention [\d.]+ ms \([\d.]+ GB/s\); reading as many", line), line
 
 
-def test_streams_benchmark_splits_a_listeners_waits_by_chunk():
-    sys.path.insert(0, str(REPO))
+def test_streams_benchmark_splits_a_listeners_waits_by_chunk(monkeypatch):
+    monkeypatch.syspath_prepend(str(REPO))
     from benchmarks.streams import behind, waits
 
     # (arrival, seconds of audio): the player starts at 1.0 with 0.25 s, runs dry at 1.25 and
