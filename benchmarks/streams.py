@@ -36,18 +36,13 @@ SAMPLE_RATE = 24_000
 
 
 def waits(arrivals: list[tuple[float, float]]) -> list[float]:
-    """Seconds a listener who starts at the first chunk waits for each chunk: ``arrivals`` are
-    each chunk's (arrival time, seconds of audio)."""
+    """Seconds a listener who starts at the first chunk waits for each chunk (their sum: how far
+    the stream fell behind): ``arrivals`` are each chunk's (arrival time, seconds of audio)."""
     clock, waited = arrivals[0][0], []
     for arrived, seconds in arrivals:
         waited.append(max(0.0, arrived - clock))
         clock = max(clock, arrived) + seconds
     return waited
-
-
-def behind(arrivals: list[tuple[float, float]]) -> float:
-    """Seconds a listener who starts at the first chunk waits in all."""
-    return sum(waits(arrivals))
 
 
 def run_streams(engine, count: int, steps: int, seed: int, text: str = TEXT) -> dict:
@@ -74,16 +69,18 @@ def run_streams(engine, count: int, steps: int, seed: int, text: str = TEXT) -> 
         thread.join()
     wall = time.perf_counter() - started
     audio = sum(seconds for arrivals in results for _, seconds in arrivals)
+    waited = [waits(arrivals) for arrivals in results]
+    behind = [sum(stream) for stream in waited]
     return {
         "streams": count,
         "first_audio_max": max(arrivals[0][0] - started for arrivals in results),
-        "behind_max": max(behind(arrivals) for arrivals in results),
-        "behind_median": statistics.median(behind(arrivals) for arrivals in results),
+        "behind_max": max(behind),
+        "behind_median": statistics.median(behind),
         "chunks_median": statistics.median(len(arrivals) for arrivals in results),
         # where listeners wait: for the second chunk (the start: every stream's first chunks
         # and the decoder's context), or later (generation slower than playback)
-        "second_chunk_wait_max": max((waits(arrivals)[1:2] or [0.0])[0] for arrivals in results),
-        "later_wait_max": max(sum(waits(arrivals)[2:]) for arrivals in results),
+        "second_chunk_wait_max": max(sum(stream[1:2]) for stream in waited),
+        "later_wait_max": max(sum(stream[2:]) for stream in waited),
         "audio_per_wall_second": audio / wall,
     }
 
