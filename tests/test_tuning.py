@@ -265,17 +265,39 @@ def test_an_unwritable_directory_still_gives_a_measured_choice(kernels, tmp_path
     assert choice.source == "measured" and "cannot keep the kernel tuning" in caplog.text
 
 
-def test_each_cpu_thread_count_and_library_has_its_own_kept_choice(tmp_path, kernels):
+def test_each_cpu_thread_count_library_and_product_has_its_own_kept_choice(tmp_path, kernels):
     identity = tuning.cpu_identity()
-    here = tuning.cache_path(tmp_path, identity, 2, kernels.path)
-    assert here == tuning.cache_path(tmp_path, dict(identity), 2, kernels.path)
+    path = kernels.path
+
+    def kept(*changed, **changes):
+        arguments = {"identity": identity, "threads": 2, "library": path, "product": "int8-vnni"}
+        return tuning.cache_path(tmp_path, **{**arguments, **changes})
+
+    here = kept()
+    assert here == kept(identity=dict(identity))
     others = [
-        tuning.cache_path(tmp_path, {**identity, "model": identity["model"] + 1}, 2, kernels.path),
-        tuning.cache_path(tmp_path, {**identity, "flags": ["avx2"]}, 2, kernels.path),
-        tuning.cache_path(tmp_path, identity, 4, kernels.path),
-        tuning.cache_path(tmp_path, identity, 2, kernels.path.with_name("kernels-other.so")),
+        kept(identity={**identity, "model": identity["model"] + 1}),
+        kept(identity={**identity, "flags": ["avx2"]}),
+        kept(threads=4),
+        kept(library=path.with_name("kernels-other.so")),
+        kept(product="int8-avx2"),
+        kept(product="int4-vnni"),
     ]
-    assert len({here, *others}) == 5
+    assert len({here, *others}) == 7
+
+
+def test_a_choice_kept_for_one_product_is_not_read_for_another(tmp_path):
+    """The same CPU and library, CHATTTS_INT8_PRODUCT or CHATTTS_QUANTIZE changed: each
+    product measures its own choice instead of reading another's."""
+    products = ["avx2"] + (["vnni"] if cpp_kernels.cpu_supports(cpp_kernels.VNNI_CPU_FLAGS) else [])
+    generator = torch.Generator().manual_seed(3)
+    int4 = [Int4Packing(torch.randn(64, 64, generator=generator)) for _ in range(3)]
+    for product in products:
+        kernels = cpp_kernels.load("on", product)
+        assert tuning.choose(kernels, _packings(kernels), "measure", tmp_path).source == "measured"
+        assert tuning.choose(kernels, _packings(kernels), "measure", tmp_path).source == "kept"
+        assert tuning.choose(kernels, int4, "measure", tmp_path).source == "measured"
+    assert len(list(tmp_path.glob("tuning-*.json"))) == 2 * len(products)
 
 
 def test_the_table_gives_its_entry_for_a_known_cpu_and_the_default_otherwise(kernels):

@@ -13,7 +13,7 @@ product runs on its tiles. ``CHATTTS_KERNEL_TUNING`` says how the parameters are
   at 8 rows; then, with AMX, on tiles or not at each of ``TILE_ROWS`` rows (about two
   seconds in all on the full-size model). The choice is kept beside
   the packed weights (``<model dir>/.packed/tuning-<key>.json``, keyed by the CPU's model,
-  flags and thread count and by the kernel library) and read on later starts: a restart
+  flags and thread count, the kernel library and the product) and read on later starts: a restart
   measures nothing, another CPU measures again.
 - ``table``: the entry of ``TABLE`` for this CPU (vendor, family, model), each measured with
   ``python benchmarks/tuning.py``; the default for a CPU not in it.
@@ -225,13 +225,22 @@ def measure(kernels, packings, rounds: int = 5, candidates=CANDIDATES) -> tuple[
     return best, report
 
 
-def cache_path(directory: Path, identity: dict, threads: int, library: Path) -> Path:
+def product_name(kernels, packings) -> str:
+    """Which product the packings run on, as kept choices are keyed: "int8-vnni",
+    "int4-avx2", ... Each streams its weights its own way, so a choice measured on one says
+    nothing of another (CHATTTS_INT8_PRODUCT or CHATTTS_QUANTIZE changed on the same CPU)."""
+    kind = "int4" if any(isinstance(packing, Int4Packing) for packing in packings) else "int8"
+    return f"{kind}-{kernels.int8_instructions}"
+
+
+def cache_path(directory: Path, identity: dict, threads: int, library: Path, product: str) -> Path:
     key = identity_key(
         {
             "version": FILE_VERSION,
             "cpu": identity,
             "threads": threads,
             "library": library.name,
+            "product": product,
             "candidates": [asdict(c) for c in CANDIDATES],
             "pairings": PAIRINGS,
             "tile_rows": TILE_ROWS,
@@ -286,7 +295,13 @@ def choose(kernels, packings, mode: str, directory: Path | None) -> Choice:
     else:
         path = None
         if directory is not None:
-            path = cache_path(directory, identity, torch.get_num_threads(), kernels.path)
+            path = cache_path(
+                directory,
+                identity,
+                torch.get_num_threads(),
+                kernels.path,
+                product_name(kernels, packings),
+            )
         kept = _read(path) if path is not None else None
         if kept is not None:
             choice = Choice(kept, "kept")
