@@ -394,33 +394,36 @@ def test_fused_norm_then_int8_equals_norm_then_int8(kernel, layer):
 
 
 @pytest.mark.parametrize("instructions", ["vnni", "avx2"])
-def test_int8_linear_sums_exactly(kernel, instructions):
+@pytest.mark.parametrize("rows,width", [(11, 64), (9, 532)])
+def test_int8_linear_sums_exactly(kernel, instructions, rows, width):
     """Each row quantized to round(levels * x / max|x|) + levels + 1 (levels: 127 for the VNNI
     product, 63 for the AVX2 one), times the int8 weights: the integer sums are exact, and
-    only the channels asked for are written."""
+    only the channels asked for are written. 9 rows of 532 inputs: three of the AVX2 product's
+    passes of 4 rows over each block, and more groups of 4 inputs than its prefetching's
+    64-byte steps split evenly."""
     if instructions == "vnni" and kernel.int8_instructions != "vnni":
         pytest.skip("this CPU lacks AVX512-VNNI")
     from chattts_service.inference.quantize import _quantized_tensor
 
     torch.manual_seed(7)
-    weight = torch.randn(40, 64)  # 40 channels: the last block of 16 is padded
+    weight = torch.randn(40, width)  # 40 channels: the last block of 16 is padded
     quantized = _quantized_tensor(weight)
     packing = Int8Packing(quantized.int_repr(), quantized.q_per_channel_scales(), instructions)
     most = {"vnni": 127, "avx2": 63}[instructions]
     assert packing.levels == most
-    x = torch.randn(11, 64)
+    x = torch.randn(rows, width)
     row_max = x.abs().amax(dim=1, keepdim=True)
     inverse_scale = 1 / torch.tensor(1 / most, dtype=torch.float32)  # in float32, as the kernel
     levels = torch.round((x / row_max) * inverse_scale)
     assert int(levels.abs().max()) == most
     out = kernel.int8_linear(x, packing)
-    assert out.shape == (11, 40)
+    assert out.shape == (rows, 40)
     sums = levels.long() @ quantized.int_repr().long().T
     scale = quantized.q_per_channel_scales().float() / most * row_max
     # the integers are exact: dividing the scales back out recovers them
     assert torch.equal(torch.round(out / scale).long(), sums)
-    with pytest.raises(ValueError, match="rows of 32 values"):
-        kernel.int8_linear(x[:, :32], packing)
+    with pytest.raises(ValueError, match=f"rows of {width - 32} values"):
+        kernel.int8_linear(x[:, :-32], packing)
 
 
 def test_the_int8_product_is_the_cpus_best_unless_chosen(kernel):
