@@ -109,6 +109,67 @@ def weights_read_seconds(transformer, rounds: int = 5) -> float | None:
     return min(times)
 
 
+PRODUCT_ROWS = (1, 8)
+
+
+def products_ms(transformer, rounds: int = 7, calls: int = 15) -> dict | None:
+    """The GPT's int8 products alone, one Python call a layer, at each of ``PRODUCT_ROWS``
+    rows: ``memory``, a pass over all the layers (each weight read from memory once, as a step
+    reads it); ``cache``, the same work with the weights in the caches (each of the first
+    layer's products called ``calls`` times in a row, the median call times the layers):
+    what the instructions take when memory is no limit. Both less the calls' own fixed cost
+    (a call on a 16 x 64 layer, median): the step makes one call for all the layers. None
+    without the kernels' int8 packings."""
+    import torch
+
+    from chattts_service.kernels.int8 import Int8Packing
+
+    packings = transformer.kernel_packings()
+    layers = len(transformer.layers)
+    if len(packings) != 4 * layers or not all(isinstance(p, Int8Packing) for p in packings):
+        return None
+    kernels = transformer.kernels
+    tiny = Int8Packing(
+        torch.ones(16, 64, dtype=torch.int8), torch.ones(16), packings[0].instructions
+    )
+    generator = torch.Generator().manual_seed(0)
+
+    def seconds(call, *arguments) -> float:
+        started = time.perf_counter()
+        call(*arguments)
+        return time.perf_counter() - started
+
+    def one_pass(inputs: dict) -> None:
+        for packing in packings:
+            kernels.int8_linear(inputs[packing.in_features], packing)
+
+    result = {}
+    for rows in PRODUCT_ROWS:
+        inputs = {
+            width: torch.randn(rows, width, generator=generator)
+            for width in {packing.in_features for packing in packings}
+        }
+        tiny_input = torch.randn(rows, 64, generator=generator)
+        one_pass(inputs)  # untimed: pages and threads
+        fixed = statistics.median(
+            seconds(kernels.int8_linear, tiny_input, tiny) for _ in range(calls + 1)
+        )
+        memory = statistics.median(seconds(one_pass, inputs) for _ in range(rounds))
+        cache = 0.0
+        for packing in packings[:4]:
+            x = inputs[packing.in_features]
+            kernels.int8_linear(x, packing)  # into the caches
+            cache += statistics.median(
+                seconds(kernels.int8_linear, x, packing) for _ in range(calls)
+            )
+        result[str(rows)] = {
+            "memory": (memory - len(packings) * fixed) * 1000,
+            "cache": (cache - 4 * fixed) * layers * 1000,
+            "call_fixed": fixed * 1000,
+        }
+    return result
+
+
 # -- child phases -----------------------------------------------------------------------------
 
 
@@ -259,6 +320,7 @@ def phase_ours(
     peak_rss = rss_mb()["VmHWM"]  # before the bandwidth's buffer
     bandwidths.append(engine.scheduler.call(measure_bandwidth).result())
     reads.append(engine.scheduler.call(lambda: weights_read_seconds(transformer)).result())
+    products = engine.scheduler.call(lambda: products_ms(transformer)).result()
     engine.close()
     result = {
         "quantize": quantize,
@@ -279,7 +341,27 @@ def phase_ours(
     if None not in reads:
         result["weights_read_ms"] = [seconds * 1000 for seconds in reads]
     result["floor_ms"] = floor_ms(result)
+    if products is not None:
+        result["products_ms"] = products
     return result
+
+
+def products_lines(products: dict | None, floor: float) -> list[str]:
+    """What ``products_ms`` measured, against the floor: with the weights in the caches the
+    products take what their instructions take, so where that is above the floor, no
+    prefetching brings the step down to it."""
+    if not products:
+        return []
+    fixed = max(row["call_fixed"] for row in products.values())
+    figures = "; ".join(
+        f"{rows} row{'s' if rows != '1' else ''}: {row['memory']:.2f} ms from memory, "
+        f"{row['cache']:.2f} ms with the weights in cache ({row['cache'] / floor:.2f}x the floor)"
+        for rows, row in products.items()
+    )
+    return [
+        f"int8 products alone (a call a layer, less each call's fixed {1000 * fixed:.0f} us): "
+        f"{figures}"
+    ]
 
 
 def floor_ms(ours: dict) -> float:
@@ -509,6 +591,7 @@ def report(data: dict) -> str:
         f"{' and '.join(f'{v:.1f}' for v in ours.get('bandwidth_readings_gb_per_s', []))}, "
         f"before and after the runs){read_text} -> floor {floor:.2f} ms/step (the lower); "
         f"batch-1 step is {floor_ratio:.2f}x the floor, 8-row step {eight_ratio:.2f}x",
+        *products_lines(ours.get("products_ms"), floor),
         f"peak RSS: baseline {base['peak_rss_mb']:.0f} MB, ours {ours['peak_rss_mb']:.0f} MB "
         f"(after ready {ours['rss_after_ready_mb']:.0f} MB); ours ready in "
         f"{ours['ready_seconds']:.1f} s (load {ours['load_seconds']:.1f} s)",

@@ -55,11 +55,15 @@ def test_engine_benchmark_smoke(tiny_model_dir):
     by_sum = data["ours"]["gpt_linear_mb"] / data["ours"]["bandwidth_gb_per_s"]
     assert data["ours"]["floor_ms"] == min(by_sum, *reads)
     assert data["ours"]["kernel_tuning"].startswith(("prefetch", "no software prefetch"))
+    products = data["ours"]["products_ms"]  # from memory and from cache, less the calls' cost
+    assert set(products) == {"1", "8"}
+    assert all(set(row) == {"memory", "cache", "call_fixed"} for row in products.values())
+    assert all(row["call_fixed"] > 0 for row in products.values())
     from benchmarks.engine import report
 
     text = report(data)
     assert "batch-1 step within 1.3x" in text and "8-row step within 2.5x" in text
-    assert "a loop only reading them took" in text
+    assert "a loop only reading them took" in text and "with the weights in cache" in text
     assert "decode share at 8 concurrent < 20%" in text and "decoded as one batch" in text
     fidelity = data["fidelity"]
     assert fidelity["bf16_batched_vs_alone_relative_l2"] < 0.05
