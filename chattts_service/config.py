@@ -30,7 +30,7 @@ KERNEL_MODES = ("auto", "on", "off")
 INT8_PRODUCTS = ("auto", "vnni", "avx2")
 KERNEL_TUNINGS = ("measure", "table", "default")
 KV_CACHE_DTYPES = ("bf16", "int8")
-DECODER_DTYPES = ("auto", "bf16", "fp32")
+DECODER_DTYPES = ("auto", "bf16", "fp32", "int8")
 DOWNLOAD_MODES = ("auto", "never")
 ALLOCATORS = ("auto", "jemalloc", "system")
 # the largest seed: a request's, a seed:N voice's and CHATTTS_DEFAULT_SEED's
@@ -275,7 +275,9 @@ class Settings:
     decoder_dtype: str = _env_field(
         "DECODER_DTYPE",
         "auto",
-        "decoder precision: bf16, fp32, or auto (bf16 where the CPU has native bf16 dot products)",
+        "decoder precision: bf16, fp32, int8 (the pointwise layers on the C++ kernels' int8 "
+        "product: faster on CPUs without native bf16, opt-in for its waveform error), or auto "
+        "(bf16 where the CPU has native bf16 dot products, else fp32)",
         choices=DECODER_DTYPES,
     )
     max_batch: int = _env_field(

@@ -483,6 +483,88 @@ def test_a_bf16_decoder_holds_bf16_weights_and_gives_autocasts_samples(tiny_mode
         engine.close()
 
 
+def test_an_int8_decoder_runs_its_pointwise_layers_on_the_kernels(
+    tiny_model_dir, fp32_decoder_engine
+):
+    """CHATTTS_DECODER_DTYPE=int8: every ConvNeXt block's two pointwise layers on the
+    kernels' int8 product, the rest fp32; near the fp32 decoder's samples; each frame
+    quantized on its own, so a batch of windows decodes what each window gives alone and a
+    stream what its whole answer gives, but for the fp32 layers' rounding (1e-5 of a window
+    in fp32), which now and then moves a value across a quantization level; asked to decode
+    in fp32 it says it cannot."""
+    from chattts_service.inference.decoding import Int8Pointwise
+    from chattts_service.kernels import bindings
+
+    if not bindings.cpu_supports():
+        pytest.skip("the C++ kernels need AVX2 and FMA, which this CPU lacks")
+    engine = Engine(
+        Settings.from_env(
+            {},
+            model_dir=tiny_model_dir,
+            verify_model=False,
+            threads=1,
+            max_new_tokens=200,
+            decoder_dtype="int8",
+        )
+    )
+    engine.load()
+    try:
+        decoder = engine.model.decoder
+        blocks = [*decoder.decoder.decoder.decoder_block, *decoder.vocos.backbone.convnext]
+        assert blocks and decoder.held == "int8"
+        for block in blocks:
+            assert isinstance(block.pwconv1, Int8Pointwise)
+            assert isinstance(block.pwconv2, Int8Pointwise)
+        items = _windows(engine, 6)
+        hiddens = items[1][0]
+        int8_whole = engine.scheduler.call(lambda: decoder(hiddens)).result()
+        fp32_whole = fp32_decoder_engine.scheduler.call(
+            lambda: fp32_decoder_engine.model.decoder(hiddens)
+        ).result()
+        error = np.linalg.norm(int8_whole - fp32_whole) / np.linalg.norm(fp32_whole)
+        assert 0 < error < 0.1, error
+
+        def alone_and_together():
+            return [decoder.span(*item) for item in items], decoder.spans(items)
+
+        alone, together = engine.scheduler.call(alone_and_together).result()
+        for one, batched in zip(alone, together, strict=True):
+            assert len(one) == len(batched)
+            assert np.linalg.norm(batched - one) <= 1e-3 * np.linalg.norm(one)
+        request = SynthesisRequest("流式测试，一句话。", seed=52)
+        whole = engine.synthesize(request, fixed_steps=200)
+        streamed = np.concatenate(
+            list(engine.start(request, fixed_steps=200, stream=True).chunks(timeout=60))
+        )
+        assert len(streamed) == len(whole.audio)
+        error = np.linalg.norm(streamed - whole.audio) / np.linalg.norm(whole.audio)
+        assert error < 1e-3, error
+        with pytest.raises(ValueError, match="holds its weights in int8"):
+            engine.scheduler.call(lambda: decoder(hiddens, "fp32")).result()
+    finally:
+        engine.close()
+
+
+def test_an_int8_decoder_without_the_kernels_is_refused_at_load(tiny_model_dir):
+    from chattts_service.config import SettingsError
+
+    engine = Engine(
+        Settings.from_env(
+            {},
+            model_dir=tiny_model_dir,
+            verify_model=False,
+            threads=1,
+            kernels="off",
+            decoder_dtype="int8",
+        )
+    )
+    try:
+        with pytest.raises(SettingsError, match="CHATTTS_DECODER_DTYPE=int8 runs on the C"):
+            engine.load()
+    finally:
+        engine.close()
+
+
 def test_long_text_is_split_batched_and_joined_without_losing_a_segment(engine):
     sentence = "第{}句话讲了一件事情。"
     text = "".join(sentence.format(i) for i in range(1, 13))

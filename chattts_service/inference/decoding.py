@@ -7,10 +7,13 @@ import time
 import numpy as np
 import torch
 
+from chattts_service.inference.quantize import KernelLinear
+
 
 class AudioDecoder:
     """The decoder and the vocoder's ConvNeXt backbone may run in bf16 (on CPUs with native
-    bf16 dot products; the waveform difference is in docs/benchmarks.md); the vocoder's head
+    bf16 dot products; the waveform difference is in docs/benchmarks.md), or with their
+    pointwise layers on the C++ kernels' int8 product (``hold_in_int8``); the vocoder's head
     (its complex inverse STFT) stays in fp32."""
 
     def __init__(self, decoder, vocos, dtype: str):
@@ -38,27 +41,53 @@ class AudioDecoder:
             for layer in module.modules():
                 if isinstance(layer, (torch.nn.Linear, torch.nn.Conv1d)):
                     layer.to(torch.bfloat16)
-        # the rest (norms, scales, the head) in memory of their own: the weights came mapped
-        # from their files, one mapping per file, which stays (resident) while any tensor of
-        # it does
+        self._own_the_rest(keep=lambda tensor: tensor.dtype == torch.bfloat16)
+        self.held = "bf16"
+
+    def hold_in_int8(self, kernels) -> None:
+        """Run the ConvNeXt blocks' pointwise layers (two linear layers a block, nearly all of a
+        decode's multiply-adds) on the kernels' int8 product: weights int8 with a scale per
+        output channel, each frame quantized by its own largest value (so a frame's result
+        does not depend on the frames batched with it: streamed chunks stay the samples of the
+        whole answer). The rest stays fp32. Where the CPU has no native bf16 this is the
+        faster decoder, at a waveform error printed by ``benchmarks/engine.py`` (opt-in:
+        CHATTTS_DECODER_DTYPE=int8). The decoder then decodes this way only."""
+        if self.dtype != "int8":
+            raise ValueError("only an int8 decoder holds its pointwise layers in int8")
+        blocks = [
+            *getattr(self.decoder.decoder, "decoder_block", []),
+            *self.vocos.backbone.convnext,
+        ]
+        for block in blocks:
+            for name in ("pwconv1", "pwconv2"):
+                linear = getattr(block, name, None)
+                if isinstance(linear, torch.nn.Linear) and linear.in_features % 4 == 0:
+                    setattr(block, name, Int8Pointwise(linear, kernels))
+        self._own_the_rest(keep=lambda tensor: False)
+        self.held = "int8"
+
+    def _own_the_rest(self, keep) -> None:
+        """Every tensor of the decoder and the vocoder but those ``keep`` says in memory of its
+        own: the weights came mapped from their files, one mapping per file, which stays
+        (resident) while any tensor of it does."""
         with torch.no_grad():
             for module in (self.decoder, self.vocos):
                 for tensor in [*module.parameters(), *module.buffers()]:
-                    if tensor.dtype != torch.bfloat16:
+                    if not keep(tensor):
                         tensor.data = tensor.data.clone()
                 for layer in module.modules():  # plain tensors too (the DVAE's ``coef``)
                     for name, value in list(vars(layer).items()):
                         if type(value) is torch.Tensor:
                             setattr(layer, name, value.clone())
-        self.held = "bf16"
 
     def __call__(self, hiddens: torch.Tensor, dtype: str | None = None) -> np.ndarray:
         """[steps, hidden] -> float32 samples in [-1, 1]."""
-        bf16 = (dtype or self.dtype) == "bf16"
-        if not bf16 and self.held == "bf16":
+        requested = dtype or self.dtype
+        bf16 = requested == "bf16"
+        if requested != self.held and not (bf16 and self.held == "fp32"):
             raise ValueError(
-                "this decoder holds its weights in bf16: decode in fp32 with one loaded for "
-                "fp32 (CHATTTS_DECODER_DTYPE=fp32)"
+                f"this decoder holds its weights in {self.held}: decode in {requested} with one "
+                f"loaded for it (CHATTTS_DECODER_DTYPE={requested})"
             )
         with torch.inference_mode():
             with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
@@ -237,9 +266,9 @@ class AudioDecoder:
 
     def decode_many(self, items: list[Span]) -> list[np.ndarray]:
         """Each item's ``span`` (a whole window: ``self(hiddens)``). In bf16 through
-        ``spans``, windows of similar widths as one batch; in fp32 one by one, upstream's
-        computation, as batching saves little there and costs as much on long windows
-        (docs/benchmarks.md)."""
+        ``spans``, windows of similar widths as one batch; in fp32 and int8 one by one
+        (upstream's computation in fp32), as batching saves little there and costs as much on
+        long windows (docs/benchmarks.md)."""
         if self.dtype != "bf16" or self._stages is None:
             return [
                 self(hiddens) if first == 0 and last is None else self.span(hiddens, first, last)
@@ -288,6 +317,23 @@ class Advance:
 
     def __init__(self, state: StreamState, hiddens: torch.Tensor, until: int, final: bool):
         self.state, self.hiddens, self.until, self.final = state, hiddens, until, final
+
+
+class Int8Pointwise(torch.nn.Module):
+    """A ConvNeXt block's pointwise ``nn.Linear`` on the C++ kernels' int8 product (see
+    ``AudioDecoder.hold_in_int8``): ``x @ W.T + bias`` for x [..., in_features], each row
+    quantized on its own."""
+
+    def __init__(self, linear: torch.nn.Linear, kernels):
+        super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.product = KernelLinear.int8(linear.weight, kernels)
+        bias = None if linear.bias is None else linear.bias.detach().float().clone()
+        self.register_buffer("bias", bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.product(x)
+        return out if self.bias is None else out.add_(self.bias)
 
 
 def bucket(frames: int) -> int:

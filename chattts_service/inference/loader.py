@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from chattts_service.config import Settings
+from chattts_service.config import Settings, SettingsError
 from chattts_service.inference import model_files, upstream
 from chattts_service.inference.architecture import config_from_architecture, read_architecture
 from chattts_service.inference.chattts_norm import chattts_normaliser
@@ -120,8 +120,16 @@ def _load_modules(settings: Settings, paths: model_files.ModelPaths, architectur
         )
 
     decoder = AudioDecoder(chat.decoder, chat.vocos, settings.resolved_decoder_dtype)
-    if decoder.dtype == "bf16":
-        decoder.hold_in_bf16()
+    if decoder.dtype in ("bf16", "int8"):
+        if decoder.dtype == "bf16":
+            decoder.hold_in_bf16()
+        elif transformer.kernels is None:
+            raise SettingsError(
+                "CHATTTS_DECODER_DTYPE=int8 runs on the C++ kernels, which are off here "
+                "(CHATTTS_KERNELS, or a CPU without AVX2): use bf16, fp32 or auto"
+            )
+        else:
+            decoder.hold_in_int8(transformer.kernels)
         for path in (paths.decoder, paths.vocos):  # their fp32 weights, read once to convert
             pages.drop_mapped(path)
     heap.release()  # what loading freed goes back to the OS (nothing is cyclic: no gc pass)
