@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import math
 import os
 import statistics
 import subprocess
@@ -32,7 +33,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from chattts_service.config import INT8_PRODUCTS, KV_CACHE_DTYPES  # noqa: E402  (nor config)
+from chattts_service.config import DECODER_DTYPES, INT8_PRODUCTS, KV_CACHE_DTYPES  # noqa: E402  (nor config)
 from chattts_service.runtime import heap  # noqa: E402  (imports nothing heavy)
 from chattts_service.runtime.cpu import cpu_flags, cpu_model  # noqa: E402
 
@@ -247,6 +248,7 @@ def phase_ours(
     rounds: int,
     int8_product: str = "auto",
     kv_cache_dtype: str = "bf16",
+    decoder_dtype: str = "auto",
 ) -> dict:
     from chattts_service.config import Settings
     from chattts_service.inference.engine import Engine
@@ -264,6 +266,7 @@ def phase_ours(
             max_batch=16,
             int8_product=int8_product,
             kv_cache_dtype=kv_cache_dtype,
+            decoder_dtype=decoder_dtype,
         ),
         step_observer=lambda rows, seconds: step_log.append((rows, seconds)),
         decode_observer=lambda items, seconds: decode_log.append(seconds),
@@ -458,6 +461,26 @@ def phase_fidelity(
         kept_hiddens.append(hiddens)
         fp32_waves.append(wave_fp32)
         bf16_waves.append(wave_bf16_decoder)
+    # the int8 decoder (CHATTTS_DECODER_DTYPE=int8) on the same hidden states, on the
+    # quantized transformer's kernels (tuned as the service tunes them)
+    int8_decoder_errors = []
+    if quantized.kernels is not None:
+        import copy
+
+        from chattts_service.inference.decoding import AudioDecoder
+        from chattts_service.kernels import tuning
+
+        tuning.choose(quantized.kernels, quantized.kernel_packings(), "measure", None)
+        fp32_decoder = engine.model.decoder
+        int8_decoder = AudioDecoder(
+            copy.deepcopy(fp32_decoder.decoder), copy.deepcopy(fp32_decoder.vocos), "int8"
+        )
+        int8_decoder.hold_in_int8(quantized.kernels)
+        for hiddens, wave_fp32 in zip(kept_hiddens, fp32_waves, strict=True):
+            wave = int8_decoder(hiddens)
+            scale = max(np.linalg.norm(wave_fp32), 1e-12)
+            int8_decoder_errors.append(float(np.linalg.norm(wave - wave_fp32) / scale))
+        del int8_decoder
     # the seeds' audio decoded as one batch (as the service decodes what several requests ask
     # for between two steps): in bf16 against each decoded alone, and against fp32
     decoder, kept_dtype = engine.model.decoder, engine.model.decoder.dtype
@@ -475,6 +498,12 @@ def phase_fidelity(
         for one, reference in zip(batched, fp32_waves, strict=True)
     ]
     return {
+        **(
+            {"int8_decoder_relative_l2": statistics.mean(int8_decoder_errors)}
+            if int8_decoder_errors
+            else {}
+        ),
+        "int8_product": quantized.kernels.int8_instructions if quantized.kernels else None,
         "seeds": seeds,
         "quantize": quantize,
         "top1_agreement": statistics.mean(agreements),
@@ -625,6 +654,13 @@ def report(data: dict) -> str:
             f"{fidelity['bf16_batched_vs_fp32_relative_l2']:.4f} from fp32, "
             f"{fidelity['bf16_batched_vs_alone_relative_l2']:.4f} from each decoded alone",
         ]
+        if "int8_decoder_relative_l2" in fidelity:
+            error = fidelity["int8_decoder_relative_l2"]
+            lines.append(
+                f"fidelity fp32 vs int8 decoder ({fidelity['int8_product']} product, same hidden "
+                f"states): waveform relative L2 {error:.4f} (SNR "
+                f"{-20 * math.log10(max(error, 1e-12)):.1f} dB)"
+            )
     return "\n".join(lines)
 
 
@@ -653,6 +689,12 @@ def main(argv: list[str] | None = None) -> int:
         choices=KV_CACHE_DTYPES,
         help="the KV cache's type with the kernels (CHATTTS_KV_CACHE_DTYPE)",
     )
+    parser.add_argument(
+        "--decoder-dtype",
+        default="auto",
+        choices=DECODER_DTYPES,
+        help="the audio decoder's precision in the timed runs (CHATTTS_DECODER_DTYPE)",
+    )
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0 = all allowed)")
     parser.add_argument("--no-fidelity", action="store_true")
     parser.add_argument("--max-seconds", type=float, default=900, help="limit per phase")
@@ -671,6 +713,7 @@ def main(argv: list[str] | None = None) -> int:
                 args.rounds,
                 args.int8_product,
                 args.kv_cache_dtype,
+                args.decoder_dtype,
             )
         else:
             result = phase_fidelity(
@@ -696,7 +739,17 @@ def main(argv: list[str] | None = None) -> int:
     data["baseline"] = run_child("baseline", args, ["--requests", str(args.requests)])
     product = ["--int8-product", args.int8_product, "--kv-cache-dtype", args.kv_cache_dtype]
     data["ours"] = run_child(
-        "ours", args, ["--quantize", args.quantize, "--rounds", str(args.rounds), *product]
+        "ours",
+        args,
+        [
+            "--quantize",
+            args.quantize,
+            "--rounds",
+            str(args.rounds),
+            "--decoder-dtype",
+            args.decoder_dtype,
+            *product,
+        ],
     )
     if not args.no_fidelity:
         data["fidelity"] = run_child(

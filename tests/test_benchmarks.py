@@ -37,6 +37,8 @@ def test_engine_benchmark_smoke(tiny_model_dir):
         "1",
         "--seeds",
         "1",
+        "--decoder-dtype",
+        "int8",
         "--json",
         "--max-seconds",
         "300",
@@ -44,6 +46,7 @@ def test_engine_benchmark_smoke(tiny_model_dir):
     )
     data = json.loads(result.stdout)
     assert data["baseline"]["ms_per_step"] > 0
+    assert data["ours"]["decoder_dtype"] == "int8"  # the timed runs on the int8 decoder
     assert set(data["ours"]["concurrency"]) == {"1", "4", "8", "16"}
     for level in data["ours"]["concurrency"].values():  # the time rows waited on decoding
         assert 0 < level["decode_share"] < 1
@@ -66,6 +69,8 @@ def test_engine_benchmark_smoke(tiny_model_dir):
     assert "a loop only reading them took" in text and "with the weights in cache" in text
     assert "decode share at 8 concurrent < 20%" in text and "decoded as one batch" in text
     fidelity = data["fidelity"]
+    assert 0 < fidelity["int8_decoder_relative_l2"] < 0.1  # the int8 decoder's own error
+    assert "fp32 vs int8 decoder" in text and "int8 decoder;" in text
     assert fidelity["bf16_batched_vs_alone_relative_l2"] < 0.05
     assert fidelity["bf16_batched_vs_fp32_relative_l2"] < 0.05
     assert data["ours"]["kernel_tuning"] in text and data["cpu"] in text
