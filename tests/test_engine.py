@@ -780,3 +780,30 @@ def test_concurrent_streams_are_their_whole_answers_and_chunks_follow_the_listen
         sizes = [len(chunk) // 512 for chunk in chunks]
         assert len(chunks) < 3 or sizes[1] >= job.FIRST_CHUNK_STEPS, sizes
         assert all(size >= job.JOIN_CHUNK_STEPS for size in sizes[2:-1]), sizes
+
+
+def test_a_streams_first_chunk_joins_a_decode_that_runs_anyway(tiny_model_dir):
+    """A whole answer ends, its decode queued, while a stream admitted with it has 11 steps
+    decodable: the stream's first chunk joins that decode round with those 11 steps
+    (from JOIN_FIRST_STEPS on) instead of waiting for FIRST_CHUNK_STEPS."""
+    from chattts_service.inference import job
+
+    engine = Engine(
+        Settings.from_env(
+            {}, model_dir=tiny_model_dir, verify_model=False, threads=1, batch_wait_ms=500
+        )
+    )
+    engine.load()
+    try:
+        steps = job.JOIN_FIRST_STEPS + 1
+        assert steps < job.FIRST_CHUNK_STEPS
+        # both taken in one batch (the idle scheduler waits for the second): the same steps
+        whole = engine.start(
+            SynthesisRequest("整段先结束。", seed=71), fixed_steps=engine.context_steps + steps
+        )
+        stream = engine.start(SynthesisRequest("流式首块。", seed=72), fixed_steps=120, stream=True)
+        chunks = list(stream.chunks(timeout=60))
+        assert len(whole.result(60).audio) > 0
+        assert len(chunks[0]) == steps * 512, len(chunks[0]) // 512
+    finally:
+        engine.close()
