@@ -37,6 +37,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args(argv)
 
+    from chattts_service.runtime import heap
+
+    heap.bound_native_caches()  # oneDNN's shape caches as the server bounds them (before torch)
     from chattts_service.config import Settings
     from chattts_service.inference.engine import Engine
     from chattts_service.inference.types import SynthesisRequest

@@ -189,6 +189,9 @@ def main() -> int:
     parser.add_argument("--no-fidelity", action="store_true")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
+    from chattts_service.runtime import heap
+
+    heap.bound_native_caches()  # oneDNN's shape caches as the server bounds them (before torch)
     model = args.model_dir or default_model()
     report = {"cpu": cpu_model(), "steps": args.steps}
     engine = _engine(model)
