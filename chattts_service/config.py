@@ -280,6 +280,16 @@ class Settings:
         "(bf16 where the CPU has native bf16 dot products, else fp32)",
         choices=DECODER_DTYPES,
     )
+    stream_lookahead: int = _env_field(
+        "STREAM_LOOKAHEAD",
+        0,
+        "steps after a chunk that a stream's first chunks are decoded with, for sooner first "
+        "audio (until its listener holds enough for exact chunks to catch up): those samples "
+        "are close to the whole answer's, not the same, and such a stream is not cached. 0: "
+        "the decoder's whole context (52 steps on ChatTTS's), every sample the whole answer's",
+        low=0,
+        high=256,
+    )
     max_batch: int = _env_field(
         "MAX_BATCH", 8, "requests generated together in one batch", low=1, high=64
     )

@@ -240,6 +240,7 @@ class Engine:
             step_cap,
             on_finished=self.admission.job_finished,
             early=early,
+            lookahead=self.settings.stream_lookahead,
         )
 
     def _first_segment_sample(self, text, request, voice, fixed_steps, step_cap) -> SpeakerSample:

@@ -15,6 +15,14 @@ next when what has been sent runs low (``LOW_WATER_SECONDS`` of audio ahead of a
 started at the first chunk), or when a decode runs anyway and joining it pays, or when the
 chunk has grown to ``MAX_CHUNK_STEPS``. A stream ahead of its listener waits for a bigger
 piece, so the fixed cost of each decode round weighs less per second of audio.
+
+With a look-ahead (CHATTTS_STREAM_LOOKAHEAD, opt-in) a stream starts sooner: its chunks are
+decoded as windows that end where generation is, that many steps after the chunk, instead of
+the decoder's whole context (52 steps on ChatTTS's), until its listener holds enough audio for
+exact chunks to catch up (they need the context generated first); from there on its chunks are
+exact. Those first chunks' samples differ slightly from the whole answer's (how much:
+``benchmarks/streams.py --lookahead``), so such a stream's audio is marked (``provisional``)
+and never cached.
 """
 
 from __future__ import annotations
@@ -59,13 +67,19 @@ JOIN_CHUNK_STEPS = 16
 MAX_CHUNK_STEPS = 128
 LOW_WATER_SECONDS = 0.6
 HIGH_WATER_SECONDS = 2.0
+# A stream with a look-ahead turns to exact chunks once its listener holds the audio of the
+# steps that must be generated before the first exact chunk can be decoded, times this margin
+# (later streams slow every step), plus CATCH_UP_SECONDS for that chunk's decode
+CATCH_UP_MARGIN = 1.5
+CATCH_UP_SECONDS = 0.2
 
 
 class SynthesisJob:
     """``decoder`` decodes hidden states into audio between two steps, and its
     ``decoder.context_steps`` is how many steps of context on each side make a chunk exact;
     ``on_finished(seconds)`` hears how long the job took from its start (the admission's wait
-    estimate)."""
+    estimate); ``lookahead``: a stream's steps of look-ahead while it starts (0, or as many as
+    the decoder's context: exact from the first chunk)."""
 
     def __init__(
         self,
@@ -79,9 +93,11 @@ class SynthesisJob:
         step_cap: int | None = None,
         on_finished: Callable[[float], None] | None = None,
         early: bool = True,
+        lookahead: int = 0,
     ):
         self.prompts, self.decodes = prompts, decoder
         self.context_steps = decoder.decoder.context_steps
+        self.lookahead = lookahead if 0 < lookahead < self.context_steps else None
         self.text, self.request, self.voice = text, request, voice
         self.fixed_steps, self.step_cap = fixed_steps, step_cap
         self.on_finished = on_finished
@@ -96,6 +112,12 @@ class SynthesisJob:
         self._emitted = 0  # steps whose audio has been asked for
         self._runs_out: float | None = None  # when the listener's audio runs out
         self._asked = 0  # chunks asked for
+        self._exact = self.lookahead is None  # chunks are decoded with their whole context
+        self._provisional = 0  # steps whose audio was asked for with the look-ahead only
+        self._provisional_samples = 0  # their samples, which exact decodes then give again
+        self._exact_samples = 0  # samples the stream's exact decodes have given so far
+        self._last_step: float | None = None
+        self._step_seconds = 0.0  # recent time between two steps of this stream (smoothed)
 
     def start(self):
         self.started = time.monotonic()
@@ -120,7 +142,13 @@ class SynthesisJob:
         this time, so a smaller chunk is worth sending); whether it did."""
         if self.chunks is None or not self.early or sequence.kind != "code":
             return False
-        waiting = sequence.steps - self.context_steps - self._emitted  # decodable, not asked for
+        if not self._exact:
+            self._time_step()
+            if self.ahead() >= self._catch_up_seconds():
+                self._exact = True
+                self._asked = 1  # the first exact chunk as small as a stream's second
+        reach = self.context_steps if self._exact else self.lookahead
+        waiting = sequence.steps - reach - self._emitted  # decodable, not asked for
         size = min(FIRST_CHUNK_STEPS << max(0, self._asked - 1), MAX_CHUNK_STEPS)
         if self._runs_out is None:  # nothing has reached the listener yet
             due = waiting >= size or (joining and waiting >= JOIN_FIRST_STEPS)
@@ -140,22 +168,59 @@ class SynthesisJob:
             self._emit(sequence, self._emitted + waiting, final=False)
         return due
 
+    def _time_step(self) -> None:
+        now = time.monotonic()
+        if self._last_step is not None:
+            gap = now - self._last_step
+            self._step_seconds = (
+                gap if not self._step_seconds else 0.8 * self._step_seconds + 0.2 * gap
+            )
+        self._last_step = now
+
+    def _catch_up_seconds(self) -> float:
+        """The audio a listener must hold for this stream to turn exact without running dry:
+        the first exact chunk needs ``context_steps - lookahead`` more steps generated, then its
+        own ``FIRST_CHUNK_STEPS``, then its decode."""
+        steps = self.context_steps - self.lookahead + FIRST_CHUNK_STEPS
+        return CATCH_UP_MARGIN * steps * self._step_seconds + CATCH_UP_SECONDS
+
     def _emit(self, sequence, until: int, final: bool, then=None) -> None:
         start = max(0, self._emitted - self.context_steps)
 
         def sent(chunk: np.ndarray) -> None:
-            now = time.monotonic()
-            if self._runs_out is None or self._runs_out < now:  # (re)starts playing now
-                self._runs_out = now
-            self._runs_out += len(chunk) / SAMPLE_RATE
-            self._parts.append(chunk)
-            self.chunks.put(chunk)
+            if len(chunk):
+                now = time.monotonic()
+                if self._runs_out is None or self._runs_out < now:  # (re)starts playing now
+                    self._runs_out = now
+                self._runs_out += len(chunk) / SAMPLE_RATE
+                self._parts.append(chunk)
+                self.chunks.put(chunk)
             if then is not None:
                 then()
 
-        if self._stream is not None:
+        if not (final or self._exact):  # a window ending where generation is
+            self._provisional = until
+
+            def provisional(chunk: np.ndarray) -> None:
+                self._provisional_samples += len(chunk)
+                sent(chunk)
+
+            self.decodes.submit(
+                sequence.hiddens[start : sequence.steps],
+                self._emitted - start,
+                until - start,
+                provisional,
+                self._failed,
+            )
+        elif self._stream is not None:
+
+            def exact(chunk: np.ndarray) -> None:
+                # what the look-ahead's windows sent already comes again from the stage's start
+                given, self._exact_samples = self._exact_samples, self._exact_samples + len(chunk)
+                sent(chunk[max(0, min(len(chunk), self._provisional_samples - given)) :])
+
             self.decodes.submit_stream(
-                self._stream, sequence.hiddens[: sequence.steps], until, final, sent, self._failed
+                self._stream, sequence.hiddens[: sequence.steps], until, final, exact, self._failed
             )
         else:
             self.decodes.submit(
@@ -215,5 +280,6 @@ class SynthesisJob:
                     steps=finished.steps,
                     spoken_text=self.text,
                     truncated=int(truncated),
+                    provisional=self._provisional,
                 )
             )

@@ -68,6 +68,7 @@ class Run:
             spoken_text=" ".join(part.spoken_text for part in parts),
             segments=len(parts),
             truncated=self.truncated,
+            provisional=self.provisional,
             part_samples=tuple(len(part.audio) for part in parts),
             part_texts=tuple(part.spoken_text for part in parts),
             pause_samples=len(self.pause),
@@ -77,6 +78,12 @@ class Run:
     def truncated(self) -> int:
         """Segments stopped by their step cap; read once every segment has finished."""
         return sum(job.future.result().truncated for job in self.jobs)
+
+    @property
+    def provisional(self) -> int:
+        """Steps streamed with a look-ahead shorter than the decoder's context (so not the
+        whole answer's samples); read once every segment has finished."""
+        return sum(job.future.result().provisional for job in self.jobs)
 
     def chunks(
         self, timeout: float | None = None, should_stop: Callable[[], bool] | None = None

@@ -95,6 +95,9 @@ class Synthesis:
     spoken_text: str
     segments: int = 1
     truncated: int = 0  # segments stopped by the step cap instead of ending their speech
+    # steps streamed with a look-ahead shorter than the decoder's context: their samples are
+    # close to the whole answer's, not the same (CHATTTS_STREAM_LOOKAHEAD)
+    provisional: int = 0
     # the samples and spoken text of each segment, in order (joined by ``pause_samples``)
     part_samples: tuple[int, ...] = ()
     part_texts: tuple[str, ...] = ()

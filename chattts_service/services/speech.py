@@ -227,7 +227,8 @@ class SpeechPipeline:
                 self._count_served("MISS", 0.0)
                 yield from self._stream_run(run, writer, parts, started, should_stop)
                 seconds = sum(len(part) for part in parts) / 2 / rate
-                if _cacheable(plan, run.truncated):
+                # a start decoded with a look-ahead is close to the whole answer, not it
+                if _cacheable(plan, run.truncated) and not run.provisional:
                     self.cache.put(pcm_key, (b"".join(parts), seconds))
             except StreamBroken as broken:
                 outcome = broken.error
