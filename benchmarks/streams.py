@@ -1,6 +1,7 @@
 """Streams in the engine: how far each falls behind its listener, and what a chunk costs.
 
     python benchmarks/streams.py [--model-dir DIR] [--streams 1,4,8] [--steps N] [--rounds N]
+                                 [--lookahead 0,16]
 
 Starts N streamed requests at once in the engine (no HTTP), each held to exactly ``--steps``
 GPT steps, and plays each stream to a listener who starts at its first chunk and waits when it
@@ -14,16 +15,23 @@ sides (``decode_many``), medians of ``--repeats``. Without ``--model-dir`` the f
 random-weight model is used; ``--text`` sets what every stream says (``bench.py`` streams
 three sentences). For the same question over HTTP, with a capacity search, use
 ``bench.py --capacity``.
+
+``--lookahead 0,16`` runs every level with each CHATTTS_STREAM_LOOKAHEAD in turn (alternated, in
+one process) and prints how close a chunk decoded with that many steps after it comes to the
+whole answer (SNR over the chunk, against the decoder's whole context), and how far the streams'
+provisional starts are from their whole answers: run it on your model before choosing one.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import statistics
 import sys
 import threading
 import time
+from dataclasses import replace
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
@@ -45,7 +53,11 @@ def waits(arrivals: list[tuple[float, float]]) -> list[float]:
     return waited
 
 
-def run_streams(engine, count: int, steps: int, seed: int, text: str = TEXT) -> dict:
+def run_streams(
+    engine, count: int, steps: int, seed: int, text: str = TEXT, whole: bool = False
+) -> dict:
+    """``whole``: then generate each stream's whole answer too and compare its provisional
+    start (a look-ahead's) with it."""
     from chattts_service.inference.types import SynthesisRequest
 
     results: list = [None] * count
@@ -55,11 +67,14 @@ def run_streams(engine, count: int, steps: int, seed: int, text: str = TEXT) -> 
         for index in range(count)
     ]
 
+    kept: list = [[] for _ in range(count)]  # the chunks themselves, with ``whole``
+
     def listen(index: int) -> None:
-        arrivals = [
-            (time.perf_counter(), len(chunk) / SAMPLE_RATE)
-            for chunk in runs[index].chunks(timeout=600)
-        ]
+        arrivals = []
+        for chunk in runs[index].chunks(timeout=600):
+            arrivals.append((time.perf_counter(), len(chunk) / SAMPLE_RATE))
+            if whole:
+                kept[index].append(chunk)
         results[index] = arrivals
 
     threads = [threading.Thread(target=listen, args=(index,)) for index in range(count)]
@@ -71,8 +86,9 @@ def run_streams(engine, count: int, steps: int, seed: int, text: str = TEXT) -> 
     audio = sum(seconds for arrivals in results for _, seconds in arrivals)
     waited = [waits(arrivals) for arrivals in results]
     behind = [sum(stream) for stream in waited]
-    return {
+    level = {
         "streams": count,
+        "lookahead": engine.settings.stream_lookahead,
         "first_audio_max": max(arrivals[0][0] - started for arrivals in results),
         "behind_max": max(behind),
         "behind_median": statistics.median(behind),
@@ -82,7 +98,70 @@ def run_streams(engine, count: int, steps: int, seed: int, text: str = TEXT) -> 
         "second_chunk_wait_max": max(sum(stream[1:2]) for stream in waited),
         "later_wait_max": max(sum(stream[2:]) for stream in waited),
         "audio_per_wall_second": audio / wall,
+        "provisional_steps_max": max(run.provisional for run in runs),
     }
+    if whole and level["provisional_steps_max"]:
+        level["provisional_snr_db_min"] = min(
+            _provisional_snr(engine, run, chunks, SynthesisRequest(text, seed + index), steps)
+            for index, (run, chunks) in enumerate(zip(runs, kept, strict=True))
+            if run.provisional
+        )
+    return level
+
+
+def _provisional_snr(engine, run, chunks, request, steps: int) -> float:
+    """The SNR of a stream's provisional start against the same steps of its whole answer."""
+    import numpy as np
+
+    whole = engine.start(request, fixed_steps=steps).result(600).audio
+    samples = run.provisional * 2 * engine.model.decoder._hop
+    streamed = np.concatenate(chunks)[:samples]
+    return _snr(whole[:samples], streamed)
+
+
+def _snr(reference, other) -> float:
+    import numpy as np
+
+    noise = float(np.sum((reference - other) ** 2))
+    return math.inf if noise == 0 else 10 * math.log10(float(np.sum(reference**2)) / noise)
+
+
+def lookahead_fidelity(engine, lookaheads: list[int], seeds: int = 3) -> list[dict]:
+    """A 12-step chunk decoded from a window that ends ``lookahead`` steps after it, against
+    the same steps decoded with the decoder's whole context: SNR over the chunk (min over three
+    places in three seeds' hidden states of the stream's text)."""
+    from chattts_service.inference.generation import Batch
+    from chattts_service.inference.types import SynthesisRequest
+
+    decoder = engine.model.decoder
+    samples_per_step = 2 * decoder._hop
+
+    def measure():
+        hiddens = []
+        for seed in range(seeds):
+            request = SynthesisRequest(TEXT, seed)
+            sequence = engine.prompts.code_sequence(
+                engine.prompts.normalise(TEXT), request, engine.speaker_embedding(seed), 150
+            )
+            batch = Batch(engine.model.transformer, engine.model.heads, 1)
+            batch.add(sequence)
+            while len(batch):
+                batch.step()
+            hiddens.append(sequence.result_hiddens())
+        rows = []
+        for lookahead in lookaheads:
+            snrs = []
+            for states in hiddens:
+                whole = decoder(states)
+                for first in (0, 12, 60):
+                    last = first + 12
+                    chunk = decoder.span(states[: last + lookahead], first, last)
+                    reference = whole[first * samples_per_step : last * samples_per_step]
+                    snrs.append(_snr(reference[: len(chunk)], chunk[: len(reference)]))
+            rows.append({"lookahead": lookahead, "chunk_snr_db_min": min(snrs)})
+        return rows
+
+    return engine.scheduler.call(measure).result()
 
 
 def decode_round(engine, rows: int, chunk: int, repeats: int) -> dict:
@@ -135,13 +214,27 @@ def report(data: dict) -> str:
         f"{data['threads']} threads",
     ]
     for level in data["levels"]:
+        lookahead = (
+            f" (look-ahead {level['lookahead']}: at most {level['provisional_steps_max']} steps "
+            f"provisional, SNR {level['provisional_snr_db_min']:.1f} dB at least)"
+            if "provisional_snr_db_min" in level
+            else f" (look-ahead {level['lookahead']})"
+            if level["lookahead"]
+            else ""
+        )
         lines.append(
-            f"{level['streams']:>3} streams: first audio max {level['first_audio_max']:.2f} s, "
+            f"{level['streams']:>3} streams{lookahead}: first audio max "
+            f"{level['first_audio_max']:.2f} s, "
             f"behind max {level['behind_max']:.3f} s (median {level['behind_median']:.3f}), "
             f"{level['chunks_median']:g} chunks, "
             f"{level['audio_per_wall_second']:.2f} audio s per wall s; "
             f"waits for the 2nd chunk max {level['second_chunk_wait_max']:.3f} s, "
             f"later max {level['later_wait_max']:.3f} s"
+        )
+    for row in data["lookahead_fidelity"]:
+        lines.append(
+            f"a 12-step chunk decoded {row['lookahead']} steps ahead of generation: SNR "
+            f"{row['chunk_snr_db_min']:.1f} dB at least against its exact samples"
         )
     for round_ in data["decode_rounds"]:
         lines.append(
@@ -163,6 +256,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--text", default=TEXT, help="what every stream says (bench.py streams three sentences)"
     )
+    parser.add_argument(
+        "--lookahead",
+        default="0",
+        help="CHATTTS_STREAM_LOOKAHEAD values, each level run with each in turn (e.g. 0,16)",
+    )
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args(argv)
 
@@ -175,6 +273,7 @@ def main(argv: list[str] | None = None) -> int:
     from chattts_service.inference.engine import Engine
 
     levels = [int(value) for value in args.streams.split(",") if value]
+    lookaheads = [int(value) for value in args.lookahead.split(",") if value]
     engine = Engine(
         Settings.from_env(
             {},
@@ -192,14 +291,22 @@ def main(argv: list[str] | None = None) -> int:
         "steps": args.steps,
         "threads": torch.get_num_threads(),
         "levels": [],
+        "lookahead_fidelity": [],
         "decode_rounds": [],
     }
     seed = 1000
     try:
         for count in levels:
             for _ in range(args.rounds):
-                data["levels"].append(run_streams(engine, count, args.steps, seed, args.text))
+                for lookahead in lookaheads:  # the same seeds each way
+                    engine.settings = replace(engine.settings, stream_lookahead=lookahead)
+                    data["levels"].append(
+                        run_streams(engine, count, args.steps, seed, args.text, whole=lookahead > 0)
+                    )
                 seed += count
+        if any(lookaheads):
+            fidelity = sorted({4, 8, 12, 16, 24, *(value for value in lookaheads if value)})
+            data["lookahead_fidelity"] = lookahead_fidelity(engine, fidelity)
         for spec in (value for value in args.chunks.split(",") if value):
             rows, chunk = (int(part) for part in spec.split("x"))
             data["decode_rounds"].append(decode_round(engine, rows, chunk, args.repeats))

@@ -186,12 +186,23 @@ def test_streams_benchmark_smoke(tiny_model_dir):
         "2",
         "--chunks",
         "2x8",
+        "--lookahead",
+        "0,3",
         timeout=300,
     )
     lines = result.stdout.splitlines()
     assert lines[0].startswith("cpu ") and lines[1].startswith("decoder ")
-    levels = [line for line in lines if " streams: first audio max " in line]
-    assert [line.split()[0] for line in levels] == ["1", "2"]
+    levels = [line for line in lines if "first audio max " in line]
+    assert [line.split()[0] for line in levels] == ["1", "1", "2", "2"]
+    # each level with the look-ahead too, its provisional start compared with the whole answer
+    assert all(" streams: " in line for line in levels[::2])
+    for line in levels[1::2]:
+        assert re.search(r"streams \(look-ahead 3: at most \d+ steps provisional, SNR", line)
+    fidelity = [line for line in lines if line.startswith("a 12-step chunk decoded ")]
+    assert [int(line.split()[4]) for line in fidelity] == [3, 4, 8, 12, 16, 24]
+    # the tiny model's decoders read 9 steps either side: 12 steps ahead is exact
+    assert fidelity[3].endswith("SNR inf dB at least against its exact samples")
+    assert float(fidelity[0].split("SNR ")[1].split()[0]) < 60
     for line in levels:
         match = re.search(
             r"behind max ([\d.]+) s .* ([\d.]+) chunks, ([\d.]+) audio s per wall s; "
