@@ -103,6 +103,8 @@ def test_speech_benchmark_smoke(tiny_model_dir):
         "1",
         "--long-chars",
         "300",
+        "--stream-lookahead",
+        "3",
         "--json",
         timeout=600,
     )
@@ -125,11 +127,15 @@ def test_speech_benchmark_smoke(tiny_model_dir):
     http = data["http"]  # a real server on loopback, a streamed request over HTTP
     assert len(http["first_audio_seconds"]) == 1
     assert 0 < http["first_audio_seconds"][0] <= http["total_seconds"][0]
-    assert http["audio_seconds"][0] > 0
+    assert http["audio_seconds"][0] > 0 and http["lookahead"] == 0
+    ahead = data["http_lookahead"]  # another server, its streams started with a look-ahead
+    assert ahead["lookahead"] == 3 and 0 < ahead["first_audio_seconds"][0]
+    assert ahead["audio_seconds"] == http["audio_seconds"]  # the same requests, as long
     from benchmarks.speech import report
 
     text = report(data)
     assert "first audio over HTTP <= 0.5 s" in text and "2-step request" in text
+    assert "the same, look-ahead 3 " in text
     assert "a voice's first request" in text
     # the header: the CPU, its flags and what the kernels chose on it
     assert data["cpu"] in text and data["ours"]["kernel_tuning"] in text
