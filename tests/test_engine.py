@@ -6,35 +6,23 @@ from dataclasses import replace
 import numpy as np
 import pytest
 import torch
+from engines import engine_on
 
-from chattts_service.config import Settings
-from chattts_service.inference.engine import Engine
 from chattts_service.inference.types import SAMPLE_RATE, NothingToSay, SynthesisRequest
 
 
 @pytest.fixture(scope="module")
 def engine(tiny_model_dir):
-    engine = Engine(
-        Settings.from_env(
-            {}, model_dir=tiny_model_dir, verify_model=False, max_new_tokens=200, threads=1
-        )
-    )
-    engine.load()
-    return engine
+    with engine_on(tiny_model_dir, max_new_tokens=200) as engine:
+        yield engine
 
 
 @pytest.fixture(scope="module")
 def fp32_decoder_engine(tiny_model_dir):
     """An engine whose decoder keeps fp32 weights, so it decodes either way (a bf16 decoder
     holds its weights in bf16)."""
-    engine = Engine(
-        Settings.from_env(
-            {}, model_dir=tiny_model_dir, verify_model=False, threads=1, decoder_dtype="fp32"
-        )
-    )
-    engine.load()
-    yield engine
-    engine.close()
+    with engine_on(tiny_model_dir, decoder_dtype="fp32") as engine:
+        yield engine
 
 
 def test_audio_has_the_shape_the_steps_imply(engine):
@@ -127,20 +115,9 @@ def test_warm_up_runs_the_whole_pipeline(engine):
 def test_a_full_queue_refuses_instead_of_growing(tiny_model_dir):
     from chattts_service.inference.types import Overloaded
 
-    small = Engine(
-        Settings.from_env(
-            {},
-            model_dir=tiny_model_dir,
-            verify_model=False,
-            max_new_tokens=200,
-            threads=1,
-            max_batch=1,
-            max_queue=2,
-            batch_wait_ms=0,
-        )
-    )
-    small.load()
-    try:
+    with engine_on(
+        tiny_model_dir, max_new_tokens=200, max_batch=1, max_queue=2, batch_wait_ms=0
+    ) as small:
         accepted, refused = [], 0
         for seed in range(12):  # submitted far faster than one sequence generates
             try:
@@ -153,8 +130,6 @@ def test_a_full_queue_refuses_instead_of_growing(tiny_model_dir):
         for future in accepted:
             assert future.result(timeout=60).steps == 60
         assert small.scheduler.depth == 0
-    finally:
-        small.close()
 
 
 def test_refinement_and_speech_rows_share_batches_without_changing_results(engine):
@@ -172,25 +147,13 @@ def test_refinement_and_speech_rows_share_batches_without_changing_results(engin
 
 
 def test_fp32_mode_runs_and_is_deterministic(tiny_model_dir):
-    fp32 = Engine(
-        Settings.from_env(
-            {},
-            model_dir=tiny_model_dir,
-            verify_model=False,
-            max_new_tokens=200,
-            threads=1,
-            quantize="none",
-            decoder_dtype="fp32",
-        )
-    )
-    fp32.load()
-    try:
+    with engine_on(
+        tiny_model_dir, max_new_tokens=200, quantize="none", decoder_dtype="fp32"
+    ) as fp32:
         assert fp32.gpt_linear_bytes > 0 and "/gpt-none/decoder-fp32/" in fp32.identity
         first = fp32.synthesize(SynthesisRequest("精度测试", 5))
         again = fp32.synthesize(SynthesisRequest("精度测试", 5))
         assert first.steps >= 1 and np.array_equal(first.audio, again.audio)
-    finally:
-        fp32.close()
 
 
 @pytest.mark.parametrize(
@@ -203,21 +166,14 @@ def test_other_kernel_settings_serve_and_keep_rows_independent(
     """CHATTTS_INT8_PRODUCT=avx2 (what CPUs without AVX512-VNNI run, on any CPU with the
     kernels), CHATTTS_KV_CACHE_DTYPE=int8 and CHATTTS_QUANTIZE=int4: a request gives the same
     audio alone and batched with others."""
-    avx2 = Engine(
-        Settings.from_env(
-            {},
-            model_dir=tiny_model_dir,
-            verify_model=False,
-            max_new_tokens=200,
-            threads=1,
-            kernels="on",
-            int8_product=int8_product,
-            kv_cache_dtype=kv_cache_dtype,
-            quantize=quantize,
-        )
-    )
-    avx2.load()
-    try:
+    with engine_on(
+        tiny_model_dir,
+        max_new_tokens=200,
+        kernels="on",
+        int8_product=int8_product,
+        kv_cache_dtype=kv_cache_dtype,
+        quantize=quantize,
+    ) as avx2:
         if int8_product == "avx2":
             assert avx2.gpt_linear_kernel == "avx2"
         if quantize == "int4":  # 4-bit layers, gathered into one call a step; int8 heads
@@ -235,8 +191,6 @@ def test_other_kernel_settings_serve_and_keep_rows_independent(
         together = [future.result(timeout=60).audio for future in futures]
         for one, other in zip(alone, together):
             assert one.size > 0 and np.array_equal(one, other)
-    finally:
-        avx2.close()
 
 
 def test_int8_weights_are_a_quarter_of_fp32(engine, tiny_model_dir):
@@ -450,13 +404,7 @@ def test_a_bf16_decoder_holds_bf16_weights_and_gives_autocasts_samples(tiny_mode
     decode in fp32 it says it cannot."""
     from chattts_service.inference.decoding import Advance
 
-    engine = Engine(
-        Settings.from_env(
-            {}, model_dir=tiny_model_dir, verify_model=False, threads=1, decoder_dtype="fp32"
-        )
-    )
-    engine.load()
-    try:
+    with engine_on(tiny_model_dir, decoder_dtype="fp32") as engine:
         decoder = engine.model.decoder
         hiddens = torch.randn(
             90, engine.model.heads.hidden_size, generator=torch.Generator().manual_seed(8)
@@ -479,8 +427,6 @@ def test_a_bf16_decoder_holds_bf16_weights_and_gives_autocasts_samples(tiny_mode
         assert after < 0.6 * before
         with pytest.raises(ValueError, match="holds its weights in bf16"):
             engine.scheduler.call(lambda: decoder(hiddens, "fp32")).result()
-    finally:
-        engine.close()
 
 
 def test_an_int8_decoder_runs_its_pointwise_layers_on_the_kernels(
@@ -497,18 +443,7 @@ def test_an_int8_decoder_runs_its_pointwise_layers_on_the_kernels(
 
     if not bindings.cpu_supports():
         pytest.skip("the C++ kernels need AVX2 and FMA, which this CPU lacks")
-    engine = Engine(
-        Settings.from_env(
-            {},
-            model_dir=tiny_model_dir,
-            verify_model=False,
-            threads=1,
-            max_new_tokens=200,
-            decoder_dtype="int8",
-        )
-    )
-    engine.load()
-    try:
+    with engine_on(tiny_model_dir, max_new_tokens=200, decoder_dtype="int8") as engine:
         decoder = engine.model.decoder
         blocks = [*decoder.decoder.decoder.decoder_block, *decoder.vocos.backbone.convnext]
         assert blocks and decoder.held == "int8"
@@ -541,28 +476,16 @@ def test_an_int8_decoder_runs_its_pointwise_layers_on_the_kernels(
         assert error < 1e-3, error
         with pytest.raises(ValueError, match="holds its weights in int8"):
             engine.scheduler.call(lambda: decoder(hiddens, "fp32")).result()
-    finally:
-        engine.close()
 
 
 def test_an_int8_decoder_without_the_kernels_is_refused_at_load(tiny_model_dir):
     from chattts_service.config import SettingsError
 
-    engine = Engine(
-        Settings.from_env(
-            {},
-            model_dir=tiny_model_dir,
-            verify_model=False,
-            threads=1,
-            kernels="off",
-            decoder_dtype="int8",
-        )
-    )
-    try:
-        with pytest.raises(SettingsError, match="CHATTTS_DECODER_DTYPE=int8 runs on the C"):
-            engine.load()
-    finally:
-        engine.close()
+    with (
+        pytest.raises(SettingsError, match="CHATTTS_DECODER_DTYPE=int8 runs on the C"),
+        engine_on(tiny_model_dir, kernels="off", decoder_dtype="int8"),
+    ):
+        pass
 
 
 def test_long_text_is_split_batched_and_joined_without_losing_a_segment(engine):
@@ -788,13 +711,7 @@ def test_a_streams_first_chunk_joins_a_decode_that_runs_anyway(tiny_model_dir):
     (from JOIN_FIRST_STEPS on) instead of waiting for FIRST_CHUNK_STEPS."""
     from chattts_service.inference import job
 
-    engine = Engine(
-        Settings.from_env(
-            {}, model_dir=tiny_model_dir, verify_model=False, threads=1, batch_wait_ms=500
-        )
-    )
-    engine.load()
-    try:
+    with engine_on(tiny_model_dir, batch_wait_ms=500) as engine:
         steps = job.JOIN_FIRST_STEPS + 1
         assert steps < job.FIRST_CHUNK_STEPS
         # both taken in one batch (the idle scheduler waits for the second): the same steps
@@ -805,5 +722,3 @@ def test_a_streams_first_chunk_joins_a_decode_that_runs_anyway(tiny_model_dir):
         chunks = list(stream.chunks(timeout=60))
         assert len(whole.result(60).audio) > 0
         assert len(chunks[0]) == steps * 512, len(chunks[0]) // 512
-    finally:
-        engine.close()

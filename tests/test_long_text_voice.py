@@ -12,9 +12,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from engines import engine_on
 
-from chattts_service.config import Settings
-from chattts_service.inference.engine import Engine
 from chattts_service.inference.types import SynthesisRequest
 
 STEPS = 24  # every segment generates exactly this many steps: the test's time is bounded
@@ -31,10 +30,8 @@ def engine(tmp_path_factory):
     from chattts_service.tools.testmodel import build
 
     model_dir = build(tmp_path_factory.mktemp("models") / "full", size="full", seed=0)
-    engine = Engine(Settings.from_env({}, model_dir=model_dir, verify_model=False, threads=2))
-    engine.load()
-    yield engine
-    engine.close()
+    with engine_on(model_dir, threads=2) as engine:
+        yield engine
 
 
 @pytest.mark.parametrize("voice_name", ["onyx", "seed:77", "alloy(1)+nova(2)"])

@@ -146,23 +146,11 @@ def test_sigterm_drains_then_finishes_in_flight_requests(start_server):
 
 
 def test_admission_refuses_when_the_estimated_wait_is_too_long(tiny_model_dir):
-    from chattts_service.config import Settings
-    from chattts_service.inference.engine import Engine
+    from engines import engine_on
+
     from chattts_service.inference.types import Overloaded, SynthesisRequest
 
-    engine = Engine(
-        Settings.from_env(
-            {},
-            model_dir=tiny_model_dir,
-            verify_model=False,
-            threads=1,
-            max_wait_s=5,
-            max_batch=2,
-            max_segment_chars=10,
-        )
-    )
-    engine.load()
-    try:
+    with engine_on(tiny_model_dir, max_wait_s=5, max_batch=2, max_segment_chars=10) as engine:
         assert engine.estimated_wait() is None  # nothing measured yet: admit
         engine.synthesize(SynthesisRequest("先跑一个", 1), fixed_steps=10)
         assert 0 < engine.estimated_wait() < 5
@@ -172,8 +160,6 @@ def test_admission_refuses_when_the_estimated_wait_is_too_long(tiny_model_dir):
         with pytest.raises(Overloaded) as refused:
             engine.start(SynthesisRequest("这是第一句话了。这是第二句话了。这是第三句话了。", 2))
         assert refused.value.reason == "wait" and refused.value.retry_after == 8.0
-    finally:
-        engine.close()
 
 
 def test_pressure_switches_after_the_hold_time_both_ways():

@@ -16,10 +16,9 @@ import shutil
 import numpy as np
 import pytest
 import torch
+from engines import engine_on
 
-from chattts_service.config import Settings
 from chattts_service.domain.voices import SpeakerSample, Voice
-from chattts_service.inference.engine import Engine
 from chattts_service.inference.sample_encoder import encode_prompt
 from chattts_service.inference.types import SynthesisRequest
 
@@ -49,14 +48,6 @@ def upstream(sharp_model):
     return load_upstream(sharp_model)
 
 
-def _engine(model, **settings) -> Engine:
-    engine = Engine(
-        Settings.from_env({}, model_dir=model, verify_model=False, threads=1, **settings)
-    )
-    engine.load()
-    return engine
-
-
 def _recording(seconds: float = 3.0) -> np.ndarray:
     from benchmarks.engine import voiced_recording
 
@@ -80,8 +71,7 @@ def _upstream_audio(chat, text: str, prompt: str, seed: int) -> np.ndarray:
 
 
 def test_a_recordings_prompt_and_speech_are_upstreams_in_fp32(sharp_model, upstream):
-    engine = _engine(sharp_model, quantize="none", kernels="off", decoder_dtype="fp32")
-    try:
+    with engine_on(sharp_model, quantize="none", kernels="off", decoder_dtype="fp32") as engine:
         recording = _recording()
         codes = engine.encode_sample(recording)
         prompt = encode_prompt(codes)
@@ -101,15 +91,12 @@ def test_a_recordings_prompt_and_speech_are_upstreams_in_fp32(sharp_model, upstr
                 SynthesisRequest(text, seed, temperature=0.01), fixed_steps=STEPS
             ).audio
             assert np.linalg.norm(plain - theirs) / np.linalg.norm(theirs) > 1e-2
-    finally:
-        engine.close()
 
 
 def test_a_sampled_voice_batches_with_other_voices_without_changing(sharp_model):
     """The default engine (int8, kernels): a request in a sampled voice gives the same audio
     alone and in a batch beside requests in other voices."""
-    engine = _engine(sharp_model)
-    try:
+    with engine_on(sharp_model) as engine:
         codes = engine.encode_sample(_recording(2.0))
         voice = Voice("sampled", None, "d", sample=SpeakerSample(codes, TRANSCRIPT), id="x")
         request = SynthesisRequest("一起生成的句子。", 11, voice=voice)
@@ -123,8 +110,6 @@ def test_a_sampled_voice_batches_with_other_voices_without_changing(sharp_model)
         for run in others:
             run.result(120)
         assert np.array_equal(alone, result.audio)
-    finally:
-        engine.close()
 
 
 def test_long_text_from_its_first_segment_is_upstreams_in_fp32(sharp_model, upstream):
@@ -135,15 +120,14 @@ def test_long_text_from_its_first_segment_is_upstreams_in_fp32(sharp_model, upst
 
     from chattts_service.domain.voices import decode_embedding, encode_embedding
 
-    engine = _engine(
+    with engine_on(
         sharp_model,
         quantize="none",
         kernels="off",
         decoder_dtype="fp32",
         long_text_voice="first_segment",
         max_segment_chars=20,
-    )
-    try:
+    ) as engine:
         dim = engine.model.chat.speaker.dim
         text_embedding = encode_embedding(
             torch.randn(dim, generator=torch.Generator().manual_seed(5))
@@ -181,5 +165,3 @@ def test_long_text_from_its_first_segment_is_upstreams_in_fp32(sharp_model, upst
             start += ours.part_samples[index] + ours.pause_samples
             assert part.shape == theirs.shape
             assert np.linalg.norm(part - theirs) / np.linalg.norm(theirs) < 1e-3, index
-    finally:
-        engine.close()

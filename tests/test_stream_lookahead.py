@@ -9,32 +9,23 @@ import threading
 import numpy as np
 import pytest
 import requests
+from engines import engine_on
 
-from chattts_service.config import Settings
 from chattts_service.inference import job
-from chattts_service.inference.engine import Engine
 from chattts_service.inference.types import SynthesisRequest
 
 LOOKAHEAD = 3  # the tiny model's decoders read 9 steps either side (ChatTTS's: 52)
 SAMPLES_PER_STEP = 512
 
 
-def _engine(model_dir, **settings) -> Engine:
-    engine = Engine(
-        Settings.from_env({}, model_dir=model_dir, verify_model=False, threads=1, **settings)
-    )
-    engine.load()
-    return engine
-
-
 @pytest.fixture(scope="module")
 def engines(tiny_model_dir):
     """The same model twice: exact streams (the default) and streams with a look-ahead."""
-    exact = _engine(tiny_model_dir)
-    ahead = _engine(tiny_model_dir, stream_lookahead=LOOKAHEAD)
-    yield exact, ahead
-    exact.close()
-    ahead.close()
+    with (
+        engine_on(tiny_model_dir) as exact,
+        engine_on(tiny_model_dir, stream_lookahead=LOOKAHEAD) as ahead,
+    ):
+        yield exact, ahead
 
 
 def test_a_stream_with_a_lookahead_sends_its_first_chunk_before_the_context_is_generated(
