@@ -50,6 +50,7 @@ from benchmarks.engine import (  # noqa: E402
     run_phase,
     upstream_params,
 )
+from chattts_service.config import DECODER_DTYPES, INT8_PRODUCTS  # noqa: E402  (no torch)
 
 THREE_SENTENCES = "今天天气很好。我们一起去公园散步吧！The park opens at nine."
 FIRST_AUDIO_TARGET = 0.5  # seconds, streamed over HTTP
@@ -101,14 +102,17 @@ def phase_upstream(model_dir: Path, steps: int, requests: int) -> dict:
 
 
 def phase_ours(
-    model_dir: Path, steps: int, requests: int, long_chars: int, quantize: str = "int8"
+    model_dir: Path, steps: int, requests: int, long_chars: int, quantize: str = "int8", **settings
 ) -> dict:
+    """``settings``: the engine's other settings (the int8 product, the decoder's type)."""
     from chattts_service.config import Settings
     from chattts_service.inference.engine import Engine
     from chattts_service.inference.types import SynthesisRequest
 
     engine = Engine(
-        Settings.from_env({}, model_dir=model_dir, verify_model=False, quantize=quantize)
+        Settings.from_env(
+            {}, model_dir=model_dir, verify_model=False, quantize=quantize, **settings
+        )
     )
     engine.load()
     engine.warm_up()
@@ -130,6 +134,7 @@ def phase_ours(
         "chunks": runs[0][2],
         "context_steps": engine.context_steps,
         "linear_kernel": engine.gpt_linear_kernel,
+        "decoder_dtype": engine.model.decoder.dtype,
         "kernel_tuning": engine.kernel_tuning,
     }
 
@@ -273,8 +278,11 @@ def _stages(engine, repeats: int) -> dict:
     return stages
 
 
-def phase_http(model_dir: Path, requests: int, quantize: str = "int8", lookahead: int = 0) -> dict:
-    """First audio byte of a streamed request over HTTP from a real server on loopback."""
+def phase_http(
+    model_dir: Path, requests: int, quantize: str = "int8", lookahead: int = 0, **settings
+) -> dict:
+    """First audio byte of a streamed request over HTTP from a real server on loopback;
+    ``settings``: its other settings (the int8 product, the decoder's type)."""
     import tempfile
 
     import requests as http
@@ -288,6 +296,7 @@ def phase_http(model_dir: Path, requests: int, quantize: str = "int8", lookahead
             CHATTTS_CACHE_SIZE="0",
             CHATTTS_QUANTIZE=quantize,
             CHATTTS_STREAM_LOOKAHEAD=str(lookahead),
+            **{f"CHATTTS_{name.upper()}": value for name, value in settings.items()},
         )
         try:
             server.wait_ready(timeout=600)
@@ -349,7 +358,8 @@ def report(data: dict) -> str:
     our_first = statistics.median(ours["first_audio_seconds"])
     lines = [
         f"cpu {data.get('cpu', 'unknown')}; flags: {' '.join(data.get('cpu_flags', [])) or '-'}",
-        f"ours: {data['quantize']} GPT on {ours.get('linear_kernel', '-')}, kernel tuning: "
+        f"ours: {data['quantize']} GPT on {ours.get('linear_kernel', '-')}, "
+        f"{ours.get('decoder_dtype', '-')} decoder, kernel tuning: "
         f"{ours.get('kernel_tuning') or '-'}",
         f"streamed, {data['steps']} steps ({audio_seconds(data['steps']):.2f} s of audio), "
         f"median of {data['requests']}:",
@@ -445,6 +455,8 @@ def main() -> int:
     parser.add_argument(
         "--quantize", default="int8", choices=("int8", "int4"), help="our GPT's quantization"
     )
+    parser.add_argument("--int8-product", default="auto", choices=INT8_PRODUCTS)
+    parser.add_argument("--decoder-dtype", default="auto", choices=DECODER_DTYPES)
     parser.add_argument(
         "--stream-lookahead",
         type=int,
@@ -453,6 +465,7 @@ def main() -> int:
     )
     parser.add_argument("--phase", choices=["upstream", "ours", "http"], help=argparse.SUPPRESS)
     args = parser.parse_args()
+    settings = {"int8_product": args.int8_product, "decoder_dtype": args.decoder_dtype}
 
     if args.phase == "upstream":
         print(json.dumps(phase_upstream(args.model_dir, args.steps, args.requests)))
@@ -461,7 +474,12 @@ def main() -> int:
         print(
             json.dumps(
                 phase_ours(
-                    args.model_dir, args.steps, args.requests, args.long_chars, args.quantize
+                    args.model_dir,
+                    args.steps,
+                    args.requests,
+                    args.long_chars,
+                    args.quantize,
+                    **settings,
                 )
             )
         )
@@ -469,23 +487,29 @@ def main() -> int:
     if args.phase == "http":
         print(
             json.dumps(
-                phase_http(args.model_dir, args.requests, args.quantize, args.stream_lookahead)
+                phase_http(
+                    args.model_dir,
+                    args.requests,
+                    args.quantize,
+                    args.stream_lookahead,
+                    **settings,
+                )
             )
         )
         return 0
 
     if args.model_dir is None:
         args.model_dir = default_model()
+    ours = ["--quantize", args.quantize, "--int8-product", args.int8_product]
+    ours += ["--decoder-dtype", args.decoder_dtype]
     data = {
         "steps": args.steps,
         "requests": args.requests,
         "upstream": run_child("upstream", args, []),
-        "ours": run_child(
-            "ours", args, ["--long-chars", str(args.long_chars), "--quantize", args.quantize]
-        ),
+        "ours": run_child("ours", args, [*ours, "--long-chars", str(args.long_chars)]),
     }
     if not args.no_http:
-        http = ["--quantize", args.quantize, "--stream-lookahead"]
+        http = [*ours, "--stream-lookahead"]
         data["http"] = run_child("http", args, [*http, "0"])
         if args.stream_lookahead:
             data["http_lookahead"] = run_child("http", args, [*http, str(args.stream_lookahead)])
@@ -494,6 +518,7 @@ def main() -> int:
     data["cpu"] = cpu_model()
     data["cpu_flags"] = sorted(RELEVANT_CPU_FLAGS & cpu_flags())
     data["quantize"] = args.quantize
+    data["settings"] = settings
     print(json.dumps(data, indent=1) if args.json else report(data))
     return 0
 
