@@ -96,4 +96,11 @@ def test_a_stream_with_a_lookahead_is_not_cached_for_whole_answers(start_server)
     assert first.status_code == 200 and first.headers["X-Cache"] == "MISS"
     assert again.headers["X-Cache"] == "HIT" and again.content == first.content
     assert len(data) == len(first.content)
+    # the look-ahead's start counted: at least a first chunk of audio, less than the whole
+    metrics = requests.get(server.url + "/metrics", timeout=10).text
+    name = "chatts_provisional_audio_seconds_total "
+    (line,) = [m for m in metrics.splitlines() if m.startswith(name)]
+    provisional = float(line.split()[-1])
+    assert provisional >= job.JOIN_FIRST_STEPS * SAMPLES_PER_STEP / 24_000
+    assert provisional < float(first.headers["X-Audio-Seconds"])
     assert "Traceback" not in server.log()

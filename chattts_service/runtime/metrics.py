@@ -149,6 +149,12 @@ class Metrics:
             "Segments stopped by the step cap before their speech ended",
             registry=r,
         )
+        self.provisional_audio = Counter(
+            "chatts_provisional_audio_seconds",
+            "Streamed audio decoded with CHATTTS_STREAM_LOOKAHEAD's look-ahead: close to the "
+            "whole answer's samples, not the same",
+            registry=r,
+        )
         self.rejected = Counter(
             "chatts_rejected",
             "Requests refused at once with 503 (queue_full, wait, draining)",

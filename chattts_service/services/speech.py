@@ -19,7 +19,13 @@ import numpy as np
 from chattts_service.config import Settings
 from chattts_service.inference.engine import Engine
 from chattts_service.inference.run import Run
-from chattts_service.inference.types import Cancelled, EngineError, Overloaded, SynthesisRequest
+from chattts_service.inference.types import (
+    SAMPLES_PER_STEP,
+    Cancelled,
+    EngineError,
+    Overloaded,
+    SynthesisRequest,
+)
 from chattts_service.runtime.metrics import Metrics
 from chattts_service.services.audio import content_type, encode, stream_writer, to_pcm16
 from chattts_service.services.cache import AudioCache, cache_key
@@ -228,7 +234,9 @@ class SpeechPipeline:
                 yield from self._stream_run(run, writer, parts, started, should_stop)
                 seconds = sum(len(part) for part in parts) / 2 / rate
                 # a start decoded with a look-ahead is close to the whole answer, not it
-                if _cacheable(plan, run.truncated) and not run.provisional:
+                if run.provisional:
+                    metrics.provisional_audio.inc(run.provisional * SAMPLES_PER_STEP / rate)
+                elif _cacheable(plan, run.truncated):
                     self.cache.put(pcm_key, (b"".join(parts), seconds))
             except StreamBroken as broken:
                 outcome = broken.error
