@@ -47,6 +47,23 @@ def test_a_stream_with_a_lookahead_sends_its_first_chunk_before_the_context_is_g
     assert run.provisional >= job.FIRST_CHUNK_STEPS
 
 
+def test_a_stream_that_could_not_turn_exact_in_time_starts_exact(engines, monkeypatch):
+    """Where the stream's pace could not build the audio exact chunks need within
+    PROVISIONAL_MAX_STEPS, it starts as an exact stream does: one piece for the short segment
+    above, nothing provisional. (No steps then, and a second to hold for the exact chunk's
+    decode: no box can.)"""
+    exact, ahead = engines
+    monkeypatch.setattr(job, "PROVISIONAL_MAX_STEPS", 0)
+    monkeypatch.setattr(job, "CATCH_UP_SECONDS", 1.0)
+    steps = job.FIRST_CHUNK_STEPS + LOOKAHEAD + 3
+    request = SynthesisRequest("先说一句。", seed=5)
+    run = ahead.start(request, fixed_steps=steps, stream=True)
+    chunks = list(run.chunks(timeout=60))
+    assert len(chunks) == 1 and run.provisional == 0
+    exact_chunks = list(exact.start(request, fixed_steps=steps, stream=True).chunks(timeout=60))
+    assert np.array_equal(chunks[0], exact_chunks[0])
+
+
 def test_streams_with_a_lookahead_turn_exact_and_stay_close_before(engines):
     """Two streams at once: each the length of its whole answer, its first steps within a
     small distance of it, and from the step it turned exact on the whole answer's samples

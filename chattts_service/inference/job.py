@@ -19,8 +19,9 @@ piece, so the fixed cost of each decode round weighs less per second of audio.
 With a look-ahead (CHATTTS_STREAM_LOOKAHEAD, opt-in) a stream starts sooner: its chunks are
 decoded as windows that end where generation is, that many steps after the chunk, instead of
 the decoder's whole context (52 steps on ChatTTS's), until its listener holds enough audio for
-exact chunks to catch up (they need the context generated first); from there on its chunks are
-exact. Those first chunks' samples differ slightly from the whole answer's (how much:
+exact chunks to catch up (they need the context generated first; meanwhile the stream sends
+pieces to build that much) or ``PROVISIONAL_MAX_STEPS`` have gone that way; from there on its
+chunks are exact. Those first chunks' samples differ slightly from the whole answer's (how much:
 ``benchmarks/streams.py --lookahead``), so such a stream's audio is marked (``provisional``)
 and never cached.
 """
@@ -38,6 +39,7 @@ import numpy as np
 from chattts_service.inference.scheduler import JobFuture
 from chattts_service.inference.types import (
     SAMPLE_RATE,
+    SAMPLES_PER_STEP,
     EngineError,
     NothingToSay,
     Synthesis,
@@ -69,9 +71,15 @@ LOW_WATER_SECONDS = 0.6
 HIGH_WATER_SECONDS = 2.0
 # A stream with a look-ahead turns to exact chunks once its listener holds the audio of the
 # steps that must be generated before the first exact chunk can be decoded, times this margin
-# (later streams slow every step), plus CATCH_UP_SECONDS for that chunk's decode
+# (later streams slow every step), plus CATCH_UP_SECONDS for that chunk's decode; until then
+# that is its low water. It turns exact after PROVISIONAL_MAX_STEPS anyway: a window decoded
+# with its context costs about three times a chunk decoded stage by stage, and a box too busy
+# to build that much audio ahead cannot afford it for long. A stream whose pace (measured over
+# the steps before its first chunk) could not build it within PROVISIONAL_MAX_STEPS starts
+# exact instead: turning exact later would leave its listener waiting.
 CATCH_UP_MARGIN = 1.5
 CATCH_UP_SECONDS = 0.2
+PROVISIONAL_MAX_STEPS = 64
 
 
 class SynthesisJob:
@@ -142,11 +150,17 @@ class SynthesisJob:
         this time, so a smaller chunk is worth sending); whether it did."""
         if self.chunks is None or not self.early or sequence.kind != "code":
             return False
+        low_water = LOW_WATER_SECONDS
         if not self._exact:
             self._time_step()
-            if self.ahead() >= self._catch_up_seconds():
+            catch_up = self._catch_up_seconds()
+            if self._asked and (
+                self.ahead() >= catch_up or self._provisional >= PROVISIONAL_MAX_STEPS
+            ):
                 self._exact = True
                 self._asked = 1  # the first exact chunk as small as a stream's second
+            else:
+                low_water = max(low_water, catch_up)
         reach = self.context_steps if self._exact else self.lookahead
         waiting = sequence.steps - reach - self._emitted  # decodable, not asked for
         size = min(FIRST_CHUNK_STEPS << max(0, self._asked - 1), MAX_CHUNK_STEPS)
@@ -156,13 +170,16 @@ class SynthesisJob:
             ahead = self.ahead()
             due = (
                 waiting >= MAX_CHUNK_STEPS
-                or (ahead < LOW_WATER_SECONDS and waiting >= min(size, LOW_CHUNK_STEPS))
+                or (ahead < low_water and waiting >= min(size, LOW_CHUNK_STEPS))
                 or (
                     joining
                     and ahead < HIGH_WATER_SECONDS
                     and waiting >= min(size, JOIN_CHUNK_STEPS)
                 )
             )
+        if due and not self._asked and not self._exact and not self._can_catch_up(catch_up):
+            self._exact = True  # too busy a box to turn exact later: start as exact streams do
+            return False
         if due:
             self._asked += 1
             self._emit(sequence, self._emitted + waiting, final=False)
@@ -183,6 +200,13 @@ class SynthesisJob:
         own ``FIRST_CHUNK_STEPS``, then its decode."""
         steps = self.context_steps - self.lookahead + FIRST_CHUNK_STEPS
         return CATCH_UP_MARGIN * steps * self._step_seconds + CATCH_UP_SECONDS
+
+    def _can_catch_up(self, catch_up: float) -> bool:
+        """Whether, at this stream's pace, a first chunk and ``PROVISIONAL_MAX_STEPS`` more of
+        provisional audio would leave its listener ``catch_up`` seconds ahead."""
+        audio = SAMPLES_PER_STEP / SAMPLE_RATE  # seconds a step adds
+        built = FIRST_CHUNK_STEPS * audio + PROVISIONAL_MAX_STEPS * (audio - self._step_seconds)
+        return built >= catch_up
 
     def _emit(self, sequence, until: int, final: bool, then=None) -> None:
         start = max(0, self._emitted - self.context_steps)
