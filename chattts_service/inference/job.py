@@ -75,13 +75,14 @@ HIGH_WATER_SECONDS = 2.0
 # that is its low water. It turns exact after PROVISIONAL_MAX_STEPS anyway: a window decoded
 # with its context costs about three times a chunk decoded stage by stage, and a box too busy
 # to build that much audio ahead cannot afford it for long. A stream whose pace (measured over
-# the steps before its first chunk) could not build it within half of PROVISIONAL_MAX_STEPS
-# (streams that join later slow every step) starts exact instead: turning exact later would
-# leave its listener waiting. (On 2 vCPUs of a Xeon: one or two streams at once start with
-# the look-ahead, four no longer do; docs/benchmarks.md.)
+# the steps before its first chunk, then slowed by PACE_MARGIN: streams that join later slow
+# every step) could not build it within PROVISIONAL_MAX_STEPS starts exact instead: turning
+# exact later would leave its listener waiting. (It starts with the look-ahead where steps
+# take up to ~8.5 ms; docs/benchmarks.md.)
 CATCH_UP_MARGIN = 1.5
 CATCH_UP_SECONDS = 0.2
 PROVISIONAL_MAX_STEPS = 64
+PACE_MARGIN = 1.5
 
 
 class SynthesisJob:
@@ -204,11 +205,12 @@ class SynthesisJob:
         return CATCH_UP_MARGIN * steps * self._step_seconds + CATCH_UP_SECONDS
 
     def _can_catch_up(self, catch_up: float) -> bool:
-        """Whether, at this stream's pace, a first chunk and half of ``PROVISIONAL_MAX_STEPS``
-        more of provisional audio would leave its listener ``catch_up`` seconds ahead."""
+        """Whether, at this stream's pace slowed by ``PACE_MARGIN``, a first chunk and
+        ``PROVISIONAL_MAX_STEPS`` more of provisional audio would leave its listener
+        ``catch_up`` seconds ahead."""
         audio = SAMPLES_PER_STEP / SAMPLE_RATE  # seconds a step adds
-        steps = PROVISIONAL_MAX_STEPS // 2
-        built = FIRST_CHUNK_STEPS * audio + steps * (audio - self._step_seconds)
+        pace = PACE_MARGIN * self._step_seconds
+        built = FIRST_CHUNK_STEPS * audio + PROVISIONAL_MAX_STEPS * (audio - pace)
         return built >= catch_up
 
     def _emit(self, sequence, until: int, final: bool, then=None) -> None:
