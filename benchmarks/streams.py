@@ -38,6 +38,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from benchmarks.engine import RELEVANT_CPU_FLAGS, TEXT, default_model  # noqa: E402
+from chattts_service.config import DECODER_DTYPES  # noqa: E402  (no torch)
 from chattts_service.runtime.cpu import cpu_flags, cpu_model  # noqa: E402
 
 SAMPLE_RATE = 24_000
@@ -256,6 +257,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--text", default=TEXT, help="what every stream says (bench.py streams three sentences)"
     )
+    parser.add_argument("--decoder-dtype", default="auto", choices=DECODER_DTYPES)
     parser.add_argument(
         "--lookahead",
         default="0",
@@ -280,6 +282,7 @@ def main(argv: list[str] | None = None) -> int:
             model_dir=args.model_dir or default_model(),
             verify_model=False,
             max_batch=max(levels + [8]),
+            decoder_dtype=args.decoder_dtype,
         )
     )
     engine.load()
