@@ -6,7 +6,7 @@ from dataclasses import replace
 import numpy as np
 import pytest
 import torch
-from engines import engine_on
+from engines import engine_on, read_streams
 
 from chattts_service.inference.types import SAMPLE_RATE, NothingToSay, SynthesisRequest
 
@@ -683,16 +683,7 @@ def test_concurrent_streams_are_their_whole_answers_and_chunks_follow_the_listen
     requests = [SynthesisRequest("并发流式测试。", seed=90 + i) for i in range(4)]
     wholes = [engine.synthesize(request, fixed_steps=180).audio for request in requests]
     runs = [engine.start(request, fixed_steps=180, stream=True) for request in requests]
-    results: list = [None] * len(runs)
-
-    def read(index):
-        results[index] = list(runs[index].chunks(timeout=120))
-
-    threads = [threading.Thread(target=read, args=(index,)) for index in range(len(runs))]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
+    results = read_streams(runs)
     bound = 1e-3 if engine.model.decoder.dtype == "fp32" else 0.03
     for whole, chunks in zip(wholes, results, strict=True):
         streamed = np.concatenate(chunks)

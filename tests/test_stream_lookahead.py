@@ -4,12 +4,10 @@ stream's audio is close to the whole answer, not it, and is never cached."""
 
 from __future__ import annotations
 
-import threading
-
 import numpy as np
 import pytest
 import requests
-from engines import engine_on
+from engines import engine_on, read_streams
 
 from chattts_service.inference import job
 from chattts_service.inference.types import SynthesisRequest
@@ -72,16 +70,7 @@ def test_streams_with_a_lookahead_turn_exact_and_stay_close_before(engines):
     steps = 300  # 6.4 s of audio, generated far faster than it plays: the stream turns exact
     requests_ = [SynthesisRequest("前面近似，后面精确。", seed=seed) for seed in (21, 22)]
     runs = [ahead.start(request, fixed_steps=steps, stream=True) for request in requests_]
-    results: list = [None] * len(runs)
-
-    def listen(index: int) -> None:
-        results[index] = list(runs[index].chunks(timeout=120))
-
-    threads = [threading.Thread(target=listen, args=(index,)) for index in range(len(runs))]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
+    results = read_streams(runs)
     exact_bound = 1e-3 if ahead.model.decoder.dtype == "fp32" else 0.03
     for request, run, chunks in zip(requests_, runs, results, strict=True):
         whole = ahead.start(request, fixed_steps=steps).result(120).audio
