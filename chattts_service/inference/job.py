@@ -125,7 +125,6 @@ class SynthesisJob:
         self._asked = 0  # chunks asked for
         self._exact = self.lookahead is None  # chunks are decoded with their whole context
         self._provisional = 0  # steps whose audio was asked for with the look-ahead only
-        self._provisional_samples = 0  # their samples, which exact decodes then give again
         self._exact_samples = 0  # samples the stream's exact decodes have given so far
         self._last_step: float | None = None
         self._step_seconds = 0.0  # recent time between two steps of this stream (smoothed)
@@ -229,24 +228,20 @@ class SynthesisJob:
 
         if not (final or self._exact):  # a window ending where generation is
             self._provisional = until
-
-            def provisional(chunk: np.ndarray) -> None:
-                self._provisional_samples += len(chunk)
-                sent(chunk)
-
             self.decodes.submit(
                 sequence.hiddens[start : sequence.steps],
                 self._emitted - start,
                 until - start,
-                provisional,
+                sent,
                 self._failed,
             )
         elif self._stream is not None:
+            sent_already = self._provisional * SAMPLES_PER_STEP  # by the look-ahead's windows
 
             def exact(chunk: np.ndarray) -> None:
-                # what the look-ahead's windows sent already comes again from the stage's start
+                # the stream's decoder gives its samples from the start: skip those sent already
                 given, self._exact_samples = self._exact_samples, self._exact_samples + len(chunk)
-                sent(chunk[max(0, min(len(chunk), self._provisional_samples - given)) :])
+                sent(chunk[max(0, min(len(chunk), sent_already - given)) :])
 
             self.decodes.submit_stream(
                 self._stream, sequence.hiddens[: sequence.steps], until, final, exact, self._failed
