@@ -114,8 +114,10 @@ def _provisional_snr(engine, run, chunks, request, steps: int) -> float:
     """The SNR of a stream's provisional start against the same steps of its whole answer."""
     import numpy as np
 
+    from chattts_service.inference.types import SAMPLES_PER_STEP
+
     whole = engine.start(request, fixed_steps=steps).result(600).audio
-    samples = run.provisional * 2 * engine.model.decoder._hop
+    samples = run.provisional * SAMPLES_PER_STEP
     streamed = np.concatenate(chunks)[:samples]
     return _snr(whole[:samples], streamed)
 
@@ -132,10 +134,9 @@ def lookahead_fidelity(engine, lookaheads: list[int], seeds: int = 3) -> list[di
     the same steps decoded with the decoder's whole context: SNR over the chunk (min over three
     places in three seeds' hidden states of the stream's text)."""
     from chattts_service.inference.generation import Batch
-    from chattts_service.inference.types import SynthesisRequest
+    from chattts_service.inference.types import SAMPLES_PER_STEP, SynthesisRequest
 
     decoder = engine.model.decoder
-    samples_per_step = 2 * decoder._hop
 
     def measure():
         hiddens = []
@@ -157,7 +158,7 @@ def lookahead_fidelity(engine, lookaheads: list[int], seeds: int = 3) -> list[di
                 for first in (0, 12, 60):
                     last = first + 12
                     chunk = decoder.span(states[: last + lookahead], first, last)
-                    reference = whole[first * samples_per_step : last * samples_per_step]
+                    reference = whole[first * SAMPLES_PER_STEP : last * SAMPLES_PER_STEP]
                     snrs.append(_snr(reference[: len(chunk)], chunk[: len(reference)]))
             rows.append({"lookahead": lookahead, "chunk_snr_db_min": min(snrs)})
         return rows
