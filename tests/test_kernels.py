@@ -441,3 +441,34 @@ def test_the_int8_product_is_the_cpus_best_unless_chosen(kernel):
             cpp_kernels.load("auto", "vnni")
     with pytest.raises(ValueError, match="int8 product must be one of"):
         cpp_kernels.load("on", "avx512")
+
+
+@pytest.mark.parametrize("loop", ["avx2", "vnni", "fp32"])
+def test_peak_loops_count_the_multiply_adds_they_do(kernel, loop):
+    """The benchmarks' arithmetic bound: a loop reports its instructions' multiply-adds
+    (iterations x threads x its own per iteration), its results change with every iteration
+    (nothing was left out of the loop), and a CPU without the instructions refuses it."""
+    import ctypes
+
+    kind = abi.PEAK_LOOPS[loop]
+    if loop == "vnni" and kernel.int8_instructions != "vnni":
+        with pytest.raises(cpp_kernels.KernelError, match="lacks"):
+            kernel.peak_rate(loop)
+        return
+
+    def run(iterations, threads=2):
+        checksum = ctypes.c_uint64()
+        done = kernel.library.chatts_peak_loop(kind, iterations, threads, ctypes.byref(checksum))
+        return done, checksum.value
+
+    per_iteration = {"avx2": 256, "vnni": 1024}.get(loop)
+    done, checksum = run(1000)
+    assert done > 0 and done % 2000 == 0
+    if per_iteration:
+        assert done == per_iteration * 1000 * 2
+    assert run(2000)[0] == 2 * done and run(1000, threads=1)[0] == done // 2
+    assert run(1001)[1] != checksum and run(1000)[1] == checksum
+    assert 0 < kernel.peak_rate(loop, seconds=0.01, repeats=2) < float("inf")
+    for refused in ((99, 10, 1), (kind, 0, 1), (kind, 10, 0)):
+        with pytest.raises(cpp_kernels.KernelError, match="peak loop needs"):
+            kernel.check(-kernel.library.chatts_peak_loop(*refused, None))

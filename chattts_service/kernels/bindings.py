@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import ctypes
 import logging
+import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -272,6 +273,29 @@ class Kernels:
         )
         self.check(self.library.chatts_read_buffers(ctypes.byref(arguments)))
         return arguments.checksum
+
+    def peak_rate(self, loop: str, seconds: float = 0.05, repeats: int = 5) -> float:
+        """Multiply-adds a second that ``loop``'s instructions ("avx2" or "vnni": the int8
+        product's; "fp32": fused multiply-adds, as wide as the CPU has) do at most on torch's
+        threads, from registers (``csrc/peak.cpp``): the fastest of ``repeats`` runs of about
+        ``seconds`` each. Raises KernelError where the CPU lacks them."""
+        kind, threads = abi.PEAK_LOOPS[loop], torch.get_num_threads()
+
+        def run(iterations: int) -> tuple[int, float]:
+            started = time.perf_counter()
+            done = self.library.chatts_peak_loop(kind, iterations, threads, None)
+            elapsed = time.perf_counter() - started
+            if done < 0:
+                self.check(-done, loop)
+            return done, elapsed
+
+        iterations = 1024
+        done, elapsed = run(iterations)  # also starts the threads
+        while elapsed < seconds / 4:
+            iterations *= 4
+            done, elapsed = run(iterations)
+        iterations = max(1, int(iterations * seconds / elapsed))
+        return max(done / elapsed for done, elapsed in (run(iterations) for _ in range(repeats)))
 
 
 class SampleCall:

@@ -165,6 +165,7 @@ extern "C" const char* chatts_status_message(int32_t status) {
                    "tiles from 2-65 rows or never (0)";
         case CHATTS_NO_TILES: return "AMX tiles asked for, but this CPU or its OS has none";
         case CHATTS_BAD_READ: return "read needs a count and prefetch >= 0 and a thread";
+        case CHATTS_BAD_PEAK: return "a peak loop needs a known kind, an iteration and a thread";
         case CHATTS_BAD_GROUP:
             return "int4 groups must be 8 to 64 inputs, a multiple of 8, and divide in_features";
         default: return "unknown status";

@@ -14,4 +14,5 @@
 #include "sample.cpp"
 #include "decode_layers.cpp"
 #include "read.cpp"
+#include "peak.cpp"
 #include "abi.cpp"

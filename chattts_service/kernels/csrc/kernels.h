@@ -9,7 +9,7 @@
 #include <cstdint>
 
 #ifndef CHATTS_ABI_VERSION  // a test builds a library of another version to see it refused
-#define CHATTS_ABI_VERSION 8
+#define CHATTS_ABI_VERSION 9
 #endif
 
 // What a kernel returns. chatts_status_message() gives each one's text.
@@ -26,12 +26,20 @@ enum ChattsStatus : int32_t {
     CHATTS_BAD_GROUP = 9,              // int4 linear: group not 8..64 in 8s, or not dividing k
     CHATTS_BAD_READ = 10,              // read buffers: a negative count or prefetch, no thread
     CHATTS_NO_TILES = 11,              // int8 linear: tiles asked for, AMX not granted
+    CHATTS_BAD_PEAK = 12,              // peak loop: no iteration, no thread, or unknown loop
 };
 
 // The int8 product's instructions.
 enum ChattsProduct : int32_t {
     CHATTS_PRODUCT_AVX2 = 1,  // 7-bit activations (levels up to 63)
     CHATTS_PRODUCT_VNNI = 2,  // AVX512-VNNI, 8-bit activations (levels up to 127)
+};
+
+// The instruction loops chatts_peak_loop runs (csrc/peak.cpp).
+enum ChattsPeak : int32_t {
+    CHATTS_PEAK_AVX2 = 1,  // the AVX2 int8 product's: vpmaddubsw, vpmaddwd, vpaddd
+    CHATTS_PEAK_VNNI = 2,  // the VNNI int8 product's: vpdpbusd
+    CHATTS_PEAK_FP32 = 3,  // fp32 vfmadd231ps, 512-bit where the CPU has AVX-512, else 256-bit
 };
 
 // How the int8 product streams its weights: chosen per CPU (kernels/tuning.py), never baked in.
@@ -224,4 +232,7 @@ void chatts_rms_norm(const ChattsRmsNormArgs* args);
 int32_t chatts_int4_linear(const ChattsInt4LinearArgs* args);
 int32_t chatts_read_buffers(ChattsReadArgs* args);
 int32_t chatts_amx_tiles();  // 1: the int8 product may use AMX tiles here (tiles_from)
+// `kind`'s loop (ChattsPeak), `iterations` times on each of `threads` threads: the
+// multiply-adds done, or minus a ChattsStatus; `checksum` (may be NULL) adds up the results
+int64_t chatts_peak_loop(int32_t kind, int64_t iterations, int32_t threads, uint64_t* checksum);
 }
