@@ -9,7 +9,10 @@ other so they never share the CPUs:
   request at a time, fresh parameters per call, ``skip_refine_text=True``;
 * ours: the service's engine (int8 by default) at concurrency 1, 4 and 8;
 * fidelity: fp32 vs int8 on the same inputs with teacher forcing: top-1 agreement of the code
-  logits per step, and the distance between the two decoded waveforms.
+  logits per step, and the distance between the two decoded waveforms;
+* arithmetic: what the CPU's instructions allow at most (the int8 product's and fp32 FMAs,
+  from registers): the least time the GPT's products can take a step, and the least decode
+  share at 8 concurrent; a MISSED target these already put out of reach says so.
 
 Every request generates exactly ``--steps`` GPT steps on both sides (end-of-speech is suppressed
 until then), so the work is identical; audio seconds are the nominal length of those steps.
@@ -171,6 +174,60 @@ def products_ms(transformer, rounds: int = 7, calls: int = 15) -> dict | None:
     return result
 
 
+def decode_multiply_adds(decoder, steps: int, hidden_size: int) -> int:
+    """The multiply-adds of decoding ``steps`` steps: the decoder's and the vocoder's
+    convolutions and linear layers (int8 pointwise ones too), counted on a decode of random
+    hidden states; the inverse STFT and the element-wise work are left out (a lower bound)."""
+    import torch
+
+    from chattts_service.inference.decoding import Int8Pointwise
+
+    total = 0
+
+    def count(module, inputs, output) -> None:
+        nonlocal total
+        if isinstance(module, torch.nn.Conv1d):
+            per_output = module.in_channels // module.groups * module.kernel_size[0]
+            total += output.numel() * per_output
+        else:  # Linear or Int8Pointwise: rows x in x out
+            total += output.numel() * module.in_features
+
+    hooks = [
+        module.register_forward_hook(count)
+        for part in (decoder.decoder, decoder.vocos)
+        for module in part.modules()
+        if isinstance(module, (torch.nn.Conv1d, torch.nn.Linear, Int8Pointwise))
+    ]
+    try:
+        decoder(torch.randn(steps, hidden_size, generator=torch.Generator().manual_seed(0)))
+    finally:
+        for hook in hooks:
+            hook.remove()
+    return total
+
+
+def arithmetic(engine, steps: int) -> dict | None:
+    """What the CPU's arithmetic allows, on the engine's threads (call on its scheduler's
+    thread): the most multiply-adds a second the int8 product's instructions and fp32 FMAs do
+    from registers (``Kernels.peak_rate``), the GPT's int8 multiply-adds per row and step, and
+    a request's decoding's (``decode_multiply_adds``). None without the kernels."""
+    kernels = engine.model.transformer.kernels
+    if kernels is None:
+        return None
+    product = kernels.int8_instructions
+    packings = engine.model.transformer.kernel_packings()
+    return {
+        "product": product,
+        "peak_gmac_per_s": {
+            loop: kernels.peak_rate(loop) / 1e9 for loop in dict.fromkeys((product, "fp32"))
+        },
+        "gpt_macs_per_row": sum(p.in_features * p.out_features for p in packings),
+        "decode_macs": decode_multiply_adds(
+            engine.model.decoder, steps, engine.model.heads.hidden_size
+        ),
+    }
+
+
 # -- child phases -----------------------------------------------------------------------------
 
 
@@ -317,6 +374,7 @@ def phase_ours(
             "ms_per_step": statistics.median(full_steps) * 1000 if full_steps else None,
             "real_time_factor": statistics.median(latencies) / audio_seconds(steps),
             "audio_per_wall_second": concurrency * audio_seconds(steps) / wall,
+            "wall_seconds": wall,
             # every row waits while audio is decoded: its share of the runs' wall time
             "decode_share": sum(decode_log) / sum(walls),
         }
@@ -324,6 +382,7 @@ def phase_ours(
     bandwidths.append(engine.scheduler.call(measure_bandwidth).result())
     reads.append(engine.scheduler.call(lambda: weights_read_seconds(transformer)).result())
     products = engine.scheduler.call(lambda: products_ms(transformer)).result()
+    bounds = engine.scheduler.call(lambda: arithmetic(engine, steps)).result()
     engine.close()
     result = {
         "quantize": quantize,
@@ -346,7 +405,69 @@ def phase_ours(
     result["floor_ms"] = floor_ms(result)
     if products is not None:
         result["products_ms"] = products
+    if bounds is not None:
+        result["arithmetic"] = bounds
     return result
+
+
+def arithmetic_bounds(ours: dict, steps: int) -> dict | None:
+    """From ``arithmetic``'s figures: the least time the GPT's int8 products take at 1 and 8
+    rows (ms a step) and the least decode share at 8 concurrent (decoding 8 requests at the
+    decoder's instructions' peak, against the run's own time outside decoding), where the
+    instructions' peak is the only limit; None where they do not apply."""
+    figures = ours.get("arithmetic")
+    if not figures:
+        return None
+    peaks = figures["peak_gmac_per_s"]
+    bounds = {}
+    if ours["quantize"] == "int8":
+        peak = peaks[figures["product"]] * 1e9
+        for rows in (1, 8):
+            bounds[f"products_{rows}_ms"] = rows * figures["gpt_macs_per_row"] / peak * 1000
+    decoder_peak = {"int8": peaks[figures["product"]], "fp32": peaks["fp32"]}.get(
+        ours["decoder_dtype"]
+    )
+    eight = ours["concurrency"].get("8")
+    if decoder_peak and eight and "wall_seconds" in eight:
+        decoding = 8 * figures["decode_macs"] / (decoder_peak * 1e9)
+        outside = eight["wall_seconds"] * (1 - eight["decode_share"])
+        bounds["decode_8_seconds"] = decoding
+        bounds["decode_share_8"] = decoding / (decoding + outside)
+    return bounds
+
+
+def arithmetic_lines(ours: dict, steps: int, floor: float) -> list[str]:
+    figures, bounds = ours.get("arithmetic"), arithmetic_bounds(ours, steps)
+    if not figures or bounds is None:
+        return []
+    peaks = figures["peak_gmac_per_s"]
+    rates = ", ".join(
+        f"{'fp32 FMAs' if loop == 'fp32' else f'the {loop} int8 product'} {rate:.0f}"
+        for loop, rate in peaks.items()
+    )
+    lines = [f"arithmetic (from registers, every thread): GMAC/s at most: {rates}"]
+    if "products_1_ms" in bounds:
+        lines.append(
+            f"  the GPT's int8 products ({figures['gpt_macs_per_row'] / 1e6:.0f} M multiply-adds "
+            f"a row) need at least {bounds['products_1_ms']:.2f} ms a step at 1 row "
+            f"({bounds['products_1_ms'] / floor:.2f}x the floor), {bounds['products_8_ms']:.2f} "
+            f"ms at 8 rows ({bounds['products_8_ms'] / floor:.2f}x)"
+        )
+    if "decode_share_8" in bounds:
+        eight = ours["concurrency"]["8"]
+        outside = eight["wall_seconds"] * (1 - eight["decode_share"])
+        lines.append(
+            f"  decoding a request ({figures['decode_macs'] / 1e9:.1f} G multiply-adds in "
+            f"{steps} steps, {ours['decoder_dtype']} decoder) x 8 needs at least "
+            f"{bounds['decode_8_seconds']:.2f} s: against the 8-concurrent run's other "
+            f"{outside:.2f} s, a decode share of at least {100 * bounds['decode_share_8']:.0f}%"
+        )
+    return lines
+
+
+def beyond(bound: float | None, target: float, text: str) -> str:
+    """A MISSED target's reason where the arithmetic alone puts it out of reach."""
+    return f" (out of reach here: {text})" if bound is not None and bound > target else ""
 
 
 def products_lines(products: dict | None, floor: float) -> list[str]:
@@ -603,6 +724,9 @@ def report(data: dict) -> str:
     throughput = eight["audio_per_wall_second"] / base["audio_per_wall_second"]
     floor_ratio = one["ms_per_step"] / floor if one["ms_per_step"] else float("nan")
     eight_ratio = eight["ms_per_step"] / floor if eight["ms_per_step"] else float("nan")
+    bounds = arithmetic_bounds(ours, data["steps"]) or {}
+    share_bound = bounds.get("decode_share_8")
+    eight_bound = bounds["products_8_ms"] / floor if "products_8_ms" in bounds else None
     reads = ours.get("weights_read_ms")
     read_text = (
         f"; a loop only reading them took {' and '.join(f'{ms:.2f}' for ms in reads)} ms "
@@ -621,6 +745,7 @@ def report(data: dict) -> str:
         f"before and after the runs){read_text} -> floor {floor:.2f} ms/step (the lower); "
         f"batch-1 step is {floor_ratio:.2f}x the floor, 8-row step {eight_ratio:.2f}x",
         *products_lines(ours.get("products_ms"), floor),
+        *arithmetic_lines(ours, data["steps"], floor),
         f"peak RSS: baseline {base['peak_rss_mb']:.0f} MB, ours {ours['peak_rss_mb']:.0f} MB "
         f"(after ready {ours['rss_after_ready_mb']:.0f} MB); ours ready in "
         f"{ours['ready_seconds']:.1f} s (load {ours['load_seconds']:.1f} s)",
@@ -634,11 +759,13 @@ def report(data: dict) -> str:
         f"{'ok' if throughput >= 30 else 'MISSED'}",
         f"  decode share at 8 concurrent < 20%             : "
         f"{100 * eight.get('decode_share', float('nan')):.0f}%  "
-        f"{'ok' if eight.get('decode_share', 1.0) < 0.2 else 'MISSED'}",
+        f"{'ok' if eight.get('decode_share', 1.0) < 0.2 else 'MISSED'}"
+        + beyond(share_bound, 0.2, f"at least {100 * (share_bound or 0):.0f}% at the peak"),
         f"  batch-1 step within 1.3x of bandwidth floor    : {floor_ratio:.2f}x  "
         f"{'ok' if floor_ratio <= 1.3 else 'MISSED'}",
         f"  8-row step within 2.5x of bandwidth floor      : {eight_ratio:.2f}x  "
-        f"{'ok' if eight_ratio <= 2.5 else 'MISSED'}",
+        f"{'ok' if eight_ratio <= 2.5 else 'MISSED'}"
+        + beyond(eight_bound, 2.5, f"the products alone {eight_bound or 0:.2f}x at the peak"),
         f"  peak RSS under 2.5 GB                          : {ours['peak_rss_mb']:.0f} MB  "
         f"{'ok' if ours['peak_rss_mb'] < 2560 else 'MISSED'}",
     ]
