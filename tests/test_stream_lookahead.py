@@ -110,3 +110,20 @@ def test_a_stream_with_a_lookahead_is_not_cached_for_whole_answers(start_server)
     assert provisional >= job.JOIN_FIRST_STEPS * SAMPLES_PER_STEP / 24_000
     assert provisional < float(first.headers["X-Audio-Seconds"])
     assert "Traceback" not in server.log()
+
+
+def test_a_look_ahead_is_taken_only_at_a_pace_that_can_turn_exact_in_time():
+    """The step limit is where a first chunk and PROVISIONAL_MAX_STEPS of provisional audio,
+    at the pace slowed by PACE_MARGIN, just build the audio turning exact needs: a step a
+    little faster builds more, a little slower less. ChatTTS's decoders (52 steps of context)
+    with a look-ahead of 16: steps of up to ~8.5 ms."""
+    audio = SAMPLES_PER_STEP / 24_000
+    for context, lookahead in ((52, 16), (52, 0), (9, 3)):
+        limit = job.look_ahead_step_limit(context, lookahead)
+        for step, builds_enough in ((limit * 0.98, True), (limit * 1.02, False)):
+            built = job.FIRST_CHUNK_STEPS * audio + job.PROVISIONAL_MAX_STEPS * (
+                audio - job.PACE_MARGIN * step
+            )
+            assert (built >= job.catch_up_seconds(step, context, lookahead)) is builds_enough
+    assert 0.0084 < job.look_ahead_step_limit(52, 16) < 0.0086
+    assert job.look_ahead_step_limit(52, 32) > job.look_ahead_step_limit(52, 16)

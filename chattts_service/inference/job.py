@@ -85,6 +85,24 @@ PROVISIONAL_MAX_STEPS = 64
 PACE_MARGIN = 1.5
 
 
+def catch_up_seconds(step_seconds: float, context_steps: int, lookahead: int) -> float:
+    """The audio a listener must hold for a stream with a look-ahead to turn exact without
+    running dry: the first exact chunk needs ``context_steps - lookahead`` more steps
+    generated, then its own ``FIRST_CHUNK_STEPS``, then its decode."""
+    steps = context_steps - lookahead + FIRST_CHUNK_STEPS
+    return CATCH_UP_MARGIN * steps * step_seconds + CATCH_UP_SECONDS
+
+
+def look_ahead_step_limit(context_steps: int, lookahead: int) -> float:
+    """The slowest step (seconds) at which a stream starts with its look-ahead: at that pace
+    slowed by ``PACE_MARGIN``, a first chunk and ``PROVISIONAL_MAX_STEPS`` more of provisional
+    audio leave its listener ``catch_up_seconds`` ahead (below zero: never)."""
+    audio = SAMPLES_PER_STEP / SAMPLE_RATE  # seconds a step adds
+    steps = context_steps - lookahead + FIRST_CHUNK_STEPS
+    built = (FIRST_CHUNK_STEPS + PROVISIONAL_MAX_STEPS) * audio - CATCH_UP_SECONDS
+    return built / (PROVISIONAL_MAX_STEPS * PACE_MARGIN + CATCH_UP_MARGIN * steps)
+
+
 class SynthesisJob:
     """``decoder`` decodes hidden states into audio between two steps, and its
     ``decoder.context_steps`` is how many steps of context on each side make a chunk exact;
@@ -179,7 +197,12 @@ class SynthesisJob:
                     and waiting >= min(size, JOIN_CHUNK_STEPS)
                 )
             )
-        if due and not self._asked and not self._exact and not self._can_catch_up(catch_up):
+        if (
+            due
+            and not self._asked
+            and not self._exact
+            and self._step_seconds > look_ahead_step_limit(self.context_steps, self.lookahead)
+        ):
             self._exact = True  # too busy a box to turn exact later: start as exact streams do
             return False
         if due:
@@ -197,20 +220,7 @@ class SynthesisJob:
         self._last_step = now
 
     def _catch_up_seconds(self) -> float:
-        """The audio a listener must hold for this stream to turn exact without running dry:
-        the first exact chunk needs ``context_steps - lookahead`` more steps generated, then its
-        own ``FIRST_CHUNK_STEPS``, then its decode."""
-        steps = self.context_steps - self.lookahead + FIRST_CHUNK_STEPS
-        return CATCH_UP_MARGIN * steps * self._step_seconds + CATCH_UP_SECONDS
-
-    def _can_catch_up(self, catch_up: float) -> bool:
-        """Whether, at this stream's pace slowed by ``PACE_MARGIN``, a first chunk and
-        ``PROVISIONAL_MAX_STEPS`` more of provisional audio would leave its listener
-        ``catch_up`` seconds ahead."""
-        audio = SAMPLES_PER_STEP / SAMPLE_RATE  # seconds a step adds
-        pace = PACE_MARGIN * self._step_seconds
-        built = FIRST_CHUNK_STEPS * audio + PROVISIONAL_MAX_STEPS * (audio - pace)
-        return built >= catch_up
+        return catch_up_seconds(self._step_seconds, self.context_steps, self.lookahead)
 
     def _emit(self, sequence, until: int, final: bool, then=None) -> None:
         start = max(0, self._emitted - self.context_steps)
