@@ -74,6 +74,11 @@ def test_engine_benchmark_smoke(tiny_model_dir):
     assert fidelity["bf16_batched_vs_alone_relative_l2"] < 0.05
     assert fidelity["bf16_batched_vs_fp32_relative_l2"] < 0.05
     assert data["ours"]["kernel_tuning"] in text and data["cpu"] in text
+    arithmetic = data["ours"]["arithmetic"]  # what the instructions allow, from registers
+    assert set(arithmetic["peak_gmac_per_s"]) == {arithmetic["product"], "fp32"}
+    assert all(rate > 0 for rate in arithmetic["peak_gmac_per_s"].values())
+    assert arithmetic["gpt_macs_per_row"] > 0 and arithmetic["decode_macs"] > 0
+    assert "arithmetic (from registers" in text and "a decode share of at least" in text
 
 
 def test_memory_benchmark_smoke(tiny_model_dir):
@@ -128,6 +133,15 @@ def test_speech_benchmark_smoke(tiny_model_dir):
     assert len(http["first_audio_seconds"]) == 1
     assert 0 < http["first_audio_seconds"][0] <= http["total_seconds"][0]
     assert http["audio_seconds"][0] > 0 and http["lookahead"] == 0
+    from benchmarks.speech import first_audio_reason, look_ahead_reason, report
+
+    assert "first audio over HTTP <= 0.5 s" in report(data)
+    # a MISSED target says why where the steps alone put it out of reach
+    slow, fast = {"first_chunk_steps": 64, "step_seconds": 0.012}, {"first_chunk_steps": 64}
+    assert "0.768 s" in first_audio_reason(slow)
+    assert first_audio_reason({**fast, "step_seconds": 0.005}) == ""
+    assert "12.0 ms is slower than the 8.5 ms" in look_ahead_reason(slow, 52, 16)
+    assert look_ahead_reason({**fast, "step_seconds": 0.006}, 52, 16) == ""
     ahead = data["http_lookahead"]  # another server, its streams started with a look-ahead
     assert ahead["lookahead"] == 3 and ahead["first_audio_seconds"][0] > 0
     assert ahead["audio_seconds"] == http["audio_seconds"]  # the same requests, as long
