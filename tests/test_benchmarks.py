@@ -77,6 +77,12 @@ def test_engine_benchmark_smoke(tiny_model_dir):
     arithmetic = data["ours"]["arithmetic"]  # what the instructions allow, from registers
     assert set(arithmetic["peak_gmac_per_s"]) == {arithmetic["product"], "fp32"}
     assert all(rate > 0 for rate in arithmetic["peak_gmac_per_s"].values())
+    readings = arithmetic["peak_readings_gmac_per_s"]  # before and after the runs: the higher
+    assert len(readings) == 2
+    assert all(
+        rate == max(r[loop] for r in readings)
+        for loop, rate in arithmetic["peak_gmac_per_s"].items()
+    )
     assert arithmetic["gpt_macs_per_row"] > 0 and arithmetic["decode_macs"] > 0
     assert "arithmetic (from registers" in text and "a decode share of at least" in text
 
