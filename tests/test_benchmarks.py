@@ -226,8 +226,10 @@ def test_streams_benchmark_smoke(tiny_model_dir):
         assert re.search(r"streams \(look-ahead 3: at most \d+ steps provisional, SNR", line)
     fidelity = [line for line in lines if line.startswith("a 12-step chunk decoded ")]
     assert [int(line.split()[4]) for line in fidelity] == [3, 4, 8, 12, 16, 24]
-    # the tiny model's decoders read 9 steps either side: 12 steps ahead is exact
-    assert fidelity[3].endswith("SNR inf dB at least against its exact samples")
+    # the tiny model's decoders read 9 steps either side: 12 steps ahead is exact, within the
+    # rounding of convolutions over other widths (bit-exact on some CPUs, ~120 dB on others)
+    assert fidelity[3].endswith("dB at least against its exact samples")
+    assert float(fidelity[3].split("SNR ")[1].split()[0]) > 100
     assert float(fidelity[0].split("SNR ")[1].split()[0]) < 60
     for line in levels:
         match = re.search(

@@ -112,15 +112,20 @@ def test_tiles_give_the_vnni_products_bits_at_every_row_count(kernels, shape):
 
 def test_tiles_where_there_are_none_are_refused_with_the_reason(kernels):
     """Asked for tiles, a CPU without AMX (or an OS that grants no tile state) says so
-    instead of faulting; one with them multiplies."""
+    instead of faulting; one with them multiplies. Tiles are the VNNI product's: the AVX2
+    product (a CPU without AVX512-VNNI) has no tile form and multiplies as it always does."""
     packing = _packings(kernels)[0]
-    kernels.tuning = tuning.KernelTuning(16, "nta", 9, 2).to_abi()
     x = torch.randn(4, 64)
+    kernels.tuning = tuning.KernelTuning(16, "nta", 9, 0).to_abi()
+    without_tiles = kernels.int8_linear(x, packing)
+    kernels.tuning = tuning.KernelTuning(16, "nta", 9, 2).to_abi()
     if kernels.has_tiles:
-        assert kernels.int8_linear(x, packing).shape == (4, 192)
-    else:
+        assert torch.equal(kernels.int8_linear(x, packing), without_tiles)
+    elif packing.instructions == "vnni":
         with pytest.raises(cpp_kernels.KernelError, match="AMX tiles asked for"):
             kernels.int8_linear(x, packing)
+    else:
+        assert torch.equal(kernels.int8_linear(x, packing), without_tiles)
 
 
 def test_the_kernel_refuses_a_tuning_out_of_range(kernels):
