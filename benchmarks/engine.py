@@ -438,6 +438,7 @@ def arithmetic_bounds(ours: dict, steps: int) -> dict | None:
     eight = ours["concurrency"].get("8")
     if eight and "wall_seconds" in eight:
         outside = eight["wall_seconds"] * (1 - eight["decode_share"])
+        bounds["outside_decode_8_seconds"] = outside
         for dtype, peak in (("fp32", peaks["fp32"]), ("int8", peaks[figures["product"]])):
             decoding = 8 * figures["decode_macs"] / (peak * 1e9)
             bounds[f"decode_8_seconds_{dtype}"] = decoding
@@ -447,9 +448,10 @@ def arithmetic_bounds(ours: dict, steps: int) -> dict | None:
     return bounds
 
 
-def arithmetic_lines(ours: dict, steps: int, floor: float) -> list[str]:
-    figures, bounds = ours.get("arithmetic"), arithmetic_bounds(ours, steps)
-    if not figures or bounds is None:
+def arithmetic_lines(ours: dict, bounds: dict, steps: int, floor: float) -> list[str]:
+    """``arithmetic``'s peaks and the bounds ``arithmetic_bounds`` drew from them."""
+    figures = ours.get("arithmetic")
+    if not figures:
         return []
     peaks = figures["peak_gmac_per_s"]
     rates = ", ".join(
@@ -468,8 +470,6 @@ def arithmetic_lines(ours: dict, steps: int, floor: float) -> list[str]:
             f"ms at 8 rows ({bounds['products_8_ms'] / floor:.2f}x)"
         )
     if "decode_share_8_fp32" in bounds:
-        eight = ours["concurrency"]["8"]
-        outside = eight["wall_seconds"] * (1 - eight["decode_share"])
         least = "; ".join(
             f"{dtype} {bounds[f'decode_8_seconds_{dtype}']:.2f} s, a decode share of at least "
             f"{100 * bounds[f'decode_share_8_{dtype}']:.0f}%"
@@ -479,7 +479,7 @@ def arithmetic_lines(ours: dict, steps: int, floor: float) -> list[str]:
         lines.append(
             f"  decoding a request ({figures['decode_macs'] / 1e9:.1f} G multiply-adds in "
             f"{steps} steps) x 8 at the peak, against the 8-concurrent run's other "
-            f"{outside:.2f} s: {least}"
+            f"{bounds['outside_decode_8_seconds']:.2f} s: {least}"
         )
     return lines
 
@@ -764,7 +764,7 @@ def report(data: dict) -> str:
         f"before and after the runs){read_text} -> floor {floor:.2f} ms/step (the lower); "
         f"batch-1 step is {floor_ratio:.2f}x the floor, 8-row step {eight_ratio:.2f}x",
         *products_lines(ours.get("products_ms"), floor),
-        *arithmetic_lines(ours, data["steps"], floor),
+        *arithmetic_lines(ours, bounds, data["steps"], floor),
         f"peak RSS: baseline {base['peak_rss_mb']:.0f} MB, ours {ours['peak_rss_mb']:.0f} MB "
         f"(after ready {ours['rss_after_ready_mb']:.0f} MB); ours ready in "
         f"{ours['ready_seconds']:.1f} s (load {ours['load_seconds']:.1f} s)",

@@ -173,7 +173,7 @@ class SynthesisJob:
         low_water = LOW_WATER_SECONDS
         if not self._exact:
             self._time_step()
-            catch_up = self._catch_up_seconds()
+            catch_up = catch_up_seconds(self._step_seconds, self.context_steps, self.lookahead)
             if self._asked and (
                 self.ahead() >= catch_up or self._provisional >= PROVISIONAL_MAX_STEPS
             ):
@@ -218,9 +218,6 @@ class SynthesisJob:
                 gap if not self._step_seconds else 0.8 * self._step_seconds + 0.2 * gap
             )
         self._last_step = now
-
-    def _catch_up_seconds(self) -> float:
-        return catch_up_seconds(self._step_seconds, self.context_steps, self.lookahead)
 
     def _emit(self, sequence, until: int, final: bool, then=None) -> None:
         start = max(0, self._emitted - self.context_steps)
