@@ -212,7 +212,13 @@ void gemm(int64_t rows, int64_t n, int64_t k, const uint8_t* xq, const int8_t* p
     const int64_t tasks = (blocks + span - 1) / span;
     const uintptr_t weights_end = reinterpret_cast<uintptr_t>(packed) + blocks * block_bytes;
     const int64_t prefetch_bytes = static_cast<int64_t>(tuning.prefetch_groups) * 64;
-    const bool t0 = tuning.prefetch_hint == 1;
+    // More than 8 rows pass over each block again and must find it in cache: a non-temporal
+    // prefetch leaves lines in L1 alone, and a block of 1,536 inputs (24 KB, 48 KB a pair)
+    // does not stay there, so every pass read it from memory again (the tuning measures 1 and
+    // 8 rows, one pass). So the first pass fetches into every level (T0) and later ones fetch
+    // nothing. Side by side on an Intel Xeon (family 6 model 167) with the default NTA
+    // prefetch, 300 rows of a 512 x 1,536 layer: docs/benchmarks.md.
+    const bool t0 = tuning.prefetch_hint == 1 || rows > 8;
     // guided: each thread starts on a long run of blocks, streamed in order, and the last
     // blocks go to whichever thread is free first. On a shared virtual machine one vCPU is
     // often slower for a moment, and with halves fixed in advance the other waited for it:
@@ -243,7 +249,7 @@ void gemm(int64_t rows, int64_t n, int64_t k, const uint8_t* xq, const int8_t* p
                 offsets + block * 16, weight_scale + block * 16, row_max + first,
                 residual == nullptr ? nullptr : residual + first * residual_stride + block * 16,
                 residual_stride, out + first * out_stride + block * 16, out_stride, valid,
-                weights_end, prefetch_bytes);
+                weights_end, first == 0 ? prefetch_bytes : 0);
         }
     }
 }
@@ -348,7 +354,8 @@ void gemm_tiles(int64_t rows, int64_t n, int64_t k, const uint8_t* xq, const int
     const int64_t chunks = k / 64, tail_groups = (k % 64) / 4;
     const uintptr_t weights_end = reinterpret_cast<uintptr_t>(packed) + blocks * block_bytes;
     const int64_t prefetch_bytes = static_cast<int64_t>(tuning.prefetch_groups) * 64;
-    const bool t0 = tuning.prefetch_hint == 1;
+    // past 16 rows later passes read each block again: into every level, as gemm does
+    const bool t0 = tuning.prefetch_hint == 1 || rows > 16;
     const TileConfig config(rows < 16 ? static_cast<int>(rows) : 16);
 #pragma omp parallel num_threads(threads)
     {
