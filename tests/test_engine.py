@@ -450,6 +450,13 @@ def test_an_int8_decoder_runs_its_pointwise_layers_on_the_kernels(
         for block in blocks:
             assert isinstance(block.pwconv1, Int8Pointwise)
             assert isinstance(block.pwconv2, Int8Pointwise)
+        # the bias rides in the product's call as a residual of row stride 0: the same bits as
+        # adding it after
+        layer = blocks[0].pwconv1
+        frames = torch.randn(2, 5, layer.in_features, generator=torch.Generator().manual_seed(4))
+        with_bias = engine.scheduler.call(lambda: layer(frames)).result()
+        assert with_bias.shape == (2, 5, layer.out_features)
+        assert torch.equal(with_bias, layer.product(frames) + layer.bias)
         items = _windows(engine, 6)
         hiddens = items[1][0]
         int8_whole = engine.scheduler.call(lambda: decoder(hiddens)).result()

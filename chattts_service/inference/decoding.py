@@ -332,8 +332,11 @@ class Int8Pointwise(torch.nn.Module):
         self.register_buffer("bias", bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = self.product(x)
-        return out if self.bias is None else out.add_(self.bias)
+        if self.bias is None:
+            return self.product(x)
+        # the bias as the product's residual, a row stride of 0: added in the same call to the
+        # rounded product, the same IEEE sum as ``out + bias``, without another pass over out
+        return self.product(x, residual=self.bias.expand(*x.shape[:-1], self.out_features))
 
 
 def bucket(frames: int) -> int:
