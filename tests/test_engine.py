@@ -221,6 +221,25 @@ def test_a_stage_that_ends_at_its_prefill_still_hands_over_to_the_next(engine, m
     assert result.steps >= 1
 
 
+def test_segments_queued_together_generate_together(engine, monkeypatch):
+    """A request's segments, queued at once, are admitted at once, even when the first would be
+    done within one iteration of the scheduler (2 steps each here): none is left in the queue
+    behind a batch that emptied, waiting for the idle wake-up (half a second a segment)."""
+    rows_per_step: list[int] = []
+    monkeypatch.setattr(engine.scheduler, "_on_step", lambda rows, _: rows_per_step.append(rows))
+    request = SynthesisRequest("".join(f"第{i}句话讲了一件事情。" for i in range(1, 13)), seed=62)
+    segments = engine.segments(request)
+    assert 2 <= len(segments) <= engine.settings.max_batch
+    hold = threading.Event()
+    held = engine.scheduler.call(hold.wait)  # the scheduler busy until every segment is queued
+    run = engine.start(request, fixed_steps=2)
+    hold.set()
+    held.result(timeout=30)
+    result = run.result(60)
+    assert result.segments == len(segments) and result.steps == 2 * len(segments)
+    assert rows_per_step == [len(segments)]
+
+
 def test_a_request_past_its_deadline_is_dropped_and_the_batch_goes_on(engine):
     import time
 

@@ -162,8 +162,12 @@ class Scheduler:
                 future.set_exception(error)
 
     def _gather_new_batch(self) -> bool:
-        self._wakeup.wait(0.5)
+        # cleared before looking, so whatever arrives after the look sets it again and the wait
+        # ends at once; with work already here, no wait (a batch that emptied in one iteration,
+        # say segments of a step or two, left the rest of its request queued)
         self._wakeup.clear()
+        if self._queue.empty() and self._calls.empty() and not self._stop.is_set():
+            self._wakeup.wait(0.5)
         if self.batch is None or self._queue.empty():
             return False
         first = self._queue.get_nowait()
@@ -174,12 +178,10 @@ class Scheduler:
     def _take_queued(self, block_until: float | None) -> None:
         while len(self.batch) + len(self._waiting) < self.policy.max_batch:
             try:
-                if block_until is None:
+                remaining = 0.0 if block_until is None else block_until - time.monotonic()
+                if remaining <= 0:  # what is queued already joins, however short the wait
                     job = self._queue.get_nowait()
                 else:
-                    remaining = block_until - time.monotonic()
-                    if remaining <= 0:
-                        return
                     job = self._queue.get(timeout=remaining)
             except queue.Empty:
                 return
