@@ -17,8 +17,13 @@
 
 namespace {
 
-constexpr int64_t kBlockPositions = 16;  // a block: a multiple of four positions
-constexpr int64_t kPrefetchBytes = 2048;  // how far ahead of its use the run is fetched
+// A block: a multiple of four positions. Before each head's work on a block, that head's
+// slice kFetchPositions further on is fetched, so the reads spread over the work: a whole
+// block's lines fetched at once (16 positions, 2 KB ahead) stalled the core until most of
+// them arrived, then left memory idle while it computed (0.83-0.95x the time at 8-16 rows:
+// docs/benchmarks.md).
+constexpr int64_t kBlockPositions = 4;
+constexpr int64_t kFetchPositions = 4;
 constexpr int64_t kMaxHeadsAGroup = 64;   // heads one task attends (more: more tasks)
 
 // Rotary position embedding of one head's vector, as transformers' Llama applies it:
@@ -214,17 +219,15 @@ void attend(const LayerRun<Element>& run, int64_t length, int64_t head_lo, int64
             float scale, const float* queries, float* scores, float* sums, float* results) {
     const int64_t positions = length + 1, dim = run.dim, stride = run.stride();
     const int64_t count = head_hi - head_lo;
-    const int64_t per_position = count * dim * static_cast<int64_t>(sizeof(Element));
-    const int64_t ahead = (kPrefetchBytes + per_position - 1) / per_position;  // positions
     const auto block_end = [positions](int64_t first) {
         return first + kBlockPositions < positions ? first + kBlockPositions : positions;
     };
 
-    fetch(run.keys, run, 0, ahead, head_lo, head_hi);
+    fetch(run.keys, run, 0, kFetchPositions, head_lo, head_hi);
     for (int64_t first = 0; first < positions; first += kBlockPositions) {
         const int64_t end = block_end(first);
-        fetch(run.keys, run, first + ahead, end + ahead, head_lo, head_hi);
         for (int64_t head = head_lo; head < head_hi; ++head) {
+            fetch(run.keys, run, first + kFetchPositions, end + kFetchPositions, head, head + 1);
             const float* query = queries + (head - head_lo) * dim;
             float* score = scores + (head - head_lo) * positions;
             const auto scaled = [&](int64_t position, float dot) {
@@ -278,11 +281,11 @@ void attend(const LayerRun<Element>& run, int64_t length, int64_t head_lo, int64
     }
 
     std::fill(sums, sums + count * dim, 0.0f);
-    fetch(run.values, run, 0, ahead, head_lo, head_hi);
+    fetch(run.values, run, 0, kFetchPositions, head_lo, head_hi);
     for (int64_t first = 0; first < positions; first += kBlockPositions) {
         const int64_t end = block_end(first);
-        fetch(run.values, run, first + ahead, end + ahead, head_lo, head_hi);
         for (int64_t head = head_lo; head < head_hi; ++head) {
+            fetch(run.values, run, first + kFetchPositions, end + kFetchPositions, head, head + 1);
             const float* score = scores + (head - head_lo) * positions;
             float* sum = sums + (head - head_lo) * dim;
             const auto weight_of = [&](int64_t position) {
