@@ -6,10 +6,11 @@ For each ROWSxPOSITIONS, fills that many requests' caches (the full-size GPT's 2
 heads of 64; bf16, or int8 with ``--kv-cache-dtype int8``; reserved for ``--reserve`` positions
 as the engine reserves a request's worst case), then times the attention kernel over all 20
 layers for one step, with every cache evicted before each call (a step's 190 MB of weights
-sweep the caches between two of its attentions), medians of ``--rounds``. Prints the CPU, the
-milliseconds and the rate the caches were read at, beside a read-only loop over the same
-bytes (``Kernels.read``, copies of the caches: one stream a thread), so the two compare on
-this machine.
+sweep the caches between two of its attentions), medians of ``--rounds``. Those are 20 calls
+from Python, where an engine step attends from its one call for all layers: their fixed cost,
+timed on empty caches, is printed and taken off. Prints the CPU, the milliseconds and the rate
+the caches were read at, beside a read-only loop over the same bytes (``Kernels.read``, copies
+of the caches: one stream a thread), so the two compare on this machine.
 """
 
 from __future__ import annotations
@@ -54,6 +55,11 @@ def measure(kernels, rows: int, positions: int, reserve: int, dtype, rounds: int
     q, k, v = (torch.randn(rows, HEADS, DIM, generator=generator) for _ in range(3))
     out = torch.empty(rows, HEADS, 1, DIM)
     step = bindings.StepRows(caches, [positions] * rows)
+    # what the 20 calls cost with next to nothing to read (each row's cache empty: the new
+    # token alone): Python's and ctypes' share of each call, which a step does not pay (its
+    # layers run in one call)
+    empty = [KVCache(LAYERS, HEADS, DIM, reserve=16, dtype=dtype) for _ in range(rows)]
+    empty_step = bindings.StepRows(empty, [0] * rows)
     evict = torch.ones(EVICT_MB * 250_000)
     # what a step reads, copied out as plain buffers: every position's key and value of every
     # layer (and their scales, for int8)
@@ -64,9 +70,13 @@ def measure(kernels, rows: int, positions: int, reserve: int, dtype, rounds: int
         if tensor is not None
     ]
     megabytes = sum(tensor.numel() * tensor.element_size() for tensor in plain) / 1e6
-    times, reads = [], []
+    times, reads, calls = [], [], []
     with torch.inference_mode():
         for index in range(rounds + 2):  # two untimed: threads started, pages touched
+            started = time.perf_counter()
+            for layer in range(LAYERS):
+                kernels.attention(layer, q, k, v, empty_step, out, 1 / math.sqrt(DIM))
+            call = time.perf_counter() - started
             evict.sum()
             started = time.perf_counter()
             for layer in range(LAYERS):
@@ -79,14 +89,20 @@ def measure(kernels, rows: int, positions: int, reserve: int, dtype, rounds: int
             if index >= 2:
                 times.append(elapsed)
                 reads.append(read)
+                calls.append(call)
     milliseconds = statistics.median(times) * 1e3
     read_ms = statistics.median(reads) * 1e3
+    calls_ms = statistics.median(calls) * 1e3
+    net_ms = max(milliseconds - calls_ms, 1e-6)
     return {
         "rows": rows,
         "positions": positions,
         "megabytes": megabytes,
         "ms": milliseconds,
         "gb_per_s": megabytes / milliseconds,
+        "calls_ms": calls_ms,
+        "net_ms": net_ms,
+        "net_gb_per_s": megabytes / net_ms,
         "read_ms": read_ms,
         "read_gb_per_s": megabytes / read_ms,
     }
@@ -128,7 +144,9 @@ def main(argv: list[str] | None = None) -> int:
     for shape in data["shapes"]:
         print(
             f"{shape['rows']:>3} rows x {shape['positions']:>4} positions: attention "
-            f"{shape['ms']:.2f} ms ({shape['gb_per_s']:.1f} GB/s); reading as many "
+            f"{shape['ms']:.2f} ms ({shape['gb_per_s']:.1f} GB/s), less the calls' own "
+            f"{shape['calls_ms']:.2f} ms {shape['net_ms']:.2f} ms ({shape['net_gb_per_s']:.1f} "
+            f"GB/s); reading as many "
             f"{shape['megabytes']:.0f} MB alone {shape['read_ms']:.2f} ms "
             f"({shape['read_gb_per_s']:.1f} GB/s)"
         )
