@@ -20,7 +20,7 @@ namespace {
 // A block: a multiple of four positions. Before each head's work on a block, that head's
 // slice kFetchPositions further on is fetched, so the reads spread over the work: a whole
 // block's lines fetched at once (16 positions, 2 KB ahead) stalled the core until most of
-// them arrived, then left memory idle while it computed (0.83-0.95x the time at 8-16 rows:
+// them arrived, then left memory idle while it computed (now 0.88-0.91x the time at 8-16 rows:
 // docs/benchmarks.md).
 constexpr int64_t kBlockPositions = 4;
 constexpr int64_t kFetchPositions = 4;
