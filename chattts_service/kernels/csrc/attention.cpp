@@ -37,14 +37,27 @@ void rotate(const float* x, const float* cos, const float* sin, int64_t dim, flo
     for (int64_t d = half; d < dim; ++d) out[d] = x[d] * cos[d] + x[d - half] * sin[d];
 }
 
+// The largest of `start` and x[0..count), eight lanes at a time, as a scalar loop of
+// `x[i] > largest ? x[i] : largest` from `start` finds it (a NaN in x is passed over alike),
+// without that loop's chain of compares: a maximum is the same in any order (of -0 and +0
+// either may come out, and every use below gives the same bits for both).
+inline float largest_of(float start, const float* x, int64_t count) {
+    __m256 lanes = _mm256_set1_ps(start);
+    int64_t i = 0;
+    for (; i + 8 <= count; i += 8) lanes = _mm256_max_ps(_mm256_loadu_ps(x + i), lanes);
+    __m128 four = _mm_max_ps(_mm256_castps256_ps128(lanes), _mm256_extractf128_ps(lanes, 1));
+    four = _mm_max_ps(four, _mm_movehl_ps(four, four));
+    float largest = _mm_cvtss_f32(_mm_max_ss(four, _mm_movehdup_ps(four)));
+    for (; i < count; ++i) largest = x[i] > largest ? x[i] : largest;
+    return largest;
+}
+
 // One head's key or value for an int8 cache: round(x / scale) with scale = max |x| / 127 (all
 // zeros: scale 0), so x ~ q * scale; returns the scale.
 float quantize_vector(const float* x, int64_t dim, int8_t* quantized) {
-    float largest = 0.0f;
-    for (int64_t d = 0; d < dim; ++d) {
-        const float magnitude = std::fabs(x[d]);
-        largest = magnitude > largest ? magnitude : largest;
-    }
+    float magnitudes[256];
+    for (int64_t d = 0; d < dim; ++d) magnitudes[d] = std::fabs(x[d]);
+    const float largest = largest_of(0.0f, magnitudes, dim);
     const float inverse = largest > 0.0f ? 127.0f / largest : 0.0f;
     for (int64_t d = 0; d < dim; ++d)
         quantized[d] = static_cast<int8_t>(__builtin_nearbyintf(x[d] * inverse));
@@ -269,9 +282,7 @@ void attend(const LayerRun<Element>& run, int64_t length, int64_t head_lo, int64
     float inverses[kMaxHeadsAGroup];
     for (int64_t head = head_lo; head < head_hi; ++head) {
         float* score = scores + (head - head_lo) * positions;
-        float largest = score[0];
-        for (int64_t position = 1; position < positions; ++position)
-            largest = score[position] > largest ? score[position] : largest;
+        const float largest = largest_of(score[0], score, positions);
         float total = 0.0f;
         for (int64_t position = 0; position < positions; ++position) {
             score[position] = exp_nonpositive(score[position] - largest);
