@@ -1,6 +1,6 @@
 """The int8 product's prefetching candidates on this CPU, side by side (for ``tuning.TABLE``).
 
-    python benchmarks/tuning.py [--model-dir DIR] [--rounds N]
+    python benchmarks/tuning.py [--model-dir DIR] [--rounds N] [--prefetch 16/nta,128/t0,...]
 
 Times one pass of the int8 product over the model's packed layers at 1 and 8 rows for every
 candidate of ``chattts_service.kernels.tuning``, interleaved, medians of ``--rounds`` (then,
@@ -8,6 +8,9 @@ for the VNNI product, the chosen prefetch with blocks in pairs or not at 8 rows,
 on tiles or not at 2 to 32 rows); prints
 the CPU, the figures, what ``CHATTTS_KERNEL_TUNING=measure`` would choose, and the table entry
 that records it. Without ``--model-dir`` the full-size random-weight model is used.
+``--prefetch`` times other prefetch candidates in place of the service's (distances in 64-byte
+groups ahead, up to 256, and the hint; the first is the one the others must beat by 5%), to
+see whether a distance the service does not try would pay on this CPU.
 """
 
 from __future__ import annotations
@@ -26,6 +29,10 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model-dir", type=Path, help="model to measure on")
     parser.add_argument("--rounds", type=int, default=7, help="passes per candidate and rows")
+    parser.add_argument(
+        "--prefetch",
+        help="prefetch candidates instead of the service's: GROUPS/HINT,... (e.g. 16/nta,128/t0)",
+    )
     args = parser.parse_args(argv)
 
     import torch
@@ -48,7 +55,13 @@ def main(argv: list[str] | None = None) -> int:
         f"{transformer.linear_kernel} product over {megabytes:.0f} MB of int8 layers, "
         f"{torch.get_num_threads()} threads, medians of {args.rounds}"
     )
-    best, report = tuning.measure(transformer.kernels, packings, args.rounds)
+    candidates = tuning.CANDIDATES
+    if args.prefetch:
+        try:
+            candidates = tuning.parse_candidates(args.prefetch)
+        except ValueError as error:
+            parser.error(str(error))
+    best, report = tuning.measure(transformer.kernels, packings, args.rounds, candidates)
     print("prefetch distance/hint/pairs from, a pass over the layers:")
     for section in ("ms_per_pass", "pairing_ms_per_pass", "tiles_ms_per_pass"):
         for name, by_rows in report.get(section, {}).items():

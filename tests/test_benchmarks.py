@@ -196,6 +196,29 @@ def test_tuning_benchmark_smoke(tiny_model_dir):
     assert sum(" rows " in line and "GB/s" in line for line in lines) == expected
     assert any(line.startswith("measure would choose: ") for line in lines)
 
+    # other distances, in place of the service's candidates
+    result = run_benchmark(
+        "benchmarks/tuning.py",
+        "--model-dir",
+        str(tiny_model_dir),
+        "--rounds",
+        "2",
+        "--prefetch",
+        "16/nta,128/t0",
+        timeout=300,
+    )
+    timed = [line.split()[0] for line in result.stdout.splitlines() if "GB/s" in line]
+    assert timed[:2] == ["16/nta/9", "128/t0/9"]
+    assert len(timed) == 2 + (len(tuning.PAIRINGS) if vnni else 0) + 2 * tiles
+    refused = subprocess.run(
+        [sys.executable, "benchmarks/tuning.py", "--prefetch", "16/fast"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert refused.returncode == 2 and "not a prefetch candidate: '16/fast'" in refused.stderr
+
 
 def test_streams_benchmark_smoke(tiny_model_dir):
     result = run_benchmark(

@@ -325,3 +325,14 @@ def test_default_mode_measures_nothing_and_keeps_nothing(kernels, tmp_path):
     assert not list(tmp_path.iterdir())
     with pytest.raises(ValueError, match="kernel tuning must be one of"):
         tuning.choose(kernels, [], "fastest", tmp_path)
+
+
+def test_prefetch_candidates_parse_or_say_what_is_wrong():
+    """``benchmarks/tuning.py --prefetch``: groups of 64 bytes ahead and the hint."""
+    assert tuning.parse_candidates("16/nta, 128/t0") == (
+        tuning.KernelTuning(16, "nta"),
+        tuning.KernelTuning(128, "t0"),
+    )
+    for bad in ("", "16", "16/fast", "300/t0", "-1/nta", "x/t0"):
+        with pytest.raises(ValueError, match="not a prefetch candidate"):
+            tuning.parse_candidates(bad)

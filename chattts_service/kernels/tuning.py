@@ -116,6 +116,22 @@ TABLE = {
 }
 
 
+def parse_candidates(text: str) -> tuple[KernelTuning, ...]:
+    """ "16/nta,128/t0" -> prefetch candidates (64-byte groups ahead and the hint), for
+    ``benchmarks/tuning.py --prefetch``; ValueError saying what is wrong."""
+    candidates = []
+    for item in (part.strip() for part in text.split(",")):
+        groups, _, hint = item.partition("/")
+        try:
+            candidates.append(KernelTuning(int(groups), hint))
+        except ValueError:
+            raise ValueError(
+                f"not a prefetch candidate: {item!r} (GROUPS/HINT: 0-256 groups of 64 bytes "
+                f"ahead, hint {' or '.join(HINTS)})"
+            ) from None
+    return tuple(candidates)
+
+
 def cpu_identity() -> dict:
     """What the choice depends on: the CPU's vendor, family, model and name, and its flags."""
     fields = cpu_fields()
