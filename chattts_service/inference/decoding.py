@@ -213,33 +213,43 @@ class AudioDecoder:
         windows, outputs = [], [None] * len(items)
         for position, (item, new) in enumerate(zip(items, pending, strict=True)):
             state = item.state
-            known = state.take(index, new)
-            if known is None:  # nothing has reached this stage yet
+            parts = state.parts(index, new)
+            if not parts:  # nothing has reached this stage yet
                 continue
-            end = state.starts[index] + known.shape[-1]  # input frames known so far
+            end = state.starts[index] + sum(part.shape[-1] for part in parts)  # known so far
             target = end if item.final else end - radius  # outputs whose inputs are all known
             done = state.done[index]
             if target <= done:
+                state.take(index, new)
                 continue
             # inputs [done - radius, target + radius): zeros before the start and, when final,
             # past the end, as the convolutions pad the whole
-            window = torch.nn.functional.pad(known, (max(0, radius - done), target + radius - end))
-            windows.append((position, window, target - done))
-            state.done[index] = target
-            state.keep(index, max(0, target - radius))
+            left, right = max(0, radius - done), target + radius - end
+            windows.append((position, parts, left, right, target - done))
         if windows:
             # the windows side by side in one row: each carries its own halo, so an output it
-            # keeps reads only its own frames; one shape per total width (``bucket``)
-            total = sum(window.shape[-1] for _, window, _ in windows)
-            first = windows[0][1]
+            # keeps reads only its own frames; one shape per total width (``bucket``). Each
+            # stream's kept and new inputs are written straight onto the canvas (its zeros the
+            # padding), not joined and padded first.
+            total = sum(
+                left + sum(part.shape[-1] for part in parts) + right
+                for _, parts, left, right, _ in windows
+            )
+            first = windows[0][1][0]
             canvas = first.new_zeros(1, first.shape[0], bucket(total))
             column, places = 0, []
-            for _, window, _ in windows:
-                canvas[0, :, column : column + window.shape[-1]] = window
+            for position, parts, left, right, count in windows:
+                at = column + left
+                for part in parts:
+                    canvas[0, :, at : at + part.shape[-1]] = part
+                    at += part.shape[-1]
+                state = items[position].state
+                state.done[index] += count
+                state.hold(index, parts, max(0, state.done[index] - radius))  # as ``keep``
                 places.append(column)
-                column += window.shape[-1]
+                column = at + right
             out = stage(canvas)
-            for (position, _, count), column in zip(windows, places, strict=True):
+            for (position, _, _, _, count), column in zip(windows, places, strict=True):
                 outputs[position] = out[0, :, column + radius : column + radius + count]
         return outputs
 
@@ -303,6 +313,26 @@ class StreamState:
             kept = new if kept is None else torch.cat([kept, new.to(kept.dtype)], dim=-1)
         self.inputs[index] = kept
         return kept
+
+    def parts(self, index: int, new: torch.Tensor | None) -> list[torch.Tensor]:
+        """Stage ``index``'s kept inputs and ``new`` ones, in order, as ``take`` would join
+        them (without joining them)."""
+        kept = self.inputs[index]
+        if kept is None:
+            return [] if new is None else [new]
+        return [kept] if new is None else [kept, new.to(kept.dtype)]
+
+    def hold(self, index: int, parts: list[torch.Tensor], start: int) -> None:
+        """``take`` then ``keep``, joining only what is kept: ``parts`` (from ``parts``) are
+        stage ``index``'s inputs from frame ``starts``; those from frame ``start`` on stay."""
+        pieces, offset = [], self.starts[index]
+        for part in parts:
+            skip = max(0, start - offset)
+            if skip < part.shape[-1] or part is parts[-1]:  # (empty when nothing stays)
+                pieces.append(part[:, min(skip, part.shape[-1]) :])
+            offset += part.shape[-1]
+        self.inputs[index] = torch.cat(pieces, dim=-1) if len(pieces) > 1 else pieces[0].clone()
+        self.starts[index] = start
 
     def keep(self, index: int, start: int) -> None:
         """Drop stage ``index``'s inputs before frame ``start``: nothing later reads them."""
