@@ -134,7 +134,9 @@ def test_speech_benchmark_smoke(tiny_model_dir):
     }
     assert all(seconds > 0 for seconds in costs["stages_seconds"].values())
     assert costs["step_seconds"] > 0 and costs["decode_first_chunk_seconds"] > 0
-    assert costs["two_step_request_seconds"] > costs["two_step_decode_seconds"] > 0
+    # timed apart (the request, then a decode of its size alone), so on a busy host the part
+    # can take longer than the whole: both are measured, neither bounds the other
+    assert costs["two_step_request_seconds"] > 0 and costs["two_step_decode_seconds"] > 0
     http = data["http"]  # a real server on loopback, a streamed request over HTTP
     assert len(http["first_audio_seconds"]) == 1
     assert 0 < http["first_audio_seconds"][0] <= http["total_seconds"][0]
