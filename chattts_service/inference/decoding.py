@@ -216,7 +216,8 @@ class AudioDecoder:
             parts = state.parts(index, new)
             if not parts:  # nothing has reached this stage yet
                 continue
-            end = state.starts[index] + sum(part.shape[-1] for part in parts)  # known so far
+            known = sum(part.shape[-1] for part in parts)
+            end = state.starts[index] + known  # input frames known so far
             target = end if item.final else end - radius  # outputs whose inputs are all known
             done = state.done[index]
             if target <= done:
@@ -224,21 +225,19 @@ class AudioDecoder:
                 continue
             # inputs [done - radius, target + radius): zeros before the start and, when final,
             # past the end, as the convolutions pad the whole
-            left, right = max(0, radius - done), target + radius - end
-            windows.append((position, parts, left, right, target - done))
+            left = max(0, radius - done)
+            width = left + known + target + radius - end
+            windows.append((position, parts, left, width, target - done))
         if windows:
             # the windows side by side in one row: each carries its own halo, so an output it
             # keeps reads only its own frames; one shape per total width (``bucket``). Each
             # stream's kept and new inputs are written straight onto the canvas (its zeros the
             # padding), not joined and padded first.
-            total = sum(
-                left + sum(part.shape[-1] for part in parts) + right
-                for _, parts, left, right, _ in windows
-            )
+            total = sum(width for _, _, _, width, _ in windows)
             first = windows[0][1][0]
             canvas = first.new_zeros(1, first.shape[0], bucket(total))
             column, places = 0, []
-            for position, parts, left, right, count in windows:
+            for position, parts, left, width, count in windows:
                 at = column + left
                 for part in parts:
                     canvas[0, :, at : at + part.shape[-1]] = part
@@ -247,7 +246,7 @@ class AudioDecoder:
                 state.done[index] += count
                 state.hold(index, parts, max(0, state.done[index] - radius))  # as ``keep``
                 places.append(column)
-                column = at + right
+                column += width
             out = stage(canvas)
             for (position, _, _, _, count), column in zip(windows, places, strict=True):
                 outputs[position] = out[0, :, column + radius : column + radius + count]
@@ -308,15 +307,14 @@ class StreamState:
 
     def take(self, index: int, new: torch.Tensor | None) -> torch.Tensor | None:
         """Stage ``index``'s kept inputs with ``new`` ones after them ([channels, frames])."""
-        kept = self.inputs[index]
-        if new is not None:
-            kept = new if kept is None else torch.cat([kept, new.to(kept.dtype)], dim=-1)
+        parts = self.parts(index, new)
+        kept = torch.cat(parts, dim=-1) if len(parts) > 1 else (parts[0] if parts else None)
         self.inputs[index] = kept
         return kept
 
     def parts(self, index: int, new: torch.Tensor | None) -> list[torch.Tensor]:
-        """Stage ``index``'s kept inputs and ``new`` ones, in order, as ``take`` would join
-        them (without joining them)."""
+        """Stage ``index``'s kept inputs and ``new`` ones, in order, before ``take`` joins
+        them."""
         kept = self.inputs[index]
         if kept is None:
             return [] if new is None else [new]
@@ -336,9 +334,7 @@ class StreamState:
 
     def keep(self, index: int, start: int) -> None:
         """Drop stage ``index``'s inputs before frame ``start``: nothing later reads them."""
-        kept = self.inputs[index]
-        self.inputs[index] = kept[:, start - self.starts[index] :].clone()
-        self.starts[index] = start
+        self.hold(index, [self.inputs[index]], start)
 
 
 class Advance:
