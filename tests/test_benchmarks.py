@@ -178,14 +178,18 @@ def test_cold_start_benchmark_smoke():
 
 
 def test_tuning_benchmark_smoke(tiny_model_dir):
-    result = run_benchmark(
-        "benchmarks/tuning.py",
-        "--model-dir",
-        str(tiny_model_dir),
-        "--rounds",
-        "2",
-        timeout=300,
-    )
+    def run_tuning(*extra: str) -> subprocess.CompletedProcess:
+        return run_benchmark(
+            "benchmarks/tuning.py",
+            "--model-dir",
+            str(tiny_model_dir),
+            "--rounds",
+            "2",
+            *extra,
+            timeout=300,
+        )
+
+    result = run_tuning()
     lines = result.stdout.splitlines()
     assert lines[0].startswith("cpu ") and "family" in lines[0]
     from chattts_service.kernels import bindings, tuning
@@ -199,16 +203,7 @@ def test_tuning_benchmark_smoke(tiny_model_dir):
     assert any(line.startswith("measure would choose: ") for line in lines)
 
     # other distances, in place of the service's candidates
-    result = run_benchmark(
-        "benchmarks/tuning.py",
-        "--model-dir",
-        str(tiny_model_dir),
-        "--rounds",
-        "2",
-        "--prefetch",
-        "16/nta,128/t0",
-        timeout=300,
-    )
+    result = run_tuning("--prefetch", "16/nta,128/t0")
     timed = [line.split()[0] for line in result.stdout.splitlines() if "GB/s" in line]
     assert timed[:2] == ["16/nta/9", "128/t0/9"]
     assert len(timed) == 2 + (len(tuning.PAIRINGS) if vnni else 0) + 2 * tiles
