@@ -27,7 +27,12 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from benchmarks.engine import RELEVANT_CPU_FLAGS  # noqa: E402
-from chattts_service.runtime.cpu import cpu_flags, cpu_model  # noqa: E402
+from chattts_service.runtime.cpu import (  # noqa: E402
+    StealMeter,
+    cpu_flags,
+    cpu_model,
+    describe_steal,
+)
 
 LAYERS, HEADS, DIM = 20, 12, 64  # ChatTTS's GPT
 EVICT_MB = 400  # more than any last-level cache this runs on
@@ -130,9 +135,11 @@ def main(argv: list[str] | None = None) -> int:
         "kv_cache_dtype": args.kv_cache_dtype,
         "shapes": [],
     }
+    steal = StealMeter()
     for shape in (value for value in args.shapes.split(",") if value):
         rows, positions = (int(part) for part in shape.split("x"))
         data["shapes"].append(measure(kernels, rows, positions, args.reserve, dtype, args.rounds))
+    data["steal_share"] = steal.share()
     if args.json:
         print(json.dumps(data, indent=1))
         return 0
@@ -150,6 +157,7 @@ def main(argv: list[str] | None = None) -> int:
             f"{shape['megabytes']:.0f} MB alone {shape['read_ms']:.2f} ms "
             f"({shape['read_gb_per_s']:.1f} GB/s)"
         )
+    print(describe_steal(data["steal_share"]))
     return 0
 
 

@@ -38,7 +38,12 @@ sys.path.insert(0, str(REPO))
 
 from chattts_service.config import DECODER_DTYPES, INT8_PRODUCTS, KV_CACHE_DTYPES  # noqa: E402  (nor config)
 from chattts_service.runtime import heap  # noqa: E402  (imports nothing heavy)
-from chattts_service.runtime.cpu import cpu_flags, cpu_model  # noqa: E402
+from chattts_service.runtime.cpu import (  # noqa: E402
+    STEAL_WARNING,
+    StealMeter,
+    cpu_flags,
+    cpu_model,
+)
 
 TEXT = "今天天气很好，我们一起去公园散步吧。"
 DEFAULT_MODEL = REPO / "models" / "full-random"
@@ -684,10 +689,13 @@ def run_phase(
     env.update(OMP_NUM_THREADS=count, MKL_NUM_THREADS=count, CHATTTS_THREADS=count)
     if service:
         heap.bound_native_caches(env)
+    steal = StealMeter()
     result = subprocess.run(command, capture_output=True, text=True, env=env, timeout=max_seconds)
     if result.returncode != 0:
         raise RuntimeError(f"{phase} failed:\n{result.stderr[-4000:]}")
-    return json.loads(result.stdout.strip().splitlines()[-1])
+    data = json.loads(result.stdout.strip().splitlines()[-1])
+    data["steal_share"] = steal.share()
+    return data
 
 
 def run_child(phase: str, args: argparse.Namespace, extra: list[str]) -> dict:
@@ -715,6 +723,22 @@ RELEVANT_CPU_FLAGS = frozenset(
         "amx_int8",
     }
 )
+
+
+def steal_line(baseline: float | None, ours: float | None) -> str:
+    """How much CPU time the hypervisor took while each side ran: the "vs baseline" figures
+    compare two runs apart in time, so a host that took more from one of them skews them."""
+    if baseline is None or ours is None:
+        return "steal: not readable here"
+    text = (
+        f"steal: the hypervisor took {100 * baseline:.1f}% of this machine's CPU time while "
+        f"the baseline ran, {100 * ours:.1f}% while ours did"
+    )
+    if max(baseline, ours) > STEAL_WARNING:
+        text += (
+            " (figures slowed by it; the ratios to the baseline are skewed where the two differ)"
+        )
+    return text
 
 
 def report(data: dict) -> str:
@@ -768,6 +792,7 @@ def report(data: dict) -> str:
         f"peak RSS: baseline {base['peak_rss_mb']:.0f} MB, ours {ours['peak_rss_mb']:.0f} MB "
         f"(after ready {ours['rss_after_ready_mb']:.0f} MB); ours ready in "
         f"{ours['ready_seconds']:.1f} s (load {ours['load_seconds']:.1f} s)",
+        steal_line(base.get("steal_share"), ours.get("steal_share")),
         "",
         "targets:",
         f"  one request alone >= 3.5x faster than baseline : {speedup:.1f}x  "

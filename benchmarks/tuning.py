@@ -40,6 +40,7 @@ def main(argv: list[str] | None = None) -> int:
     from chattts_service.inference.gpt_weights import GptWeights
     from chattts_service.inference.transformer import Transformer
     from chattts_service.kernels import tuning
+    from chattts_service.runtime.cpu import StealMeter, describe_steal
 
     model_dir = args.model_dir or default_model()
     transformer = Transformer(GptWeights(model_dir / "asset" / "gpt"), "int8", "on")
@@ -61,7 +62,9 @@ def main(argv: list[str] | None = None) -> int:
             candidates = tuning.parse_candidates(args.prefetch)
         except ValueError as error:
             parser.error(str(error))
+    steal = StealMeter()
     best, report = tuning.measure(transformer.kernels, packings, args.rounds, candidates)
+    stolen = steal.share()
     print("prefetch distance/hint/pairs from, a pass over the layers:")
     for section in ("ms_per_pass", "pairing_ms_per_pass", "tiles_ms_per_pass"):
         for name, by_rows in report.get(section, {}).items():
@@ -76,6 +79,7 @@ def main(argv: list[str] | None = None) -> int:
         f"KernelTuning({best.prefetch_groups}, {best.prefetch_hint!r}, {best.pair_blocks_from}, "
         f"{best.tiles_from})"
     )
+    print(describe_steal(stolen))
     return 0
 
 

@@ -4,6 +4,7 @@ import json
 import re
 import subprocess
 import sys
+import time
 
 from conftest import REPO
 
@@ -85,6 +86,10 @@ def test_engine_benchmark_smoke(tiny_model_dir):
     )
     assert arithmetic["gpt_macs_per_row"] > 0 and arithmetic["decode_macs"] > 0
     assert "arithmetic (from registers" in text and "a decode share of at least" in text
+    # what the hypervisor took while each side ran (the ratios compare two runs)
+    for phase in ("baseline", "ours", "fidelity"):
+        assert 0 <= data[phase]["steal_share"] <= 1
+    assert "steal: the hypervisor took" in text and "while the baseline ran" in text
 
 
 def test_memory_benchmark_smoke(tiny_model_dir):
@@ -201,6 +206,7 @@ def test_tuning_benchmark_smoke(tiny_model_dir):
     expected = len(tuning.CANDIDATES) + (len(tuning.PAIRINGS) if vnni else 0) + 2 * tiles
     assert sum(" rows " in line and "GB/s" in line for line in lines) == expected
     assert any(line.startswith("measure would choose: ") for line in lines)
+    assert lines[-1].startswith("steal: the hypervisor took ")
 
     # other distances, in place of the service's candidates
     result = run_tuning("--prefetch", "16/nta,128/t0")
@@ -290,6 +296,34 @@ def test_attention_benchmark_smoke():
             r"\([\d.]+ GB/s\); reading as many",
             line,
         ), line
+    assert re.fullmatch(
+        r"steal: the hypervisor took [\d.]+% of this machine's CPU time.*", lines[-1]
+    )
+
+
+def test_steal_is_read_from_the_kernels_cpu_line(tmp_path):
+    """/proc/stat's aggregate line: user, nice, system, idle, iowait, irq, softirq, steal,
+    then guest time (already inside user time, so not counted again)."""
+    from chattts_service.runtime.cpu import StealMeter, describe_steal, host_cpu_ticks
+
+    stat = tmp_path / "stat"
+    stat.write_text("cpu  100 5 50 800 10 0 5 30 7 0\ncpu0 50 2 25 400 5 0 2 15 3 0\n")
+    assert host_cpu_ticks(str(stat)) == (1000, 30)
+    meter = StealMeter(str(stat))
+    assert meter.share() is None  # no tick has passed
+    stat.write_text("cpu  200 5 60 900 10 0 5 70 9 0\n")
+    assert meter.share() == 40 / 250
+    assert "16.0%" in describe_steal(meter.share()) and "side by side" in describe_steal(0.16)
+    assert "side by side" not in describe_steal(0.01)
+    stat.write_text("cpu  100 5 50 800 10 0 5\n")  # a kernel without the steal field
+    assert host_cpu_ticks(str(stat)) is None and StealMeter(str(stat)).share() is None
+    assert host_cpu_ticks(str(tmp_path / "absent")) is None
+    assert describe_steal(None) == "steal: not readable here"
+    # this machine's own
+    real = StealMeter()
+    assert host_cpu_ticks() is not None
+    time.sleep(0.2)
+    assert 0 <= real.share() <= 1
 
 
 def test_streams_benchmark_splits_a_listeners_waits_by_chunk(monkeypatch):

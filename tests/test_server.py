@@ -268,6 +268,7 @@ def test_bench_runs_against_the_server(server):
     report = json.loads(result.stdout)
     assert report["requests_ok"] == 4 and report["errors"] == {}
     assert report["latency_p50"] > 0 and report["audio_seconds_per_wall_second"] > 0
+    assert 0 <= report["steal_share"] <= 1  # what the hypervisor took while it ran
     human = subprocess.run(
         [sys.executable, "bench.py", "--url", server.url, "--requests", "2", "--repeat-seed"],
         cwd=REPO,
@@ -277,6 +278,7 @@ def test_bench_runs_against_the_server(server):
     )
     assert human.returncode == 0 and "latency       p50" in human.stdout
     assert "(1 cache hits)" in human.stdout or "(2 cache hits)" in human.stdout
+    assert "this machine  steal: the hypervisor took" in human.stdout
 
 
 def _bench(server, *arguments: str) -> subprocess.CompletedProcess:
@@ -336,6 +338,7 @@ def test_bench_capacity_search_reports_the_largest_level_that_held(server):
     assert report["capacity_streams"] == max(
         int(n) for n, r in report["levels"].items() if r["held"]
     )
+    assert all(0 <= level["steal_share"] <= 1 for level in report["levels"].values())
     # a first-audio bound nothing meets: no level holds
     none = json.loads(
         _bench(

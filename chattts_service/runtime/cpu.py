@@ -90,3 +90,56 @@ class CpuSampler:
                 self._last_percent = max(0.0, min(100.0, used))
                 self._last_wall, self._last_cpu = wall, cpu
             return self._last_percent
+
+
+def host_cpu_ticks(path: str = "/proc/stat") -> tuple[int, int] | None:
+    """This machine's CPU time so far, summed over its CPUs, in clock ticks: (all of it, the
+    part a hypervisor ran something else on, "steal"), from the aggregate ``cpu`` line of
+    ``path``; None where it cannot be read (not Linux, or a kernel without the steal field).
+    Guest time is already counted in user time, so it is left out of the total."""
+    try:
+        with open(path, encoding="ascii") as handle:
+            fields = handle.readline().split()
+    except OSError:
+        return None
+    if len(fields) < 9 or fields[0] != "cpu":
+        return None
+    try:
+        ticks = [int(value) for value in fields[1:9]]  # user .. steal
+    except ValueError:
+        return None
+    return sum(ticks), ticks[7]
+
+
+class StealMeter:
+    """The share of this machine's CPU time a hypervisor took between ``start`` (or the
+    meter's creation) and ``share``: on a shared virtual machine, a figure measured while it
+    was high is slowed by something the code did not do."""
+
+    def __init__(self, path: str = "/proc/stat"):
+        self.path = path
+        self.start()
+
+    def start(self) -> None:
+        self._start = host_cpu_ticks(self.path)
+
+    def share(self) -> float | None:
+        """Stolen ticks over all ticks since the start; None where they cannot be read or
+        none passed."""
+        now = host_cpu_ticks(self.path)
+        if now is None or self._start is None or now[0] <= self._start[0]:
+            return None
+        return (now[1] - self._start[1]) / (now[0] - self._start[0])
+
+
+STEAL_WARNING = 0.05  # above this share, absolute figures are visibly slowed
+
+
+def describe_steal(share: float | None) -> str:
+    """A line for a benchmark's report: how much of the CPU time the hypervisor took."""
+    if share is None:
+        return "steal: not readable here"
+    text = f"steal: the hypervisor took {100 * share:.1f}% of this machine's CPU time"
+    if share > STEAL_WARNING:
+        text += " (absolute figures are slowed by it; compare figures measured side by side)"
+    return text

@@ -26,6 +26,8 @@ from dataclasses import dataclass, field
 
 import requests
 
+from chattts_service.runtime.cpu import StealMeter, describe_steal
+
 DEFAULT_TEXT = "今天天气很好，我们一起去公园散步吧。"
 # streamed: long enough that falling behind shows (three sentences, as benchmarks/speech.py)
 DEFAULT_STREAM_TEXT = (
@@ -343,7 +345,17 @@ def format_report(result: dict) -> str:
             f"{result['behind_max']:.2f} s)",
         ]
     lines.append(f"errors        {errors}")
+    if "steal_share" in result:
+        lines.append(f"this machine  {describe_steal(result['steal_share'])}")
     return "\n".join(lines)
+
+
+def steal_percent(result: dict) -> str:
+    """A capacity level's steal, short: the share of this machine's CPU time the hypervisor
+    took while the level ran (where the server runs here too, a level that failed while it was
+    high may hold on a quieter day)."""
+    share = result.get("steal_share")
+    return "steal -" if share is None else f"steal {100 * share:.0f}%"
 
 
 def held(result: dict, max_first_audio: float) -> bool:
@@ -364,6 +376,7 @@ def capacity(load: Load, args) -> dict:
     levels: dict[int, dict] = {}
 
     def measure(clients: int) -> bool:
+        steal = StealMeter()
         outcomes, wall = run(
             load,
             clients,
@@ -376,13 +389,14 @@ def capacity(load: Load, args) -> dict:
             outcomes, load, clients, args.requests_per_level * clients, wall, args.tolerance
         )
         result["held"] = held(result, args.max_first_audio)
+        result["steal_share"] = steal.share()
         levels[clients] = result
         if not args.json:
             print(
                 f"{clients:4d} streams  first audio p95 {result['first_audio_p95']:.2f} s  "
                 f"fell behind {result['streams_behind']}/{result['requests_ok']} "
                 f"(worst {result['behind_max']:.2f} s)  errors {sum(result['errors'].values())}"
-                f"  {'held' if result['held'] else 'FAILED'}",
+                f"  {'held' if result['held'] else 'FAILED'}  {steal_percent(result)}",
                 flush=True,
             )
         return result["held"]
@@ -517,8 +531,10 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     duration = min(args.duration or args.max_seconds, args.max_seconds)
     total = args.requests
+    steal = StealMeter()
     outcomes, wall = run(load, args.concurrency, total, duration, args.rate, args.progress)
     result = summarise(outcomes, load, args.concurrency, total, wall, args.tolerance, args.rate)
+    result["steal_share"] = steal.share()
     print(json.dumps(result) if args.json else format_report(result))
     return 0 if not result["errors"] else 1
 
