@@ -181,11 +181,12 @@ def products_ms(transformer, rounds: int = 7, calls: int = 15) -> dict | None:
 
 def decode_multiply_adds(decoder, steps: int, hidden_size: int) -> int:
     """The multiply-adds of decoding ``steps`` steps: the decoder's and the vocoder's
-    convolutions and linear layers (int8 pointwise ones too), counted on a decode of random
-    hidden states; the inverse STFT and the element-wise work are left out (a lower bound)."""
+    convolutions and linear layers (the bf16 decoder's and the int8 one's too), counted on a
+    decode of random hidden states; the inverse STFT and the element-wise work are left out (a
+    lower bound)."""
     import torch
 
-    from chattts_service.inference.decoding import Int8Pointwise
+    from chattts_service.inference.decoding import Bf16Linear, Int8Pointwise
 
     total = 0
 
@@ -194,14 +195,14 @@ def decode_multiply_adds(decoder, steps: int, hidden_size: int) -> int:
         if isinstance(module, torch.nn.Conv1d):
             per_output = module.in_channels // module.groups * module.kernel_size[0]
             total += output.numel() * per_output
-        else:  # Linear or Int8Pointwise: rows x in x out
+        else:  # Linear, Bf16Linear or Int8Pointwise: rows x in x out
             total += output.numel() * module.in_features
 
     hooks = [
         module.register_forward_hook(count)
         for part in (decoder.decoder, decoder.vocos)
         for module in part.modules()
-        if isinstance(module, (torch.nn.Conv1d, torch.nn.Linear, Int8Pointwise))
+        if isinstance(module, (torch.nn.Conv1d, torch.nn.Linear, Bf16Linear, Int8Pointwise))
     ]
     try:
         decoder(torch.randn(steps, hidden_size, generator=torch.Generator().manual_seed(0)))

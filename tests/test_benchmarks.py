@@ -92,6 +92,22 @@ def test_engine_benchmark_smoke(tiny_model_dir):
     assert "steal: the hypervisor took" in text and "while the baseline ran" in text
 
 
+def test_decode_multiply_adds_count_every_layer_whatever_runs_it(tiny_model_dir):
+    """The engine benchmark's decode bound counts the same multiply-adds for a decoder whose
+    linear layers run on oneDNN's fused bias (bf16) as for the plain one."""
+    from engines import engine_on
+
+    from benchmarks.engine import decode_multiply_adds
+
+    with engine_on(tiny_model_dir, decoder_dtype="fp32") as engine:
+        decoder, hidden = engine.model.decoder, engine.model.heads.hidden_size
+        plain = engine.scheduler.call(lambda: decode_multiply_adds(decoder, 40, hidden)).result()
+        decoder.dtype = "bf16"
+        decoder.hold_in_bf16()
+        held = engine.scheduler.call(lambda: decode_multiply_adds(decoder, 40, hidden)).result()
+    assert held == plain > 0
+
+
 def test_memory_benchmark_smoke(tiny_model_dir):
     result = run_benchmark(
         "benchmarks/memory.py",

@@ -420,8 +420,9 @@ def test_streams_decoded_stage_by_stage_are_their_whole_decodes(fp32_decoder_eng
 def test_a_bf16_decoder_holds_bf16_weights_and_gives_autocasts_samples(tiny_model_dir):
     """Autocast casts the convolutions' and linears' weights to bf16 on every call; a bf16
     decoder keeps them so: the same samples, whole and streamed, half the bytes; asked to
-    decode in fp32 it says it cannot."""
-    from chattts_service.inference.decoding import Advance
+    decode in fp32 it says it cannot. Where torch has oneDNN's linear with the bias fused, the
+    linear layers run on it, and the samples are still autocast's."""
+    from chattts_service.inference.decoding import Advance, Bf16Linear, fused_bias_linear
 
     with engine_on(tiny_model_dir, decoder_dtype="fp32") as engine:
         decoder = engine.model.decoder
@@ -441,6 +442,20 @@ def test_a_bf16_decoder_holds_bf16_weights_and_gives_autocasts_samples(tiny_mode
         decoder.hold_in_bf16()
         held_whole, held_streamed = engine.scheduler.call(both).result()
         after = sum(p.numel() * p.element_size() for p in decoder.vocos.backbone.parameters())
+        fused = [
+            layer
+            for module in (decoder.decoder, decoder.vocos.backbone)
+            for layer in module.modules()
+            if isinstance(layer, Bf16Linear)
+        ]
+        plain = [
+            layer
+            for module in (decoder.decoder, decoder.vocos.backbone)
+            for layer in module.modules()
+            if type(layer) is torch.nn.Linear
+        ]
+        # every linear layer of the two on one path: fused where this torch has it
+        assert (fused and not plain) if fused_bias_linear() else (plain and not fused)
         assert np.array_equal(held_whole, cast_whole)
         assert np.array_equal(held_streamed, cast_streamed)
         assert after < 0.6 * before

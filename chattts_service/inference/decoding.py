@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import time
 
 import numpy as np
@@ -41,6 +42,12 @@ class AudioDecoder:
             for layer in module.modules():
                 if isinstance(layer, (torch.nn.Linear, torch.nn.Conv1d)):
                     layer.to(torch.bfloat16)
+        if fused_bias_linear():
+            for module in (self.decoder, self.vocos.backbone):
+                for parent in list(module.modules()):
+                    for name, child in list(parent.named_children()):
+                        if type(child) is torch.nn.Linear and child.bias is not None:
+                            setattr(parent, name, Bf16Linear(child))
         self._own_the_rest(keep=lambda tensor: tensor.dtype == torch.bfloat16)
         self.held = "bf16"
 
@@ -363,6 +370,43 @@ class Int8Pointwise(torch.nn.Module):
         # the bias as the product's residual, a row stride of 0: added in the same call to the
         # rounded product, the same IEEE sum as ``out + bias``, without another pass over out
         return self.product(x, residual=self.bias.expand(*x.shape[:-1], self.out_features))
+
+
+class Bf16Linear(torch.nn.Module):
+    """A bf16 ``nn.Linear`` with its bias added inside oneDNN's product (``mkldnn::
+    _linear_pointwise``), where ``F.linear`` first copies the bias into every output row and
+    then adds the product to it (another pass over the output): the same bits, checked once
+    per process by ``fused_bias_linear``. The input is rounded to bf16 first, as autocast
+    rounds it for ``F.linear``. On the decoder's shapes (8 windows of 320 frames) 0.73-0.93
+    of ``F.linear``'s time (docs/benchmarks.md)."""
+
+    def __init__(self, linear: torch.nn.Linear):
+        super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.weight, self.bias = linear.weight, linear.bias
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x.to(self.weight.dtype).contiguous()
+        return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
+
+
+@functools.cache
+def fused_bias_linear() -> bool:
+    """Whether this torch has oneDNN's linear with its bias fused (a build with oneDNN) and it
+    gives ``F.linear``'s bits in bf16 (on rows of every remainder of the kernels' blocks)."""
+    generator = torch.Generator().manual_seed(0)
+    try:
+        with torch.inference_mode():
+            for rows in (1, 7, 40):
+                x = torch.randn(2, rows, 512, generator=generator).bfloat16()
+                weight = torch.randn(48, 512, generator=generator).bfloat16()
+                bias = torch.randn(48, generator=generator).bfloat16()
+                fused = torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
+                if not torch.equal(fused, torch.nn.functional.linear(x, weight, bias)):
+                    return False
+    except (AttributeError, RuntimeError, NotImplementedError):
+        return False
+    return True
 
 
 def bucket(frames: int) -> int:
