@@ -422,7 +422,13 @@ def test_a_bf16_decoder_holds_bf16_weights_and_gives_autocasts_samples(tiny_mode
     decoder keeps them so: the same samples, whole and streamed, half the bytes; asked to
     decode in fp32 it says it cannot. Where torch has oneDNN's linear with the bias fused, the
     linear layers run on it, and the samples are still autocast's."""
-    from chattts_service.inference.decoding import Advance, Bf16Linear, fused_bias_linear
+    from chattts_service.inference.decoding import (
+        Advance,
+        Bf16Depthwise,
+        Bf16Linear,
+        _depthwise_matches,
+        fused_bias_linear,
+    )
 
     with engine_on(tiny_model_dir, decoder_dtype="fp32") as engine:
         decoder = engine.model.decoder
@@ -439,7 +445,8 @@ def test_a_bf16_decoder_holds_bf16_weights_and_gives_autocasts_samples(tiny_mode
         decoder.dtype = "bf16"  # decodes in bf16 by casting, as the service did before
         cast_whole, cast_streamed = engine.scheduler.call(both).result()
         before = sum(p.numel() * p.element_size() for p in decoder.vocos.backbone.parameters())
-        decoder.hold_in_bf16()
+        kernels = engine.model.transformer.kernels
+        decoder.hold_in_bf16(kernels)
         held_whole, held_streamed = engine.scheduler.call(both).result()
         after = sum(p.numel() * p.element_size() for p in decoder.vocos.backbone.parameters())
         fused = [
@@ -456,6 +463,14 @@ def test_a_bf16_decoder_holds_bf16_weights_and_gives_autocasts_samples(tiny_mode
         ]
         # every linear layer of the two on one path: fused where this torch has it
         assert (fused and not plain) if fused_bias_linear() else (plain and not fused)
+        # the ConvNeXt blocks' depthwise convolutions on the kernels, where they give torch's bits
+        blocks = [*decoder.decoder.decoder.decoder_block, *decoder.vocos.backbone.convnext]
+        wrapped = [isinstance(block.dwconv, Bf16Depthwise) for block in blocks]
+        convs = [block.dwconv.conv if on else block.dwconv for block, on in zip(blocks, wrapped)]
+        assert blocks and wrapped == [
+            kernels is not None and _depthwise_matches(kernels, c.kernel_size[0], c.dilation[0])
+            for c in convs
+        ]
         assert np.array_equal(held_whole, cast_whole)
         assert np.array_equal(held_streamed, cast_streamed)
         assert after < 0.6 * before

@@ -472,3 +472,66 @@ def test_peak_loops_count_the_multiply_adds_they_do(kernel, loop):
     for refused in ((99, 10, 1), (kind, 0, 1), (kind, 10, 0)):
         with pytest.raises(cpp_kernels.KernelError, match="peak loop needs"):
             kernel.check(-kernel.library.chatts_peak_loop(*refused, None))
+
+
+def _depthwise_in_order(x, weight, bias, dilation, padding):
+    """The depthwise convolution as the kernel forms it, in float64 rounded to float32 after
+    every tap: each output starts at its bias and adds the taps' products in tap order (a
+    product of two bf16 values is exact in float32, so this is a fused multiply-add's
+    rounding), then is rounded to bf16. ``x`` [batch, channels, time] holding bf16 values."""
+    batch, channels, time = x.shape
+    kernel = weight.shape[-1]
+    padded = F.pad(x.double(), (padding, padding))
+    acc = bias.double()[None, :, None].expand(batch, channels, time).float()
+    for tap in range(kernel):
+        window = padded[:, :, tap * dilation : tap * dilation + time]
+        acc = (acc.double() + window * weight.double()[None, :, 0, tap, None]).float()
+    return acc.bfloat16()
+
+
+@pytest.mark.parametrize(
+    "channels,time,dilation", [(512, 96, 1), (512, 96, 2), (100, 37, 1), (24, 5, 2), (48, 1, 1)]
+)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_depthwise_conv1d_sums_its_taps_in_order_from_the_bias(
+    kernel, channels, time, dilation, dtype
+):
+    """bf16 or float32 channels-last inputs (float32 rounded to bf16 first), every channel
+    count (vectors of 16 channels and the rest one by one), taps that fall in the padding at
+    both ends; the output channels-last too. Where this machine's torch (oneDNN) sums the
+    taps in the same order, the kernel gives its convolution's bits under autocast, which is
+    what the audio decoder checks before using it."""
+    from chattts_service.inference.decoding import _depthwise_matches
+
+    generator = torch.Generator().manual_seed(channels + time + dilation)
+    weight = (torch.randn(channels, 1, 7, generator=generator) * 0.3).bfloat16()
+    bias = torch.randn(channels, generator=generator).bfloat16()
+    scales = torch.logspace(-3, 3, channels)
+    x = (torch.randn(3, time, channels, generator=generator) * scales).to(dtype).transpose(1, 2)
+    padding = 3 * dilation
+    taps = weight.float()[:, 0].t().contiguous()
+    out = kernel.depthwise_conv1d(x, taps, bias.float(), dilation, padding)
+    assert out.shape == (3, channels, time) and out.dtype == torch.bfloat16
+    assert out.stride(1) == 1  # channels-last, as its input
+    assert torch.equal(out, _depthwise_in_order(x.bfloat16(), weight, bias, dilation, padding))
+    no_bias = kernel.depthwise_conv1d(x, taps, None, dilation, padding)
+    zero = torch.zeros(channels, dtype=torch.bfloat16)
+    assert torch.equal(no_bias, _depthwise_in_order(x.bfloat16(), weight, zero, dilation, padding))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        torchs = F.conv1d(x, weight, bias, padding=padding, dilation=dilation, groups=channels)
+    if channels >= 64:  # the decoder's check runs on 64 channels; oneDNN may differ on fewer
+        assert _depthwise_matches(kernel, 7, dilation) == torch.equal(out, torchs)
+
+
+def test_depthwise_conv1d_refuses_what_it_cannot_read(kernel):
+    taps, bias = torch.randn(7, 16), torch.randn(16)
+    plain = torch.randn(2, 16, 10)  # channels-first: the kernel reads channels-last only
+    with pytest.raises(ValueError, match="channels-last"):
+        kernel.depthwise_conv1d(plain, taps, bias, 1, 3)
+    channels_last = torch.randn(2, 10, 16).transpose(1, 2)
+    with pytest.raises(ValueError, match="bf16 or float32"):
+        kernel.depthwise_conv1d(channels_last.double(), taps, bias, 1, 3)
+    with pytest.raises(ValueError, match="weights must be"):
+        kernel.depthwise_conv1d(channels_last, torch.randn(7, 8), bias, 1, 3)
+    with pytest.raises(cpp_kernels.KernelError, match="dilation >= 1"):
+        kernel.depthwise_conv1d(channels_last, taps, bias, 0, 3)

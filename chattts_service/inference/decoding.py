@@ -31,23 +31,27 @@ class AudioDecoder:
         self._hop = vocos.head.istft.hop_length
         self.held = "fp32"  # the type its convolutions' and linears' weights are kept in
 
-    def hold_in_bf16(self) -> None:
+    def hold_in_bf16(self, kernels=None) -> None:
         """Keep the weights of the decoder's and the backbone's convolutions and linear layers
         in bf16, as autocast casts them on every call anyway: the same samples, half those
         weights' memory (156 -> 78 MB on ChatTTS's), and no casts on every decode (a fifth of a
-        round of streamed chunks). The decoder then decodes in bf16 only."""
+        round of streamed chunks). The decoder then decodes in bf16 only. With ``kernels``,
+        the ConvNeXt blocks' depthwise convolutions run on them (``Bf16Depthwise``), where
+        they give this torch's bits."""
         if self.dtype != "bf16":
             raise ValueError("only a bf16 decoder holds its weights in bf16")
         for module in (self.decoder, self.vocos.backbone):
             for layer in module.modules():
                 if isinstance(layer, (torch.nn.Linear, torch.nn.Conv1d)):
                     layer.to(torch.bfloat16)
-        if fused_bias_linear():
-            for module in (self.decoder, self.vocos.backbone):
-                for parent in list(module.modules()):
-                    for name, child in list(parent.named_children()):
-                        if type(child) is torch.nn.Linear and child.bias is not None:
-                            setattr(parent, name, Bf16Linear(child))
+        fused = fused_bias_linear()
+        for module in (self.decoder, self.vocos.backbone):
+            for parent in list(module.modules()):
+                for name, child in list(parent.named_children()):
+                    if fused and type(child) is torch.nn.Linear and child.bias is not None:
+                        setattr(parent, name, Bf16Linear(child))
+                    elif kernels is not None and Bf16Depthwise.suits(child, kernels):
+                        setattr(parent, name, Bf16Depthwise(child, kernels))
         self._own_the_rest(keep=lambda tensor: tensor.dtype == torch.bfloat16)
         self.held = "bf16"
 
@@ -242,7 +246,10 @@ class AudioDecoder:
             # padding), not joined and padded first.
             total = sum(width for _, _, _, width, _ in windows)
             first = windows[0][1][0]
-            canvas = first.new_zeros(1, first.shape[0], bucket(total))
+            if getattr(stage, "channels_last", False):  # the same values, laid out for it
+                canvas = first.new_zeros(1, bucket(total), first.shape[0]).transpose(1, 2)
+            else:
+                canvas = first.new_zeros(1, first.shape[0], bucket(total))
             column, places = 0, []
             for position, parts, left, width, count in windows:
                 at = column + left
@@ -388,6 +395,78 @@ class Bf16Linear(torch.nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x.to(self.weight.dtype).contiguous()
         return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
+
+
+class Bf16Depthwise(torch.nn.Module):
+    """A ConvNeXt block's depthwise ``nn.Conv1d`` (bf16 weights) on the C++ kernels
+    (``Kernels.depthwise_conv1d``) where its input lies channels-last, as every block but the
+    first of a stack hands it on (the residual sum of a transposed tensor): the bits of torch's
+    convolution under autocast, with no transposes around it, and an output the block's
+    layer norm reads without copying. Any other input goes to the convolution itself."""
+
+    def __init__(self, conv: torch.nn.Conv1d, kernels):
+        super().__init__()
+        self.conv, self.kernels = conv, kernels
+        self.taps = conv.weight.detach().float()[:, 0].t().contiguous()  # [kernel, channels]
+        self.bias_values = None if conv.bias is None else conv.bias.detach().float().contiguous()
+        self.dilation, self.padding = conv.dilation[0], conv.padding[0]
+
+    @staticmethod
+    def suits(module, kernels) -> bool:
+        """A depthwise bf16 ``Conv1d`` of stride 1 and zero padding, for which the kernels
+        give what torch gives on this machine."""
+        return (
+            type(module) is torch.nn.Conv1d
+            and module.weight.dtype == torch.bfloat16
+            and module.groups == module.in_channels == module.out_channels
+            and module.stride == (1,)
+            and module.padding_mode == "zeros"
+            and isinstance(module.padding, tuple)
+            and _depthwise_matches(kernels, module.kernel_size[0], module.dilation[0])
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        batch, channels, time = x.shape
+        channels_last = (
+            x.stride(1) == 1
+            and (time == 1 or x.stride(2) == channels)
+            and (batch == 1 or x.stride(0) == channels * time)
+        )
+        if not channels_last or x.dtype not in (torch.bfloat16, torch.float32):
+            return self.conv(x)
+        return self.kernels.depthwise_conv1d(
+            x, self.taps, self.bias_values, self.dilation, self.padding
+        )
+
+
+_DEPTHWISE_CHECKED: dict[tuple, bool] = {}
+
+
+def _depthwise_matches(kernels, kernel: int, dilation: int) -> bool:
+    """Whether the kernels' depthwise convolution gives torch's bits under autocast for this
+    kernel size and dilation, bf16 and float32 inputs, checked once per process on random
+    values of many magnitudes (oneDNN could sum the taps in another order on another CPU)."""
+    key = (id(kernels), kernel, dilation)
+    if key not in _DEPTHWISE_CHECKED:
+        generator = torch.Generator().manual_seed(kernel * 100 + dilation)
+        channels, time, padding = 64, 97, dilation * (kernel // 2)
+        weight = (torch.randn(channels, 1, kernel, generator=generator) * 0.3).bfloat16()
+        bias = torch.randn(channels, generator=generator).bfloat16()
+        taps = weight.float()[:, 0].t().contiguous()
+        scales = torch.logspace(-3, 3, channels)
+        matches = True
+        with torch.inference_mode():
+            for dtype in (torch.bfloat16, torch.float32):
+                x = (torch.randn(4, time, channels, generator=generator) * scales).to(dtype)
+                x = x.transpose(1, 2)
+                with torch.autocast("cpu", dtype=torch.bfloat16):
+                    expected = torch.nn.functional.conv1d(
+                        x, weight, bias, padding=padding, dilation=dilation, groups=channels
+                    )
+                got = kernels.depthwise_conv1d(x, taps, bias.float(), dilation, padding)
+                matches = matches and torch.equal(got, expected)
+        _DEPTHWISE_CHECKED[key] = matches
+    return _DEPTHWISE_CHECKED[key]
 
 
 @functools.cache
@@ -583,14 +662,30 @@ def _stages(decoder, vocos):
 
     first, act, second = dvae.conv_in  # two convolutions: a batch masks between them
     stages = [(lambda y: act(first(y)), _conv_radius(first)), (second, _conv_radius(second))]
-    stages += [(lambda y, b=b: b(y, None), _conv_radius(b)) for b in dvae.decoder_block]
+    stages += [(_BlockStage(b, None), _conv_radius(b)) for b in dvae.decoder_block]
     stages += [(dvae.conv_out, _conv_radius(dvae.conv_out)), (out, _conv_radius(decoder.out_conv))]
     stages += [(lambda y: backbone.embed(y.float()), _conv_radius(backbone.embed)), (norm, 0)]
-    stages += [
-        (lambda y, b=b: b(y, cond_embedding_id=None), _conv_radius(b)) for b in backbone.convnext
-    ]
+    stages += [(_BlockStage(b, "cond_embedding_id"), _conv_radius(b)) for b in backbone.convnext]
     stages.append((final, 0))
     return stages
+
+
+class _BlockStage:
+    """A ConvNeXt block as a stage (ChatTTS's takes its condition second, Vocos' by name).
+    ``channels_last``: whether its depthwise convolution runs on the kernels, which read their
+    input channels-last, so a canvas made for it is laid out so."""
+
+    def __init__(self, block, condition: str | None):
+        self.block, self.condition = block, condition
+
+    @property
+    def channels_last(self) -> bool:
+        return isinstance(getattr(self.block, "dwconv", None), Bf16Depthwise)
+
+    def __call__(self, y: torch.Tensor) -> torch.Tensor:
+        if self.condition is None:
+            return self.block(y, None)
+        return self.block(y, **{self.condition: None})
 
 
 def decoder_context_steps(decoder, vocos) -> int:

@@ -122,7 +122,7 @@ def _load_modules(settings: Settings, paths: model_files.ModelPaths, architectur
     decoder = AudioDecoder(chat.decoder, chat.vocos, settings.resolved_decoder_dtype)
     if decoder.dtype in ("bf16", "int8"):
         if decoder.dtype == "bf16":
-            decoder.hold_in_bf16()
+            decoder.hold_in_bf16(transformer.kernels)
         elif transformer.kernels is None:
             raise SettingsError(
                 "CHATTTS_DECODER_DTYPE=int8 runs on the C++ kernels, which are off here "

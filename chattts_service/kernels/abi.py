@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import ctypes
 
-ABI_VERSION = 9
+ABI_VERSION = 10
 
 _i64, _i32, _f32, _ptr = ctypes.c_int64, ctypes.c_int32, ctypes.c_float, ctypes.c_void_p
 
@@ -204,6 +204,23 @@ class ReadArgs(ctypes.Structure):
     ]
 
 
+class DepthwiseArgs(ctypes.Structure):
+    _fields_ = [
+        ("batch", _i64),
+        ("channels", _i64),
+        ("time", _i64),
+        ("kernel", _i64),
+        ("dilation", _i64),
+        ("padding", _i64),
+        ("x", _ptr),
+        ("x_float", _i32),
+        ("weights", _ptr),
+        ("bias", _ptr),
+        ("out", _ptr),
+        ("threads", _i32),
+    ]
+
+
 # ChattsArgsKind: the library reports each struct's size by this number
 STRUCTS = {
     0: AttentionArgs,
@@ -216,6 +233,7 @@ STRUCTS = {
     7: ReadArgs,
     8: Tuning,
     9: LinearWeights,
+    10: DepthwiseArgs,
 }
 # the library's type codes (chatts_args_layout) for these bindings' field types
 _TYPE_CODES = {_i64: "q", _i32: "i", ctypes.c_uint64: "Q", _f32: "f", _ptr: "P"}
@@ -248,6 +266,7 @@ def declare(library: ctypes.CDLL) -> None:
         ("chatts_decode_layers", DecodeLayersArgs, _i32),
         ("chatts_int4_linear", Int4LinearArgs, _i32),
         ("chatts_read_buffers", ReadArgs, _i32),
+        ("chatts_depthwise_conv1d", DepthwiseArgs, _i32),
     ):
         function = getattr(library, name)
         function.restype = result

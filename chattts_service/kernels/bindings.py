@@ -165,6 +165,61 @@ class Kernels:
         )
         return out, row_max
 
+    def depthwise_conv1d(
+        self,
+        x: torch.Tensor,
+        weights: torch.Tensor,
+        bias: torch.Tensor | None,
+        dilation: int,
+        padding: int,
+    ) -> torch.Tensor:
+        """torch's ``conv1d(x, w, bias, padding=padding, dilation=dilation, groups=channels)``
+        in bf16, to the bit, for ``x`` [batch, channels, time] lying channels-last (its
+        channels adjacent: a transposed [batch, time, channels] tensor), bf16 or float32
+        (rounded to bf16 first, as autocast rounds it); ``weights`` [kernel, channels] and
+        ``bias`` [channels] float32 holding bf16 values. Returns [batch, channels, time] bf16,
+        channels-last too."""
+        batch, channels, time = x.shape
+        if x.dtype not in (torch.bfloat16, torch.float32):
+            raise ValueError("the depthwise convolution reads bf16 or float32")
+        if (
+            x.stride(1) != 1
+            or (time > 1 and x.stride(2) != channels)
+            or (batch > 1 and x.stride(0) != channels * time)
+        ):
+            raise ValueError("the depthwise convolution reads channels-last inputs")
+        if (
+            weights.dtype != torch.float32
+            or not weights.is_contiguous()
+            or weights.shape[1] != channels
+        ):
+            raise ValueError(f"weights must be a contiguous float32 [kernel, {channels}] tensor")
+        if bias is not None and (
+            bias.dtype != torch.float32 or not bias.is_contiguous() or bias.shape != (channels,)
+        ):
+            raise ValueError(f"bias must be a contiguous float32 [{channels}] tensor")
+        out = torch.empty(batch, time, channels, dtype=torch.bfloat16)
+        status = self.library.chatts_depthwise_conv1d(
+            ctypes.byref(
+                abi.DepthwiseArgs(
+                    batch=batch,
+                    channels=channels,
+                    time=time,
+                    kernel=weights.shape[0],
+                    dilation=dilation,
+                    padding=padding,
+                    x=x.data_ptr(),
+                    x_float=int(x.dtype == torch.float32),
+                    weights=weights.data_ptr(),
+                    bias=None if bias is None else bias.data_ptr(),
+                    out=out.data_ptr(),
+                    threads=torch.get_num_threads(),
+                )
+            )
+        )
+        self.check(status)
+        return out.transpose(1, 2)
+
     def rms_norm(self, x: torch.Tensor, gain: torch.Tensor, eps: float) -> torch.Tensor:
         """LlamaRMSNorm of each row of ``x`` [..., width] with ``gain``, the shape of ``x``."""
         rows = _float_rows(x)

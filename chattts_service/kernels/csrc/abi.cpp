@@ -20,6 +20,7 @@ extern "C" int64_t chatts_args_size(int32_t kind) {
         case CHATTS_ARGS_READ: return sizeof(ChattsReadArgs);
         case CHATTS_ARGS_TUNING: return sizeof(ChattsTuning);
         case CHATTS_ARGS_LINEAR_WEIGHTS: return sizeof(ChattsLinearWeights);
+        case CHATTS_ARGS_DEPTHWISE: return sizeof(ChattsDepthwiseArgs);
         default: return -1;
     }
 }
@@ -132,6 +133,14 @@ std::string layout(int32_t kind) {
             CHATTS_FIELD(S, levels); CHATTS_FIELD(S, product);
             break;
         }
+        case CHATTS_ARGS_DEPTHWISE: {
+            using S = ChattsDepthwiseArgs;
+            CHATTS_FIELD(S, batch); CHATTS_FIELD(S, channels); CHATTS_FIELD(S, time);
+            CHATTS_FIELD(S, kernel); CHATTS_FIELD(S, dilation); CHATTS_FIELD(S, padding);
+            CHATTS_FIELD(S, x); CHATTS_FIELD(S, x_float); CHATTS_FIELD(S, weights);
+            CHATTS_FIELD(S, bias); CHATTS_FIELD(S, out); CHATTS_FIELD(S, threads);
+            break;
+        }
         default: return "";
     }
     if (!out.empty()) out.pop_back();
@@ -144,7 +153,8 @@ std::string layout(int32_t kind) {
 
 extern "C" const char* chatts_args_layout(int32_t kind) {
     static const std::string layouts[] = {layout(0), layout(1), layout(2), layout(3), layout(4),
-                                          layout(5), layout(6), layout(7), layout(8), layout(9)};
+                                          layout(5), layout(6), layout(7), layout(8), layout(9),
+                                          layout(10)};
     if (kind < 0 || kind >= static_cast<int32_t>(std::size(layouts))) return nullptr;
     return layouts[kind].c_str();
 }
@@ -166,6 +176,9 @@ extern "C" const char* chatts_status_message(int32_t status) {
         case CHATTS_NO_TILES: return "AMX tiles asked for, but this CPU or its OS has none";
         case CHATTS_BAD_READ: return "read needs a count and prefetch >= 0 and a thread";
         case CHATTS_BAD_PEAK: return "a peak loop needs a known kind, an iteration and a thread";
+        case CHATTS_BAD_DEPTHWISE:
+            return "a depthwise convolution needs channels, time, a kernel, dilation >= 1, "
+                   "padding >= 0 and a thread";
         case CHATTS_BAD_GROUP:
             return "int4 groups must be 8 to 64 inputs, a multiple of 8, and divide in_features";
         default: return "unknown status";

@@ -15,4 +15,5 @@
 #include "decode_layers.cpp"
 #include "read.cpp"
 #include "peak.cpp"
+#include "depthwise.cpp"
 #include "abi.cpp"

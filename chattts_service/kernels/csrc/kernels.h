@@ -9,7 +9,7 @@
 #include <cstdint>
 
 #ifndef CHATTS_ABI_VERSION  // a test builds a library of another version to see it refused
-#define CHATTS_ABI_VERSION 9
+#define CHATTS_ABI_VERSION 10
 #endif
 
 // What a kernel returns. chatts_status_message() gives each one's text.
@@ -27,6 +27,7 @@ enum ChattsStatus : int32_t {
     CHATTS_BAD_READ = 10,              // read buffers: a negative count or prefetch, no thread
     CHATTS_NO_TILES = 11,              // int8 linear: tiles asked for, AMX not granted
     CHATTS_BAD_PEAK = 12,              // peak loop: no iteration, no thread, or unknown loop
+    CHATTS_BAD_DEPTHWISE = 13,         // depthwise conv: an empty shape, dilation < 1, ...
 };
 
 // The int8 product's instructions.
@@ -202,6 +203,18 @@ struct ChattsReadArgs {
     uint64_t checksum;               // out: the bytes folded together
 };
 
+// A depthwise 1-D convolution (csrc/depthwise.cpp) over channels-last inputs, as the audio
+// decoder's ConvNeXt blocks run it in bf16.
+struct ChattsDepthwiseArgs {
+    int64_t batch, channels, time, kernel, dilation, padding;
+    const void* x;                   // [batch, time, channels]: bf16, or float32 (rounded to bf16)
+    int32_t x_float;                 // 1: x holds float32
+    const float* weights;            // [kernel, channels]
+    const float* bias;               // [channels], or NULL
+    uint16_t* out;                   // [batch, time, channels] bf16
+    int32_t threads;
+};
+
 // Argument structs by number, for chatts_args_size and chatts_args_layout.
 enum ChattsArgsKind : int32_t {
     CHATTS_ARGS_ATTENTION = 0,
@@ -214,6 +227,7 @@ enum ChattsArgsKind : int32_t {
     CHATTS_ARGS_READ = 7,
     CHATTS_ARGS_TUNING = 8,
     CHATTS_ARGS_LINEAR_WEIGHTS = 9,
+    CHATTS_ARGS_DEPTHWISE = 10,
 };
 
 extern "C" {
@@ -231,6 +245,7 @@ int32_t chatts_decode_layers(const ChattsDecodeLayersArgs* args);
 void chatts_rms_norm(const ChattsRmsNormArgs* args);
 int32_t chatts_int4_linear(const ChattsInt4LinearArgs* args);
 int32_t chatts_read_buffers(ChattsReadArgs* args);
+int32_t chatts_depthwise_conv1d(const ChattsDepthwiseArgs* args);
 int32_t chatts_amx_tiles();  // 1: the int8 product may use AMX tiles here (tiles_from)
 // `kind`'s loop (ChattsPeak), `iterations` times on each of `threads` threads: the
 // multiply-adds done, or minus a ChattsStatus; `checksum` (may be NULL) adds up the results
