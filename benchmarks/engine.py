@@ -730,7 +730,7 @@ def steal_line(baseline: float | None, ours: float | None) -> str:
     """How much CPU time the hypervisor took while each side ran: the "vs baseline" figures
     compare two runs apart in time, so a host that took more from one of them skews them."""
     if baseline is None or ours is None:
-        return "steal: not readable here"
+        return "steal: not measured (unreadable here, or too short a run)"
     text = (
         f"steal: the hypervisor took {100 * baseline:.1f}% of this machine's CPU time while "
         f"the baseline ran, {100 * ours:.1f}% while ours did"

@@ -334,7 +334,7 @@ def test_steal_is_read_from_the_kernels_cpu_line(tmp_path):
     stat.write_text("cpu  100 5 50 800 10 0 5\n")  # a kernel without the steal field
     assert host_cpu_ticks(str(stat)) is None and StealMeter(str(stat)).share() is None
     assert host_cpu_ticks(str(tmp_path / "absent")) is None
-    assert describe_steal(None) == "steal: not readable here"
+    assert describe_steal(None).startswith("steal: not measured")
     # this machine's own
     real = StealMeter()
     assert host_cpu_ticks() is not None

@@ -338,7 +338,9 @@ def test_bench_capacity_search_reports_the_largest_level_that_held(server):
     assert report["capacity_streams"] == max(
         int(n) for n, r in report["levels"].items() if r["held"]
     )
-    assert all(0 <= level["steal_share"] <= 1 for level in report["levels"].values())
+    # what the hypervisor took while each level ran (None: a level too short for a tick)
+    shares = [level["steal_share"] for level in report["levels"].values()]
+    assert all(share is None or 0 <= share <= 1 for share in shares)
     # a first-audio bound nothing meets: no level holds
     none = json.loads(
         _bench(

@@ -125,7 +125,8 @@ class StealMeter:
 
     def share(self) -> float | None:
         """Stolen ticks over all ticks since the start; None where they cannot be read or
-        none passed."""
+        none passed (an idle CPU's ticks are counted late, so a run of a few milliseconds may
+        see none)."""
         now = host_cpu_ticks(self.path)
         if now is None or self._start is None or now[0] <= self._start[0]:
             return None
@@ -138,7 +139,7 @@ STEAL_WARNING = 0.05  # above this share, absolute figures are visibly slowed
 def describe_steal(share: float | None) -> str:
     """A line for a benchmark's report: how much of the CPU time the hypervisor took."""
     if share is None:
-        return "steal: not readable here"
+        return "steal: not measured (unreadable here, or too short a run)"
     text = f"steal: the hypervisor took {100 * share:.1f}% of this machine's CPU time"
     if share > STEAL_WARNING:
         text += " (absolute figures are slowed by it; compare figures measured side by side)"
