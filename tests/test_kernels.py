@@ -535,3 +535,32 @@ def test_depthwise_conv1d_refuses_what_it_cannot_read(kernel):
         kernel.depthwise_conv1d(channels_last, torch.randn(7, 8), bias, 1, 3)
     with pytest.raises(cpp_kernels.KernelError, match="dilation >= 1"):
         kernel.depthwise_conv1d(channels_last, taps, bias, 0, 3)
+
+
+@pytest.mark.parametrize("dilation", [1, 2])
+def test_the_depthwise_check_has_an_output_that_tells_the_order(kernel, dilation):
+    """The decoder's check before it uses the kernel plants one output whose bits depend on
+    the order of the sums: bias 1 and these products give 1 in tap order from the bias (the
+    kernel's), and 1 + 2^-7 in reverse, in pairs or with the bias last, where random values
+    differ in a few outputs in a million."""
+    products = [2**-24, 2**-9, 2**-24, 0.0, 2**-23, -(2**-24), 2**-9]
+    x = torch.zeros(1, 7 * dilation + 1, 16)
+    for tap, product in enumerate(products):
+        x[0, tap * dilation, 0] = product
+    x = x.bfloat16().transpose(1, 2)
+    weight, bias = torch.ones(16, 1, 7).bfloat16(), torch.ones(16).bfloat16()
+    taps = weight.float()[:, 0].t().contiguous()
+    out = kernel.depthwise_conv1d(x, taps, bias.float(), dilation, 3 * dilation)
+    assert float(out[0, 0, 3 * dilation]) == 1.0
+    assert torch.equal(out, _depthwise_in_order(x, weight, bias, dilation, 3 * dilation))
+    for order, bias_last in (
+        (range(6, -1, -1), False),
+        ((1, 0, 3, 2, 5, 4, 6), False),
+        (range(7), True),
+    ):
+        acc = torch.tensor(0.0 if bias_last else 1.0)
+        for tap in order:
+            acc = (acc.double() + products[tap]).float()
+        if bias_last:
+            acc = (acc.double() + 1.0).float()
+        assert float(acc.bfloat16()) == 1 + 2**-7

@@ -444,21 +444,31 @@ _DEPTHWISE_CHECKED: dict[tuple, bool] = {}
 
 def _depthwise_matches(kernels, kernel: int, dilation: int) -> bool:
     """Whether the kernels' depthwise convolution gives torch's bits under autocast for this
-    kernel size and dilation, bf16 and float32 inputs, checked once per process on random
-    values of many magnitudes (oneDNN could sum the taps in another order on another CPU)."""
+    kernel size and dilation, bf16 and float32 inputs, checked once per process (oneDNN could
+    sum the taps in another order on another CPU, and a torch without it computes otherwise).
+    Another order changes only a few outputs in a million of random values, so one output is
+    made to tell: bias 1 and products 2^-24, 2^-9, 2^-24, 0, 2^-23, -2^-24, 2^-9 give 1 when
+    added in tap order from the bias, and 1 + 2^-7 when the taps go in reverse, in pairs, or
+    before the bias. Random values of many magnitudes fill the rest."""
     key = (id(kernels), kernel, dilation)
     if key not in _DEPTHWISE_CHECKED:
         generator = torch.Generator().manual_seed(kernel * 100 + dilation)
-        channels, time, padding = 64, 97, dilation * (kernel // 2)
-        weight = (torch.randn(channels, 1, kernel, generator=generator) * 0.3).bfloat16()
-        bias = torch.randn(channels, generator=generator).bfloat16()
+        channels, time, padding = 64, 512, dilation * (kernel // 2)
+        weight = torch.randn(channels, 1, kernel, generator=generator) * 0.3
+        bias = torch.randn(channels, generator=generator)
+        values = torch.randn(2, time, channels, generator=generator)
+        values *= torch.logspace(-3, 3, channels)
+        if kernel == 7:  # the telling output: channel 0 at frame `padding`, every tap inside
+            products = [2**-24, 2**-9, 2**-24, 0.0, 2**-23, -(2**-24), 2**-9]
+            weight[0, 0], bias[0] = 1.0, 1.0
+            for tap, product in enumerate(products):
+                values[0, tap * dilation, 0] = product
+        weight, bias = weight.bfloat16(), bias.bfloat16()
         taps = weight.float()[:, 0].t().contiguous()
-        scales = torch.logspace(-3, 3, channels)
         matches = True
         with torch.inference_mode():
             for dtype in (torch.bfloat16, torch.float32):
-                x = (torch.randn(4, time, channels, generator=generator) * scales).to(dtype)
-                x = x.transpose(1, 2)
+                x = values.to(dtype).transpose(1, 2)
                 with torch.autocast("cpu", dtype=torch.bfloat16):
                     expected = torch.nn.functional.conv1d(
                         x, weight, bias, padding=padding, dilation=dilation, groups=channels
