@@ -9,6 +9,7 @@ import numpy as np
 import torch
 
 from chattts_service.inference.quantize import KernelLinear
+from chattts_service.kernels.bindings import channels_last
 
 
 class AudioDecoder:
@@ -426,13 +427,7 @@ class Bf16Depthwise(torch.nn.Module):
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        batch, channels, time = x.shape
-        channels_last = (
-            x.stride(1) == 1
-            and (time == 1 or x.stride(2) == channels)
-            and (batch == 1 or x.stride(0) == channels * time)
-        )
-        if not channels_last or x.dtype not in (torch.bfloat16, torch.float32):
+        if not channels_last(x) or x.dtype not in (torch.bfloat16, torch.float32):
             return self.conv(x)
         return self.kernels.depthwise_conv1d(
             x, self.taps, self.bias_values, self.dilation, self.padding

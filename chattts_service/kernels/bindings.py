@@ -182,11 +182,7 @@ class Kernels:
         batch, channels, time = x.shape
         if x.dtype not in (torch.bfloat16, torch.float32):
             raise ValueError("the depthwise convolution reads bf16 or float32")
-        if (
-            x.stride(1) != 1
-            or (time > 1 and x.stride(2) != channels)
-            or (batch > 1 and x.stride(0) != channels * time)
-        ):
+        if not channels_last(x):
             raise ValueError("the depthwise convolution reads channels-last inputs")
         if (
             weights.dtype != torch.float32
@@ -391,6 +387,17 @@ class SampleCall:
             tokens=self.tokens.data_ptr(),
             threads=torch.get_num_threads(),
         )
+
+
+def channels_last(x: torch.Tensor) -> bool:
+    """Whether ``x`` [batch, channels, time] lies as a transposed [batch, time, channels]
+    tensor, as ``Kernels.depthwise_conv1d`` reads it."""
+    batch, channels, time = x.shape
+    return (
+        x.stride(1) == 1
+        and (time == 1 or x.stride(2) == channels)
+        and (batch == 1 or x.stride(0) == channels * time)
+    )
 
 
 def linear_rows(x: torch.Tensor, packing, gain, residual, swiglu: bool):
