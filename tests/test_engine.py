@@ -733,7 +733,8 @@ def test_a_failed_decode_fails_its_own_request_only(engine):
 def test_concurrent_streams_are_their_whole_answers_and_chunks_follow_the_listener(engine):
     """Four streams decoded together (their chunks batched) give what each gives whole, and a
     stream's chunks grow: the second as large as the first at least, and no chunk after it but
-    the last under the size of a chunk that joins a decode."""
+    the last under the first's size (the smallest a stream sends when its listener would
+    otherwise run dry)."""
     from chattts_service.inference import job
 
     requests = [SynthesisRequest("并发流式测试。", seed=90 + i) for i in range(4)]
@@ -749,7 +750,28 @@ def test_concurrent_streams_are_their_whole_answers_and_chunks_follow_the_listen
         assert job.JOIN_FIRST_STEPS * 512 <= len(chunks[0]) <= job.FIRST_CHUNK_STEPS * 512
         sizes = [len(chunk) // 512 for chunk in chunks]
         assert len(chunks) < 3 or sizes[1] >= job.FIRST_CHUNK_STEPS, sizes
-        assert all(size >= job.JOIN_CHUNK_STEPS for size in sizes[2:-1]), sizes
+        assert all(size >= job.FIRST_CHUNK_STEPS for size in sizes[2:-1]), sizes
+
+
+def test_a_stream_sends_what_waits_when_its_full_chunk_would_come_too_late():
+    """The slow host's case: after two 12-step chunks the listener holds 0.325 s and a step
+    takes 16 ms, so waiting for the third chunk's 24 steps (0.38 s) would leave it without
+    audio; with 12 steps waiting (0.19 s to the 24) it goes. At 7 ms a step the stream waits
+    for its full size, as it does while the listener is well ahead."""
+    from chattts_service.inference import job
+
+    size = 2 * job.FIRST_CHUNK_STEPS
+    slow, fast = 0.016, 0.007
+    assert not job.later_chunk_due(job.FIRST_CHUNK_STEPS - 1, size, 0.325, slow)
+    assert job.later_chunk_due(job.FIRST_CHUNK_STEPS, size, 0.325, slow)
+    assert not job.later_chunk_due(job.FIRST_CHUNK_STEPS, size, 0.325, fast)
+    assert job.later_chunk_due(size, size, 0.325, fast)
+    # well ahead (above the low water): nothing until the chunk could join a decode round
+    assert not job.later_chunk_due(job.FIRST_CHUNK_STEPS, size, 1.0, slow)
+    assert not job.later_chunk_due(size, size, 1.0, slow)
+    assert job.later_chunk_due(job.JOIN_CHUNK_STEPS, size, 1.0, slow, joining=True)
+    # a chunk of MAX_CHUNK_STEPS goes however far ahead the listener is
+    assert job.later_chunk_due(job.MAX_CHUNK_STEPS, job.MAX_CHUNK_STEPS, 30.0, fast)
 
 
 def test_a_streams_first_chunk_joins_a_decode_that_runs_anyway(tiny_model_dir):

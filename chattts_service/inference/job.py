@@ -69,6 +69,12 @@ JOIN_CHUNK_STEPS = 16
 MAX_CHUNK_STEPS = 128
 LOW_WATER_SECONDS = 0.6
 HIGH_WATER_SECONDS = 2.0
+# Below its low water a stream waits for its chunk's size only while its listener would still
+# hold DRY_MARGIN_SECONDS (about a decode round and a step) once the missing steps arrive at the
+# stream's own pace; otherwise it sends what waits, FIRST_CHUNK_STEPS at least. On a slow host
+# (16 ms a step: a 24-step third chunk takes 0.38 s) the sizes above ran a lone listener dry
+# for ~0.07 s (docs/benchmarks.md).
+DRY_MARGIN_SECONDS = 0.15
 # A stream with a look-ahead turns to exact chunks once its listener holds the audio of the
 # steps that must be generated before the first exact chunk can be decoded, times this margin
 # (later streams slow every step), plus CATCH_UP_SECONDS for that chunk's decode; until then
@@ -91,6 +97,32 @@ def catch_up_seconds(step_seconds: float, context_steps: int, lookahead: int) ->
     generated, then its own ``FIRST_CHUNK_STEPS``, then its decode."""
     steps = context_steps - lookahead + FIRST_CHUNK_STEPS
     return CATCH_UP_MARGIN * steps * step_seconds + CATCH_UP_SECONDS
+
+
+def later_chunk_due(
+    waiting: int,
+    size: int,
+    ahead: float,
+    step_seconds: float,
+    low_water: float = LOW_WATER_SECONDS,
+    joining: bool = False,
+) -> bool:
+    """Whether a stream that has sent audio asks for its next chunk now: ``waiting`` steps
+    decodable and not asked for, ``size`` the chunk it grows to, its listener ``ahead``
+    seconds, a step every ``step_seconds`` (its recent pace), ``joining``: a decode runs
+    anyway this time."""
+    if waiting >= MAX_CHUNK_STEPS:
+        return True
+    if ahead < low_water:
+        low = min(size, LOW_CHUNK_STEPS)
+        if waiting >= low:
+            return True
+        # the rest of the chunk would come too late: send what waits
+        if waiting >= FIRST_CHUNK_STEPS and ahead - (low - waiting) * step_seconds < (
+            DRY_MARGIN_SECONDS
+        ):
+            return True
+    return joining and ahead < HIGH_WATER_SECONDS and waiting >= min(size, JOIN_CHUNK_STEPS)
 
 
 def look_ahead_step_limit(context_steps: int, lookahead: int) -> float:
@@ -171,8 +203,8 @@ class SynthesisJob:
         if self.chunks is None or not self.early or sequence.kind != "code":
             return False
         low_water = LOW_WATER_SECONDS
+        self._time_step()
         if not self._exact:
-            self._time_step()
             catch_up = catch_up_seconds(self._step_seconds, self.context_steps, self.lookahead)
             if self._asked and (
                 self.ahead() >= catch_up or self._provisional >= PROVISIONAL_MAX_STEPS
@@ -187,15 +219,8 @@ class SynthesisJob:
         if self._runs_out is None:  # nothing has reached the listener yet
             due = waiting >= size or (joining and waiting >= JOIN_FIRST_STEPS)
         else:
-            ahead = self.ahead()
-            due = (
-                waiting >= MAX_CHUNK_STEPS
-                or (ahead < low_water and waiting >= min(size, LOW_CHUNK_STEPS))
-                or (
-                    joining
-                    and ahead < HIGH_WATER_SECONDS
-                    and waiting >= min(size, JOIN_CHUNK_STEPS)
-                )
+            due = later_chunk_due(
+                waiting, size, self.ahead(), self._step_seconds, low_water, joining
             )
         if (
             due
