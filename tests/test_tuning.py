@@ -134,7 +134,7 @@ def test_the_kernel_refuses_a_tuning_out_of_range(kernels):
         abi.Tuning(257, 0, 9, 0),
         abi.Tuning(-1, 0, 9, 0),
         abi.Tuning(16, 2, 9, 0),
-        abi.Tuning(16, 0, 1, 0),
+        abi.Tuning(16, 0, 0, 0),
         abi.Tuning(16, 0, 10, 0),
         abi.Tuning(16, 0, 9, 1),
         abi.Tuning(16, 0, 9, 66),
@@ -142,7 +142,7 @@ def test_the_kernel_refuses_a_tuning_out_of_range(kernels):
         kernels.tuning = bad
         with pytest.raises(cpp_kernels.KernelError, match="prefetch distance"):
             kernels.int8_linear(torch.randn(1, 64), packing)
-    for bad in ((16, "t2"), (16, "t0", 1), (16, "t0", 10), (16, "t0", 9, 1), (16, "t0", 9, 66)):
+    for bad in ((16, "t2"), (16, "t0", 0), (16, "t0", 10), (16, "t0", 9, 1), (16, "t0", 9, 66)):
         with pytest.raises(ValueError, match="no such tuning"):
             tuning.KernelTuning(*bad)
 
@@ -187,7 +187,7 @@ def test_measuring_chooses_the_fastest_clearly_faster_than_the_default(product):
         paired = report["pairing_ms_per_pass"]
         groups, hint, _ = prefetch.split("/")
         assert set(paired) == {f"{groups}/{hint}/{rows}" for rows in tuning.PAIRINGS}
-        assert all(set(by_rows) == {"8"} for by_rows in paired.values())
+        assert all(set(by_rows) == {"1", "8"} for by_rows in paired.values())
         single = f"{groups}/{hint}/{tuning.SINGLE_BLOCKS}"
         paired_best = replace(best, tiles_from=tuning.NO_TILES)
         assert paired_best.name == _rule(paired, single, tuning.PAIRING_BETTER_BY)
@@ -253,7 +253,7 @@ def test_an_unusable_kept_choice_is_measured_again(kernels, tmp_path, caplog):
     for broken in (
         "{not json",
         '{"tuning": {"prefetch_groups": 999, "prefetch_hint": "nta"}}',
-        '{"tuning": {"prefetch_groups": 16, "prefetch_hint": "nta", "pair_blocks_from": 1}}',
+        '{"tuning": {"prefetch_groups": 16, "prefetch_hint": "nta", "pair_blocks_from": 0}}',
     ):
         kept.write_text(broken)
         with caplog.at_level(logging.WARNING):

@@ -10,7 +10,7 @@ product runs on its tiles. ``CHATTTS_KERNEL_TUNING`` says how the parameters are
 - ``measure`` (the default): at the first start on a CPU, each candidate in ``CANDIDATES`` is
   timed on the model's own packed layers at 1 and 8 rows; the fastest, if clearly faster than
   the default, is used; then, for the VNNI product, that prefetch with each of ``PAIRINGS``
-  at 8 rows; then, with AMX, on tiles or not at each of ``TILE_ROWS`` rows (about two
+  at 1 and 8 rows; then, with AMX, on tiles or not at each of ``TILE_ROWS`` rows (about two
   seconds in all on the full-size model). The choice is kept beside
   the packed weights (``<model dir>/.packed/tuning-<key>.json``, keyed by the CPU's model,
   flags and thread count, the kernel library and the product) and read on later starts: a restart
@@ -45,7 +45,7 @@ log = logging.getLogger(__name__)
 HINTS = {"nta": 0, "t0": 1}
 MODES = ("measure", "table", "default")
 ROWS = (1, 8)  # a step alone, and a full batch
-PAIRING_ROWS = (8,)  # pairs change nothing at one row
+PAIRING_ROWS = ROWS  # pairs from 1 row or 2 differ at one row, pairs or not at 8
 BETTER_BY = 0.05  # a candidate replaces the default only when this much faster: runs
 # on a shared 2-core machine differ by 3-5% between candidates that are the same
 PAIRING_BETTER_BY = 0.03  # timed at one row count, twice the rounds: less noise
@@ -54,21 +54,21 @@ SINGLE_BLOCKS = 9  # pair_blocks_from: pairs only past a step's 8 rows
 TILE_ROWS = (2, 4, 8, 16, 32)  # AMX: tiles or not at each; 32 rows stand for a prompt's prefill
 TILES_BETTER_BY = 0.03  # tiles from the fewest rows from which they win by this at every count
 NO_TILES = 0
-FILE_VERSION = 3
+FILE_VERSION = 4
 
 
 @dataclass(frozen=True)
 class KernelTuning:
     prefetch_groups: int  # 64-byte groups of weights ahead; 0: the hardware prefetcher alone
     prefetch_hint: str  # "nta" (non-temporal) or "t0"
-    pair_blocks_from: int = SINGLE_BLOCKS  # VNNI: rows from which blocks go in pairs, 2..9
+    pair_blocks_from: int = SINGLE_BLOCKS  # VNNI: rows from which blocks go in pairs, 1..9
     tiles_from: int = NO_TILES  # VNNI with AMX: rows from which the product runs on tiles
 
     def __post_init__(self):
         if (
             not 0 <= self.prefetch_groups <= 256
             or self.prefetch_hint not in HINTS
-            or not 2 <= self.pair_blocks_from <= SINGLE_BLOCKS
+            or not 1 <= self.pair_blocks_from <= SINGLE_BLOCKS
             or not (self.tiles_from == NO_TILES or 2 <= self.tiles_from <= 65)
         ):
             raise ValueError(f"no such tuning: {self}")
@@ -90,7 +90,8 @@ class KernelTuning:
             else "no software prefetch"
         )
         if self.pair_blocks_from != SINGLE_BLOCKS:
-            prefetch += f", blocks in pairs from {self.pair_blocks_from} rows"
+            rows = "1 row" if self.pair_blocks_from == 1 else f"{self.pair_blocks_from} rows"
+            prefetch += f", blocks in pairs from {rows}"
         if self.tiles_from:
             prefetch += f", AMX tiles from {self.tiles_from} rows"
         return prefetch
@@ -107,7 +108,9 @@ CANDIDATES = (
     KernelTuning(32, "t0"),
     KernelTuning(64, "t0"),
 )
-PAIRINGS = (SINGLE_BLOCKS, 2)  # the VNNI product's candidates, with the chosen prefetch
+# the VNNI product's candidates, with the chosen prefetch: single blocks up to 8 rows, pairs from
+# 2 rows (one row walks one block in four chains), pairs from 1 row
+PAIRINGS = (SINGLE_BLOCKS, 2, 1)
 # (vendor, family, model) -> tuning, each measured with `python benchmarks/tuning.py` on that
 # CPU (full-size model, 2 threads)
 TABLE = {

@@ -47,7 +47,7 @@ enum ChattsPeak : int32_t {
 struct ChattsTuning {
     int32_t prefetch_groups;         // prefetch this many 64-byte groups of weights ahead, 0..256
     int32_t prefetch_hint;           // 0: non-temporal (NTA), 1: into every cache level (T0)
-    int32_t pair_blocks_from;        // VNNI: from this many rows (2..9) blocks go in pairs
+    int32_t pair_blocks_from;        // VNNI: from this many rows (1..9) blocks go in pairs
     int32_t tiles_from;              // VNNI: from this many rows (2..65) on AMX tiles; 0: never
 };
 
