@@ -66,7 +66,7 @@ def main(argv: list[str] | None = None) -> int:
     best, report = tuning.measure(transformer.kernels, packings, args.rounds, candidates)
     stolen = steal.share()
     print("prefetch distance/hint/pairs from, a pass over the layers:")
-    for section in ("ms_per_pass", "pairing_ms_per_pass", "tiles_ms_per_pass"):
+    for section in ("ms_per_pass", "pairing_ms_per_pass", "quads_ms_per_pass", "tiles_ms_per_pass"):
         for name, by_rows in report.get(section, {}).items():
             figures = "  ".join(
                 f"{rows} rows {ms:7.2f} ms ({megabytes / ms:5.1f} GB/s)"
@@ -77,7 +77,7 @@ def main(argv: list[str] | None = None) -> int:
     print(
         f"TABLE entry: ({identity['vendor']!r}, {identity['family']}, {identity['model']}): "
         f"KernelTuning({best.prefetch_groups}, {best.prefetch_hint!r}, {best.pair_blocks_from}, "
-        f"{best.tiles_from})"
+        f"{best.tiles_from}, {best.quads_up_to})"
     )
     print(describe_steal(stolen))
     return 0

@@ -34,10 +34,11 @@ def _packings(kernels, seed=0):
 def _every_tuning(kernels):
     tiles = (tuning.NO_TILES, 2, 9) if kernels.has_tiles else (tuning.NO_TILES,)
     return [
-        replace(candidate, pair_blocks_from=pairs, tiles_from=start)
+        replace(candidate, pair_blocks_from=pairs, tiles_from=start, quads_up_to=quads)
         for candidate in tuning.CANDIDATES
         for pairs in (*tuning.PAIRINGS, 5)
         for start in tiles
+        for quads in (tuning.NO_QUADS, 2, 4)
     ]
 
 
@@ -46,12 +47,12 @@ def _needs_tiles(kernels):
         pytest.skip("no AMX tiles here (the CPU lacks AMX-INT8, or the OS grants no tile state)")
 
 
-@pytest.mark.parametrize("shape", [(256, 64), (40, 68), (2504, 768)])
+@pytest.mark.parametrize("shape", [(256, 64), (40, 68), (120, 64), (2504, 768)])
 def test_every_candidate_gives_the_same_bits(kernels, shape):
     """Prefetching and pairing move no data and the integer sums are exact, so every tuning
     gives the same bits at every row count; a row's result is its own alone or in a batch.
     (68 inputs: 17 groups, a tail past the one-row chains; 40 channels end inside a block;
-    2504 x 768: the code head.)"""
+    120 channels inside the fourth block of a quad; 2504 x 768: the code head.)"""
     generator = torch.Generator().manual_seed(3)
     packing = Int8Packing(
         torch.randint(-127, 128, shape, dtype=torch.int8, generator=generator),
@@ -138,11 +139,20 @@ def test_the_kernel_refuses_a_tuning_out_of_range(kernels):
         abi.Tuning(16, 0, 10, 0),
         abi.Tuning(16, 0, 9, 1),
         abi.Tuning(16, 0, 9, 66),
+        abi.Tuning(16, 0, 9, 0, -1),
+        abi.Tuning(16, 0, 9, 0, 5),
     ):
         kernels.tuning = bad
         with pytest.raises(cpp_kernels.KernelError, match="prefetch distance"):
             kernels.int8_linear(torch.randn(1, 64), packing)
-    for bad in ((16, "t2"), (16, "t0", 0), (16, "t0", 10), (16, "t0", 9, 1), (16, "t0", 9, 66)):
+    for bad in (
+        (16, "t2"),
+        (16, "t0", 0),
+        (16, "t0", 10),
+        (16, "t0", 9, 1),
+        (16, "t0", 9, 66),
+        (16, "t0", 9, 0, 5),
+    ):
         with pytest.raises(ValueError, match="no such tuning"):
             tuning.KernelTuning(*bad)
 
@@ -160,6 +170,16 @@ def _tiles_rule(passes: dict, without: str, tiled: str) -> int:
             break
         start = int(rows)
     return start
+
+
+def _quads_rule(passes: dict, without: str, quads: str) -> int:
+    """Quads up to the most rows up to which they won by QUADS_BETTER_BY at every count."""
+    up_to = tuning.NO_QUADS
+    for rows in sorted(passes[without], key=int):
+        if passes[quads][rows] > passes[without][rows] * (1 - tuning.QUADS_BETTER_BY):
+            break
+        up_to = int(rows)
+    return up_to
 
 
 def _rule(passes: dict, baseline: str, better_by: float) -> str:
@@ -189,8 +209,14 @@ def test_measuring_chooses_the_fastest_clearly_faster_than_the_default(product):
         assert set(paired) == {f"{groups}/{hint}/{rows}" for rows in tuning.PAIRINGS}
         assert all(set(by_rows) == {"1", "8"} for by_rows in paired.values())
         single = f"{groups}/{hint}/{tuning.SINGLE_BLOCKS}"
-        paired_best = replace(best, tiles_from=tuning.NO_TILES)
+        paired_best = replace(best, tiles_from=tuning.NO_TILES, quads_up_to=tuning.NO_QUADS)
         assert paired_best.name == _rule(paired, single, tuning.PAIRING_BETTER_BY)
+        quads = report["quads_ms_per_pass"]
+        quadded = replace(paired_best, quads_up_to=tuning.QUAD_ROWS[-1]).name
+        assert set(quads) == {paired_best.name, quadded}
+        assert all(set(by_rows) == set(map(str, tuning.QUAD_ROWS)) for by_rows in quads.values())
+        assert best.quads_up_to == _quads_rule(quads, paired_best.name, quadded)
+        paired_best = replace(best, tiles_from=tuning.NO_TILES)
         if kernels.has_tiles:
             tiles = report["tiles_ms_per_pass"]
             tiled = replace(paired_best, tiles_from=tuning.TILE_ROWS[0]).name
@@ -220,7 +246,8 @@ def test_int4_layers_are_timed_with_their_own_product(kernels):
     best, report = tuning.measure(kernels, packings, rounds=2)
     assert set(report["ms_per_pass"]) == {candidate.name for candidate in tuning.CANDIDATES}
     assert "pairing_ms_per_pass" not in report  # the int4 product walks single blocks
-    assert best.pair_blocks_from == tuning.SINGLE_BLOCKS
+    assert "quads_ms_per_pass" not in report
+    assert best.pair_blocks_from == tuning.SINGLE_BLOCKS and best.quads_up_to == tuning.NO_QUADS
     assert best.name == _rule(report["ms_per_pass"], tuning.DEFAULT.name, tuning.BETTER_BY)
 
 
@@ -235,6 +262,7 @@ def test_a_measured_choice_is_kept_and_read_on_the_next_start(kernels, tmp_path)
         "prefetch_hint": first.tuning.prefetch_hint,
         "pair_blocks_from": first.tuning.pair_blocks_from,
         "tiles_from": first.tuning.tiles_from,
+        "quads_up_to": first.tuning.quads_up_to,
     }
     assert stored["cpu"] == tuning.cpu_identity()["name"] and "ms_per_pass" in stored
     # what the next start reads, not what it measures: a choice written by hand is used as is

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import ctypes
 
-ABI_VERSION = 10
+ABI_VERSION = 11
 
 _i64, _i32, _f32, _ptr = ctypes.c_int64, ctypes.c_int32, ctypes.c_float, ctypes.c_void_p
 
@@ -28,6 +28,7 @@ class Tuning(ctypes.Structure):
         ("prefetch_hint", _i32),
         ("pair_blocks_from", _i32),
         ("tiles_from", _i32),
+        ("quads_up_to", _i32),
     ]
 
 

@@ -4,14 +4,16 @@ A decode step reads every weight once, so how far ahead the product prefetches a
 hint decides how near it gets to the memory's bandwidth, and the best differs from one CPU (and
 memory system) to the next: a non-temporal prefetch that suits a Zen 3 halves what an Intel
 Xeon (family 6 model 207) reads. So does, for the VNNI product, from how many rows two blocks of
-16 channels share each broadcast input, and, where the CPU has AMX, from how many rows the
-product runs on its tiles. ``CHATTTS_KERNEL_TUNING`` says how the parameters are chosen:
+16 channels share each broadcast input, up to how many four do, and, where the CPU has AMX, from
+how many rows the product runs on its tiles. ``CHATTTS_KERNEL_TUNING`` says how the parameters
+are chosen:
 
 - ``measure`` (the default): at the first start on a CPU, each candidate in ``CANDIDATES`` is
   timed on the model's own packed layers at 1 and 8 rows; the fastest, if clearly faster than
   the default, is used; then, for the VNNI product, that prefetch with each of ``PAIRINGS``
-  at 1 and 8 rows; then, with AMX, on tiles or not at each of ``TILE_ROWS`` rows (about two
-  seconds in all on the full-size model). The choice is kept beside
+  at 1 and 8 rows; then with blocks four at a time or not at each of ``QUAD_ROWS``; then,
+  with AMX, on tiles or not at each of ``TILE_ROWS`` rows (about three seconds in all on the
+  full-size model). The choice is kept beside
   the packed weights (``<model dir>/.packed/tuning-<key>.json``, keyed by the CPU's model,
   flags and thread count, the kernel library and the product) and read on later starts: a restart
   measures nothing, another CPU measures again.
@@ -54,6 +56,9 @@ SINGLE_BLOCKS = 9  # pair_blocks_from: pairs only past a step's 8 rows
 TILE_ROWS = (2, 4, 8, 16, 32)  # AMX: tiles or not at each; 32 rows stand for a prompt's prefill
 TILES_BETTER_BY = 0.03  # tiles from the fewest rows from which they win by this at every count
 NO_TILES = 0
+QUAD_ROWS = (1, 2, 4)  # VNNI: four blocks at a time or not at each (at most 4 rows)
+QUADS_BETTER_BY = 0.03  # quads up to the most rows up to which they win by this at every count
+NO_QUADS = 0
 FILE_VERSION = 4
 
 
@@ -63,6 +68,7 @@ class KernelTuning:
     prefetch_hint: str  # "nta" (non-temporal) or "t0"
     pair_blocks_from: int = SINGLE_BLOCKS  # VNNI: rows from which blocks go in pairs, 1..9
     tiles_from: int = NO_TILES  # VNNI with AMX: rows from which the product runs on tiles
+    quads_up_to: int = NO_QUADS  # VNNI: rows up to which blocks go four at a time, 0..4
 
     def __post_init__(self):
         if (
@@ -70,18 +76,24 @@ class KernelTuning:
             or self.prefetch_hint not in HINTS
             or not 1 <= self.pair_blocks_from <= SINGLE_BLOCKS
             or not (self.tiles_from == NO_TILES or 2 <= self.tiles_from <= 65)
+            or not NO_QUADS <= self.quads_up_to <= QUAD_ROWS[-1]
         ):
             raise ValueError(f"no such tuning: {self}")
 
     def to_abi(self) -> abi.Tuning:
         return abi.Tuning(
-            self.prefetch_groups, HINTS[self.prefetch_hint], self.pair_blocks_from, self.tiles_from
+            self.prefetch_groups,
+            HINTS[self.prefetch_hint],
+            self.pair_blocks_from,
+            self.tiles_from,
+            self.quads_up_to,
         )
 
     @property
     def name(self) -> str:
         tiles = f"/tiles {self.tiles_from}" if self.tiles_from else ""
-        return f"{self.prefetch_groups}/{self.prefetch_hint}/{self.pair_blocks_from}{tiles}"
+        quads = f"/quads {self.quads_up_to}" if self.quads_up_to else ""
+        return f"{self.prefetch_groups}/{self.prefetch_hint}/{self.pair_blocks_from}{quads}{tiles}"
 
     def describe(self) -> str:
         prefetch = (
@@ -92,6 +104,9 @@ class KernelTuning:
         if self.pair_blocks_from != SINGLE_BLOCKS:
             rows = "1 row" if self.pair_blocks_from == 1 else f"{self.pair_blocks_from} rows"
             prefetch += f", blocks in pairs from {rows}"
+        if self.quads_up_to:
+            rows = "1 row" if self.quads_up_to == 1 else f"{self.quads_up_to} rows"
+            prefetch += f", blocks four at a time up to {rows}"
         if self.tiles_from:
             prefetch += f", AMX tiles from {self.tiles_from} rows"
         return prefetch
@@ -211,6 +226,17 @@ def _tiles_from(medians: dict, without: KernelTuning, tiled: KernelTuning) -> in
     return start
 
 
+def _quads_up_to(medians: dict, without: KernelTuning, quads: KernelTuning) -> int:
+    """The most of ``QUAD_ROWS`` rows up to which four blocks at a time were
+    ``QUADS_BETTER_BY`` faster at every count measured, or ``NO_QUADS``."""
+    up_to = NO_QUADS
+    for rows in sorted(QUAD_ROWS):
+        if medians[quads][rows] > medians[without][rows] * (1 - QUADS_BETTER_BY):
+            break
+        up_to = rows
+    return up_to
+
+
 def _milliseconds(medians: dict) -> dict:
     return {
         candidate.name: {str(rows): seconds * 1000 for rows, seconds in by_rows.items()}
@@ -223,9 +249,10 @@ def measure(kernels, packings, rounds: int = 5, candidates=CANDIDATES) -> tuple[
     rows, ``rounds`` times interleaved; the score is the sum over the row counts of the
     median pass, and the fastest replaces the first candidate only when ``BETTER_BY`` faster.
     For the VNNI product, the chosen prefetch is then timed with each of ``PAIRINGS`` at
-    ``PAIRING_ROWS``, likewise; where the kernels may use AMX tiles, that choice with tiles
-    and without at each of ``TILE_ROWS`` (``_tiles_from`` decides). Returns the choice and the
-    timings. The kernels' tuning is left as chosen."""
+    ``PAIRING_ROWS``, likewise; then that choice with four blocks at a time and without at
+    each of ``QUAD_ROWS`` (``_quads_up_to`` decides); where the kernels may use AMX tiles,
+    that choice with tiles and without at each of ``TILE_ROWS`` (``_tiles_from`` decides).
+    Returns the choice and the timings. The kernels' tuning is left as chosen."""
     medians = _time(kernels, packings, candidates, ROWS, rounds)
     best = _fastest(medians, candidates[0], BETTER_BY)
     report = {"ms_per_pass": _milliseconds(medians), "rounds": rounds}
@@ -235,6 +262,10 @@ def measure(kernels, packings, rounds: int = 5, candidates=CANDIDATES) -> tuple[
         paired = _time(kernels, packings, pairings, PAIRING_ROWS, PAIRING_ROUNDS)
         best = _fastest(paired, pairings[0], PAIRING_BETTER_BY)
         report["pairing_ms_per_pass"] = _milliseconds(paired)
+        quads = replace(best, quads_up_to=QUAD_ROWS[-1])
+        timed = _time(kernels, packings, [best, quads], QUAD_ROWS, PAIRING_ROUNDS)
+        best = replace(best, quads_up_to=_quads_up_to(timed, best, quads))
+        report["quads_ms_per_pass"] = _milliseconds(timed)
         if kernels.has_tiles:
             tiled = replace(best, tiles_from=TILE_ROWS[0])
             timed = _time(kernels, packings, [best, tiled], TILE_ROWS, PAIRING_ROUNDS)
@@ -263,6 +294,7 @@ def cache_path(directory: Path, identity: dict, threads: int, library: Path, pro
             "candidates": [asdict(c) for c in CANDIDATES],
             "pairings": PAIRINGS,
             "tile_rows": TILE_ROWS,
+            "quad_rows": QUAD_ROWS,
         }
     )
     return Path(directory) / f"tuning-{key}.json"

@@ -181,6 +181,61 @@ void gemm_row(int64_t k_groups, const uint8_t* x, const int8_t* w, const int32_t
     store_row(sums, offsets, weight_scale, row_max, residual, out, valid);
 }
 
+// ROWS (1..4) rows, four neighbouring blocks of 16 channels side by side: each broadcast input
+// serves the four, and each thread streams four runs of weights at once. On an Intel Xeon
+// (family 6 model 167) with memory read at 16-18 GB/s, one row's step took 0.90 of the time
+// of one on pairs of blocks, itself 0.90 of one on single blocks: more runs in flight read
+// faster there (docs/benchmarks.md). The integers are exact and the epilogue is store_row: the
+// same bits as gemm_blocks and gemm_row. `valid`: how many of the fourth block's channels are
+// real.
+template <int ROWS, int HINT>
+__attribute__((target("avx512f,avx512bw,avx512vnni"),
+               optimize("no-associative-math", "signed-zeros", "trapping-math",
+                        "fp-contract=off")))
+void gemm_quads(int64_t k_groups, const uint8_t* xq, int64_t x_stride, const int8_t* blocks,
+                int64_t block_bytes, const int32_t* offsets, const float* weight_scale,
+                const float* row_max, const float* residual, int64_t residual_stride,
+                float* out, int64_t out_stride, int valid, uintptr_t weights_end,
+                int64_t prefetch_bytes) {
+    __m512i a0 = _mm512_setzero_si512(), a1 = a0, a2 = a0, a3 = a0, b0 = a0, b1 = a0, b2 = a0,
+            b3 = a0, c0 = a0, c1 = a0, c2 = a0, c3 = a0, d0 = a0, d1 = a0, d2 = a0, d3 = a0;
+    const uint8_t* x = xq;
+    const int8_t* w = blocks;
+    for (int64_t group = 0; group < k_groups; ++group, x += 4, w += 64) {
+        const uintptr_t ahead = reinterpret_cast<uintptr_t>(w) + prefetch_bytes;
+        if (prefetch_bytes > 0 && ahead + 3 * block_bytes < weights_end) {
+            prefetch_weights<HINT>(ahead);
+            prefetch_weights<HINT>(ahead + block_bytes);
+            prefetch_weights<HINT>(ahead + 2 * block_bytes);
+            prefetch_weights<HINT>(ahead + 3 * block_bytes);
+        }
+        const __m512i w0 = _mm512_loadu_si512(w), w1 = _mm512_loadu_si512(w + block_bytes);
+        const __m512i w2 = _mm512_loadu_si512(w + 2 * block_bytes);
+        const __m512i w3 = _mm512_loadu_si512(w + 3 * block_bytes);
+#define CHATTS_QUAD_ROW(R)                                                                \
+        if constexpr (ROWS > R) {                                                         \
+            int32_t four;                                                                 \
+            std::memcpy(&four, x + R * x_stride, sizeof four);                            \
+            const __m512i inputs = _mm512_set1_epi32(four);                               \
+            a##R = _mm512_dpbusd_epi32(a##R, inputs, w0);                                 \
+            b##R = _mm512_dpbusd_epi32(b##R, inputs, w1);                                 \
+            c##R = _mm512_dpbusd_epi32(c##R, inputs, w2);                                 \
+            d##R = _mm512_dpbusd_epi32(d##R, inputs, w3);                                 \
+        }
+        CHATTS_QUAD_ROW(0) CHATTS_QUAD_ROW(1) CHATTS_QUAD_ROW(2) CHATTS_QUAD_ROW(3)
+#undef CHATTS_QUAD_ROW
+    }
+    const __m512i accumulators[4][4] = {
+        {a0, a1, a2, a3}, {b0, b1, b2, b3}, {c0, c1, c2, c3}, {d0, d1, d2, d3}};
+    for (int b = 0; b < 4; ++b) {
+        const int channels = b < 3 ? 16 : valid;
+        for (int r = 0; r < ROWS; ++r)
+            store_row(accumulators[b][r], offsets + b * 16, weight_scale + b * 16, row_max[r],
+                      residual == nullptr ? nullptr : residual + r * residual_stride + b * 16,
+                      out + r * out_stride + b * 16, channels);
+    }
+}
+
 using BlockFunction = void (*)(int64_t, const uint8_t*, int64_t, const int8_t*, int64_t,
                                const int32_t*, const float*, const float*, const float*,
                                int64_t, float*, int64_t, int, uintptr_t, int64_t);
@@ -195,6 +250,9 @@ constexpr BlockFunction kBlockFunctions[9] = {
     gemm_blocks<6, BLOCKS, HINT>,
     gemm_blocks<7, BLOCKS, HINT>,
     gemm_blocks<8, BLOCKS, HINT>};
+template <int HINT>
+constexpr BlockFunction kQuadFunctions[5] = {nullptr, gemm_quads<1, HINT>, gemm_quads<2, HINT>,
+                                             gemm_quads<3, HINT>, gemm_quads<4, HINT>};
 
 __attribute__((target("avx512f,avx512bw,avx512vnni")))
 void gemm(int64_t rows, int64_t n, int64_t k, const uint8_t* xq, const int8_t* packed,
@@ -208,9 +266,12 @@ void gemm(int64_t rows, int64_t n, int64_t k, const uint8_t* xq, const int8_t* p
     // 207) pairs from 2 rows took 0.91-0.95 of the time at 2, 4 and 8 rows. One row walks a
     // block in four chains (gemm_row), or a pair (from 1 row: on an Intel Xeon, family 6
     // model 167, with memory read at 16 GB/s, a one-row step took 0.92 of gemm_row's time).
-    // The same bits every way.
+    // Up to tuning.quads_up_to rows (at most 4), four blocks at a time (gemm_quads), the last
+    // few alone. The same bits every way.
     const int64_t blocks = (n + 15) / 16, block_bytes = 16 * k;
-    const int64_t span = rows >= tuning.pair_blocks_from ? 2 : 1;  // at most 9: valid_tuning
+    const int64_t span = rows <= tuning.quads_up_to ? 4
+                         : rows >= tuning.pair_blocks_from ? 2
+                                                           : 1;  // valid_tuning: at most 9
     const int64_t tasks = (blocks + span - 1) / span;
     const uintptr_t weights_end = reinterpret_cast<uintptr_t>(packed) + blocks * block_bytes;
     const int64_t prefetch_bytes = static_cast<int64_t>(tuning.prefetch_groups) * 64;
@@ -227,10 +288,8 @@ void gemm(int64_t rows, int64_t n, int64_t k, const uint8_t* xq, const int8_t* p
     // side by side on an Intel Xeon (family 6 model 207) a pass over the int8 layers took
     // 0.93-0.97 of the static split's time (medians, 1 and 8 rows), never more. Which thread
     // computes a block changes nothing in it.
-#pragma omp parallel for num_threads(threads) schedule(guided)
-    for (int64_t task = 0; task < tasks; ++task) {
-        const int64_t block = task * span;
-        const bool both = span == 2 && block + 1 < blocks;
+    // block `block` and, with `both`, the next: paired, or alone (one row in four chains)
+    const auto single_or_pair = [&](int64_t block, bool both) {
         const int64_t last = both ? block + 1 : block;
         const int valid = static_cast<int>(n - last * 16 < 16 ? n - last * 16 : 16);
         if (rows == 1 && !both) {
@@ -239,7 +298,7 @@ void gemm(int64_t rows, int64_t n, int64_t k, const uint8_t* xq, const int8_t* p
                 weight_scale + block * 16, row_max[0],
                 residual == nullptr ? nullptr : residual + block * 16, out + block * 16, valid,
                 weights_end, prefetch_bytes);
-            continue;
+            return;
         }
         for (int64_t first = 0; first < rows; first += 8) {
             const int64_t count = rows - first < 8 ? rows - first : 8;
@@ -252,6 +311,24 @@ void gemm(int64_t rows, int64_t n, int64_t k, const uint8_t* xq, const int8_t* p
                 residual == nullptr ? nullptr : residual + first * residual_stride + block * 16,
                 residual_stride, out + first * out_stride + block * 16, out_stride, valid,
                 weights_end, first == 0 ? prefetch_bytes : 0);
+        }
+    };
+#pragma omp parallel for num_threads(threads) schedule(guided)
+    for (int64_t task = 0; task < tasks; ++task) {
+        const int64_t block = task * span;
+        if (span == 4 && block + 3 < blocks) {
+            const int64_t fourth = block + 3;
+            (t0 ? kQuadFunctions<1> : kQuadFunctions<0>)[rows](
+                k / 4, xq, k, packed + block * block_bytes, block_bytes, offsets + block * 16,
+                weight_scale + block * 16, row_max,
+                residual == nullptr ? nullptr : residual + block * 16, residual_stride,
+                out + block * 16, out_stride,
+                static_cast<int>(n - fourth * 16 < 16 ? n - fourth * 16 : 16), weights_end,
+                prefetch_bytes);
+        } else if (span == 4) {  // the last one to three blocks, each alone
+            for (int64_t single = block; single < blocks; ++single) single_or_pair(single, false);
+        } else {
+            single_or_pair(block, span == 2 && block + 1 < blocks);
         }
     }
 }
@@ -516,6 +593,7 @@ bool valid_tuning(const ChattsTuning& tuning) {
     return tuning.prefetch_groups >= 0 && tuning.prefetch_groups <= 256 &&
            tuning.prefetch_hint >= 0 && tuning.prefetch_hint <= 1 &&
            tuning.pair_blocks_from >= 1 && tuning.pair_blocks_from <= 9 &&
+           tuning.quads_up_to >= 0 && tuning.quads_up_to <= 4 &&
            (tuning.tiles_from == 0 || (tuning.tiles_from >= 2 && tuning.tiles_from <= 65));
 }
 
