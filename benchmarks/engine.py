@@ -98,12 +98,14 @@ def measure_bandwidth(size_mb: int = 1024, repeats: int = 7) -> float:
 
 
 READ_PREFETCHES = (0, 1024, 2048, 4096)  # bytes ahead: the fastest differs between CPUs
+READ_STREAMS = (1, 4, 8)  # runs a thread reads side by side: some CPUs read several faster
 
 
 def weights_read_seconds(transformer, rounds: int = 5) -> float | None:
     """The least time a loop that only reads them takes over the GPT's packed linear layers
     (``Kernels.read``: the same pages, threads and CPU as the step's products), fastest of
-    several prefetch distances, interleaved; None without the kernels' packings."""
+    several prefetch distances and numbers of runs a thread reads side by side, interleaved;
+    None without the kernels' packings."""
     packings = transformer.kernel_packings()
     if len(packings) != 4 * len(transformer.layers):  # no kernels, or not every linear theirs
         return None
@@ -112,9 +114,10 @@ def weights_read_seconds(transformer, rounds: int = 5) -> float | None:
     transformer.kernels.read(tensors)  # once untimed: start the threads
     for _ in range(rounds):
         for prefetch in READ_PREFETCHES:
-            started = time.perf_counter()
-            transformer.kernels.read(tensors, prefetch)
-            times.append(time.perf_counter() - started)
+            for streams in READ_STREAMS:
+                started = time.perf_counter()
+                transformer.kernels.read(tensors, prefetch, streams)
+                times.append(time.perf_counter() - started)
     return min(times)
 
 

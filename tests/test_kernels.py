@@ -328,7 +328,8 @@ def test_the_librarys_name_does_not_depend_on_the_serving_compiler(monkeypatch, 
 
 def test_read_folds_every_byte_of_every_buffer(kernel):
     """The benchmarks' floor is a loop that only reads the weights: it must read each byte of
-    every buffer (of any length, any prefetch), which its fold of them shows."""
+    every buffer (of any length, any prefetch, in one run or several), which its fold of them
+    shows."""
     generator = torch.Generator().manual_seed(4)
     buffers = [
         torch.randint(0, 256, (size,), dtype=torch.uint8, generator=generator)
@@ -336,16 +337,21 @@ def test_read_folds_every_byte_of_every_buffer(kernel):
     ]
     fold = kernel.read(buffers)
     assert all(kernel.read(buffers, prefetch) == fold for prefetch in (1024, 4096))
+    assert all(kernel.read(buffers, 1024, streams) == fold for streams in (2, 4, 7, 16))
     assert kernel.read([buffer.clone() for buffer in buffers]) == fold
     for index, at in ((0, 0), (2, 77), (3, 4098), (4, 300_000), (4, (1 << 20) - 1)):
         changed = [buffer.clone() for buffer in buffers]
         changed[index][at] ^= 0x10
         assert kernel.read(changed) != fold, (index, at)
+        assert kernel.read(changed, 0, 4) != fold, (index, at)
     assert kernel.read([]) == 0
     with pytest.raises(ValueError, match="contiguous"):
         kernel.read([torch.zeros(8, 8, dtype=torch.uint8).t()])
     with pytest.raises(cpp_kernels.KernelError, match="read needs"):
         kernel.read(buffers, -64)
+    for streams in (0, 17):
+        with pytest.raises(cpp_kernels.KernelError, match="read needs"):
+            kernel.read(buffers, 0, streams)
 
 
 def test_kernel_errors_carry_the_library_message(kernel):

@@ -201,6 +201,7 @@ class ReadArgs(ctypes.Structure):
         ("bytes", _ptr),
         ("prefetch_bytes", _i64),
         ("threads", _i32),
+        ("streams", _i32),
         ("checksum", ctypes.c_uint64),
     ]
 

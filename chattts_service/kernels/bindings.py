@@ -307,10 +307,11 @@ class Kernels:
         self.check(self.library.chatts_sample(ctypes.byref(draw.arguments)))
         return draw.tokens
 
-    def read(self, tensors: list[torch.Tensor], prefetch_bytes: int = 0) -> int:
+    def read(self, tensors: list[torch.Tensor], prefetch_bytes: int = 0, streams: int = 1) -> int:
         """Read every byte of ``tensors`` (contiguous) once on torch's threads, doing nothing
         but fold them together: the least a pass over them costs (the benchmarks' floor).
-        Returns the fold (the same bytes give the same number)."""
+        ``streams``: runs each thread reads side by side. Returns the fold (the same bytes give
+        the same number, however read)."""
         if any(not tensor.is_contiguous() for tensor in tensors):
             raise ValueError("read takes contiguous tensors")
         buffers = (ctypes.c_void_p * len(tensors))(*(t.data_ptr() for t in tensors))
@@ -321,6 +322,7 @@ class Kernels:
             bytes=ctypes.addressof(sizes),
             prefetch_bytes=prefetch_bytes,
             threads=torch.get_num_threads(),
+            streams=streams,
         )
         self.check(self.library.chatts_read_buffers(ctypes.byref(arguments)))
         return arguments.checksum

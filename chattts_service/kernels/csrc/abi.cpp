@@ -117,7 +117,8 @@ std::string layout(int32_t kind) {
         case CHATTS_ARGS_READ: {
             using S = ChattsReadArgs;
             CHATTS_FIELD(S, count); CHATTS_FIELD(S, buffers); CHATTS_FIELD(S, bytes);
-            CHATTS_FIELD(S, prefetch_bytes); CHATTS_FIELD(S, threads); CHATTS_FIELD(S, checksum);
+            CHATTS_FIELD(S, prefetch_bytes); CHATTS_FIELD(S, threads); CHATTS_FIELD(S, streams);
+            CHATTS_FIELD(S, checksum);
             break;
         }
         case CHATTS_ARGS_TUNING: {
@@ -175,7 +176,8 @@ extern "C" const char* chatts_status_message(int32_t status) {
             return "prefetch distance must be 0-256 groups, hint 0 or 1, pairs from 1-9 rows, "
                    "tiles from 2-65 rows or never (0), quads up to 0-4 rows";
         case CHATTS_NO_TILES: return "AMX tiles asked for, but this CPU or its OS has none";
-        case CHATTS_BAD_READ: return "read needs a count and prefetch >= 0 and a thread";
+        case CHATTS_BAD_READ:
+            return "read needs a count and prefetch >= 0, a thread and 1-16 streams";
         case CHATTS_BAD_PEAK: return "a peak loop needs a known kind, an iteration and a thread";
         case CHATTS_BAD_DEPTHWISE:
             return "a depthwise convolution needs channels, time, a kernel, dilation >= 1, "

@@ -201,6 +201,7 @@ struct ChattsReadArgs {
     const int64_t* bytes;            // [count]
     int64_t prefetch_bytes;          // T0 prefetch this far ahead; 0: none
     int32_t threads;
+    int32_t streams;                 // runs each thread reads side by side, 1..16
     uint64_t checksum;               // out: the bytes folded together
 };
 
