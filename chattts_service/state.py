@@ -88,7 +88,10 @@ class ServiceState:
 
     @property
     def ready(self) -> bool:
-        return self.ready_event.is_set() and not self.draining
+        """Serving: the phase is "ready" (and no drain began). A caller that reads the phase
+        once reports what decided its answer (a 503 never says "ready"): it becomes "ready"
+        after everything serving needs is up, and "draining" before the draining flag is set."""
+        return self.phase == "ready" and not self.draining
 
     @property
     def degraded(self) -> bool:
@@ -98,8 +101,8 @@ class ServiceState:
         """Stop taking new work: readiness and new requests answer 503 from now on."""
         if not self.draining:
             log.info("draining: new requests get 503; in-flight requests finish")
-        self.draining = True
         self.phase = "draining"
+        self.draining = True
         self.metrics.ready.set(0)
 
     def start(self, exit_on_failure: bool) -> threading.Thread:
@@ -153,9 +156,10 @@ class ServiceState:
                 logging.shutdown()
                 os._exit(WORKER_BOOT_ERROR)
             return
-        self.phase = "ready"
         if self.pressure is not None:
             self.pressure.start()
-        self.metrics.ready.set(1)
+        if not self.draining:  # a SIGTERM while loading: never ready
+            self.metrics.ready.set(1)
+            self.phase = "ready"
         self.ready_event.set()
         log.info("ready %.2fs after start", time.monotonic() - self.started_at)

@@ -58,8 +58,9 @@ def speak(parse) -> Response:
         if state.draining:
             state.metrics.rejected.labels(reason="draining").inc()
             raise NotReady("the server is shutting down")
-        if not state.ready:
-            raise NotReady(f"model is not ready ({state.phase})")
+        phase = state.phase  # read once: the refusal names what decided it
+        if phase != "ready":
+            raise NotReady(f"model is not ready ({phase})")
         body = validation.json_body(request.mimetype, request.get_data(cache=False))
         synthesis_request, output = parse(body, state.settings, state.engine.voices)
         # accepted, so not refused: ChatTTS cannot follow them, and the answer will say so

@@ -26,10 +26,13 @@ def healthz():
 )
 def readyz():
     state = current_app.extensions["chattts"]
-    if state.ready:
+    phase = state.phase  # read once: the answer and its body agree
+    if phase == "ready" and not state.draining:
         return jsonify(status="ready", model=state.engine.model_name)
-    body = {"status": state.phase, "phase": state.phase}
-    if state.phase == "downloading":
+    if phase == "ready":  # a drain began as the phase was read
+        phase = "draining"
+    body = {"status": phase, "phase": phase}
+    if phase == "downloading":
         body.update(state.download.snapshot())
     if state.failure:
         body["error"] = state.failure
