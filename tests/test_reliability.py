@@ -142,6 +142,30 @@ def test_sigterm_drains_then_finishes_in_flight_requests(start_server):
     assert "draining" in server.log()
 
 
+def test_readiness_and_its_body_always_agree(tiny_model_dir):
+    """/readyz answers 200 exactly when its body says "ready", whatever the phase: the
+    handler reads the phase once. A drain that begins as the phase turns "ready" (the loader
+    and a SIGTERM at the same moment) reads as draining, not ready."""
+    from chattts_service.app import create_app
+    from chattts_service.config import Settings
+
+    app = create_app(Settings.from_env({}, model_dir=tiny_model_dir), start_loading=False)
+    state, client = app.extensions["chattts"], app.test_client()
+    for phase in ("starting", "downloading", "loading", "warming", "failed", "ready"):
+        state.phase = phase
+        answer = client.get("/readyz")
+        assert (answer.status_code == 200) == (answer.get_json()["status"] == "ready"), phase
+        assert answer.get_json()["status"] == phase and state.ready == (phase == "ready")
+    state.draining = True  # the flag set while the phase still reads "ready"
+    answer = client.get("/readyz")
+    assert answer.status_code == 503 and answer.get_json()["status"] == "draining"
+    assert not state.ready
+    state.draining = False
+    state.drain()
+    answer = client.get("/readyz")
+    assert answer.status_code == 503 and answer.get_json()["status"] == "draining"
+
+
 # -- admission and degraded mode ------------------------------------------------------------------
 
 
