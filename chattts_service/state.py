@@ -80,18 +80,22 @@ class ServiceState:
     draining: bool = False  # SIGTERM received: refuse new work, finish what is running
     recent: RecentRequests = field(default_factory=RecentRequests)
     started_at: float = field(default_factory=time.monotonic)
-    ready_event: threading.Event = field(default_factory=threading.Event)
     phase: str = "starting"  # starting -> loading -> warming -> ready | failed
     failure: str | None = None
     speech: SpeechPipeline | None = None  # the pipeline both speech endpoints call
     download: DownloadProgress = field(default_factory=DownloadProgress)
 
     @property
+    def serving_phase(self) -> str:
+        """The phase to report, "ready" exactly when serving: "draining" once a drain began,
+        else the phase. A caller that reads it once reports what decided its answer (a 503
+        never says "ready"): the phase turns "ready" after everything serving needs is up,
+        and "draining" before the draining flag is set."""
+        return "draining" if self.draining else self.phase
+
+    @property
     def ready(self) -> bool:
-        """Serving: the phase is "ready" (and no drain began). A caller that reads the phase
-        once reports what decided its answer (a 503 never says "ready"): it becomes "ready"
-        after everything serving needs is up, and "draining" before the draining flag is set."""
-        return self.phase == "ready" and not self.draining
+        return self.serving_phase == "ready"
 
     @property
     def degraded(self) -> bool:
@@ -161,5 +165,4 @@ class ServiceState:
         if not self.draining:  # a SIGTERM while loading: never ready
             self.metrics.ready.set(1)
             self.phase = "ready"
-        self.ready_event.set()
         log.info("ready %.2fs after start", time.monotonic() - self.started_at)

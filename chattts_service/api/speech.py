@@ -58,7 +58,7 @@ def speak(parse) -> Response:
         if state.draining:
             state.metrics.rejected.labels(reason="draining").inc()
             raise NotReady("the server is shutting down")
-        phase = state.phase  # read once: the refusal names what decided it
+        phase = state.serving_phase  # read once: the refusal names what decided it
         if phase != "ready":
             raise NotReady(f"model is not ready ({phase})")
         body = validation.json_body(request.mimetype, request.get_data(cache=False))

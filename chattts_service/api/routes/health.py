@@ -26,11 +26,9 @@ def healthz():
 )
 def readyz():
     state = current_app.extensions["chattts"]
-    phase = state.phase  # read once: the answer and its body agree
-    if phase == "ready" and not state.draining:
+    phase = state.serving_phase  # read once: the answer and its body agree
+    if phase == "ready":
         return jsonify(status="ready", model=state.engine.model_name)
-    if phase == "ready":  # a drain began as the phase was read
-        phase = "draining"
     body = {"status": phase, "phase": phase}
     if phase == "downloading":
         body.update(state.download.snapshot())

@@ -34,7 +34,7 @@ def status():
     state = current_app.extensions["chattts"]
     engine, settings = state.engine, state.settings
     body = {
-        "status": "draining" if state.draining else state.phase,
+        "status": state.serving_phase,
         "uptime_seconds": round(time.monotonic() - state.started_at, 1),
         "model": engine.model_name,
         "quantization": settings.quantize,

@@ -288,10 +288,13 @@ void gemm(int64_t rows, int64_t n, int64_t k, const uint8_t* xq, const int8_t* p
     // side by side on an Intel Xeon (family 6 model 207) a pass over the int8 layers took
     // 0.93-0.97 of the static split's time (medians, 1 and 8 rows), never more. Which thread
     // computes a block changes nothing in it.
+    // how many of a block's 16 channels are real (the last block's may be fewer)
+    const auto valid_in = [n](int64_t block) {
+        return static_cast<int>(n - block * 16 < 16 ? n - block * 16 : 16);
+    };
     // block `block` and, with `both`, the next: paired, or alone (one row in four chains)
     const auto single_or_pair = [&](int64_t block, bool both) {
-        const int64_t last = both ? block + 1 : block;
-        const int valid = static_cast<int>(n - last * 16 < 16 ? n - last * 16 : 16);
+        const int valid = valid_in(both ? block + 1 : block);
         if (rows == 1 && !both) {
             (t0 ? gemm_row<1> : gemm_row<0>)(
                 k / 4, xq, packed + block * block_bytes, offsets + block * 16,
@@ -317,14 +320,11 @@ void gemm(int64_t rows, int64_t n, int64_t k, const uint8_t* xq, const int8_t* p
     for (int64_t task = 0; task < tasks; ++task) {
         const int64_t block = task * span;
         if (span == 4 && block + 3 < blocks) {
-            const int64_t fourth = block + 3;
             (t0 ? kQuadFunctions<1> : kQuadFunctions<0>)[rows](
                 k / 4, xq, k, packed + block * block_bytes, block_bytes, offsets + block * 16,
                 weight_scale + block * 16, row_max,
                 residual == nullptr ? nullptr : residual + block * 16, residual_stride,
-                out + block * 16, out_stride,
-                static_cast<int>(n - fourth * 16 < 16 ? n - fourth * 16 : 16), weights_end,
-                prefetch_bytes);
+                out + block * 16, out_stride, valid_in(block + 3), weights_end, prefetch_bytes);
         } else if (span == 4) {  // the last one to three blocks, each alone
             for (int64_t single = block; single < blocks; ++single) single_or_pair(single, false);
         } else {
