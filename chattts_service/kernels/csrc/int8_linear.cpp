@@ -84,11 +84,16 @@ inline void store_row(__m512i sums, const int32_t* offsets, const float* weight_
     _mm512_mask_storeu_ps(out, mask, result);
 }
 
-// BLOCKS (1 or 2) neighbouring blocks of 16 channels for ROWS (1..8) rows: each broadcast input
-// serves both blocks, and 2 * ROWS accumulators keep the multiply unit busy. The accumulators
-// are named variables, not an array: GCC 12 kept an array of them on the stack, or copied them
-// between registers around every vpdpbusd (1.4x slower at 8 rows). `valid`: how many of the
-// last block's 16 channels are real (the rest are padding and are not stored).
+// BLOCKS (1, 2 or 4) neighbouring blocks of 16 channels for ROWS rows (1..8; 1..4 with four
+// blocks): each broadcast input serves every block, BLOCKS * ROWS accumulators (at most 16)
+// keep the multiply unit busy, and each thread streams BLOCKS runs of weights at once. On an
+// Intel Xeon (family 6 model 167) with memory read at 16-18 GB/s, one row's step on four blocks
+// took 0.90 of its time on pairs, itself 0.90 of its time on single blocks: more runs in flight
+// read faster there (docs/benchmarks.md). The accumulators are named variables, not an array:
+// GCC 12 kept an array of them on the stack, or copied them between registers around every
+// vpdpbusd (1.4x slower at 8 rows); the ones a ROWS and BLOCKS leave unused are never touched.
+// `valid`: how many of the last block's 16 channels are real (the rest are padding and are not
+// stored).
 // optimize: without -fassociative-math the epilogue multiplies in the written order for every
 // ROWS (with it, GCC regrouped the two products for some row counts, and a row's result
 // changed in its last bit with its batch); without fp-contract the residual is added to the
@@ -102,8 +107,12 @@ void gemm_blocks(int64_t k_groups, const uint8_t* xq, int64_t x_stride, const in
                  const float* row_max, const float* residual, int64_t residual_stride,
                  float* out, int64_t out_stride, int valid, uintptr_t weights_end,
                  int64_t prefetch_bytes) {
+    static_assert(BLOCKS == 1 || BLOCKS == 2 || BLOCKS == 4, "one, two or four blocks");
+    static_assert(ROWS >= 1 && ROWS * BLOCKS <= 16, "at most 16 accumulators");
     __m512i a0 = _mm512_setzero_si512(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0,
-            a7 = a0, b0 = a0, b1 = a0, b2 = a0, b3 = a0, b4 = a0, b5 = a0, b6 = a0, b7 = a0;
+            a7 = a0, b0 = a0, b1 = a0, b2 = a0, b3 = a0, b4 = a0, b5 = a0, b6 = a0, b7 = a0,
+            c0 = a0, c1 = a0, c2 = a0, c3 = a0, c4 = a0, c5 = a0, c6 = a0, c7 = a0, d0 = a0,
+            d1 = a0, d2 = a0, d3 = a0, d4 = a0, d5 = a0, d6 = a0, d7 = a0;
     const uint8_t* x = xq;
     const int8_t* w = blocks;
     for (int64_t group = 0; group < k_groups; ++group, x += 4, w += 64) {
@@ -112,25 +121,39 @@ void gemm_blocks(int64_t k_groups, const uint8_t* xq, int64_t x_stride, const in
         const uintptr_t ahead = reinterpret_cast<uintptr_t>(w) + prefetch_bytes;
         if (prefetch_bytes > 0 && ahead + (BLOCKS - 1) * block_bytes < weights_end) {
             prefetch_weights<HINT>(ahead);
-            if constexpr (BLOCKS == 2) prefetch_weights<HINT>(ahead + block_bytes);
+            if constexpr (BLOCKS >= 2) prefetch_weights<HINT>(ahead + block_bytes);
+            if constexpr (BLOCKS == 4) {
+                prefetch_weights<HINT>(ahead + 2 * block_bytes);
+                prefetch_weights<HINT>(ahead + 3 * block_bytes);
+            }
         }
         const __m512i w0 = _mm512_loadu_si512(w);
-        __m512i w1 = w0;
-        if constexpr (BLOCKS == 2) w1 = _mm512_loadu_si512(w + block_bytes);
+        __m512i w1 = w0, w2 = w0, w3 = w0;
+        if constexpr (BLOCKS >= 2) w1 = _mm512_loadu_si512(w + block_bytes);
+        if constexpr (BLOCKS == 4) {
+            w2 = _mm512_loadu_si512(w + 2 * block_bytes);
+            w3 = _mm512_loadu_si512(w + 3 * block_bytes);
+        }
 #define CHATTS_ROW(R)                                                                     \
         if constexpr (ROWS > R) {                                                         \
             int32_t four;                                                                 \
             std::memcpy(&four, x + R * x_stride, sizeof four);                            \
             const __m512i inputs = _mm512_set1_epi32(four);                               \
             a##R = _mm512_dpbusd_epi32(a##R, inputs, w0);                                 \
-            if constexpr (BLOCKS == 2) b##R = _mm512_dpbusd_epi32(b##R, inputs, w1);      \
+            if constexpr (BLOCKS >= 2) b##R = _mm512_dpbusd_epi32(b##R, inputs, w1);      \
+            if constexpr (BLOCKS == 4) {                                                  \
+                c##R = _mm512_dpbusd_epi32(c##R, inputs, w2);                             \
+                d##R = _mm512_dpbusd_epi32(d##R, inputs, w3);                             \
+            }                                                                             \
         }
         CHATTS_ROW(0) CHATTS_ROW(1) CHATTS_ROW(2) CHATTS_ROW(3)
         CHATTS_ROW(4) CHATTS_ROW(5) CHATTS_ROW(6) CHATTS_ROW(7)
 #undef CHATTS_ROW
     }
-    const __m512i accumulators[2][8] = {{a0, a1, a2, a3, a4, a5, a6, a7},
-                                        {b0, b1, b2, b3, b4, b5, b6, b7}};
+    const __m512i accumulators[4][8] = {{a0, a1, a2, a3, a4, a5, a6, a7},
+                                        {b0, b1, b2, b3, b4, b5, b6, b7},
+                                        {c0, c1, c2, c3, c4, c5, c6, c7},
+                                        {d0, d1, d2, d3, d4, d5, d6, d7}};
     for (int b = 0; b < BLOCKS; ++b) {
         // offsets: zero point * (sum of the channel's weights), the activations' u8 offset
         const int channels = b + 1 < BLOCKS ? 16 : valid;
@@ -181,61 +204,6 @@ void gemm_row(int64_t k_groups, const uint8_t* x, const int8_t* w, const int32_t
     store_row(sums, offsets, weight_scale, row_max, residual, out, valid);
 }
 
-// ROWS (1..4) rows, four neighbouring blocks of 16 channels side by side: each broadcast input
-// serves the four, and each thread streams four runs of weights at once. On an Intel Xeon
-// (family 6 model 167) with memory read at 16-18 GB/s, one row's step took 0.90 of the time
-// of one on pairs of blocks, itself 0.90 of one on single blocks: more runs in flight read
-// faster there (docs/benchmarks.md). The integers are exact and the epilogue is store_row: the
-// same bits as gemm_blocks and gemm_row. `valid`: how many of the fourth block's channels are
-// real.
-template <int ROWS, int HINT>
-__attribute__((target("avx512f,avx512bw,avx512vnni"),
-               optimize("no-associative-math", "signed-zeros", "trapping-math",
-                        "fp-contract=off")))
-void gemm_quads(int64_t k_groups, const uint8_t* xq, int64_t x_stride, const int8_t* blocks,
-                int64_t block_bytes, const int32_t* offsets, const float* weight_scale,
-                const float* row_max, const float* residual, int64_t residual_stride,
-                float* out, int64_t out_stride, int valid, uintptr_t weights_end,
-                int64_t prefetch_bytes) {
-    __m512i a0 = _mm512_setzero_si512(), a1 = a0, a2 = a0, a3 = a0, b0 = a0, b1 = a0, b2 = a0,
-            b3 = a0, c0 = a0, c1 = a0, c2 = a0, c3 = a0, d0 = a0, d1 = a0, d2 = a0, d3 = a0;
-    const uint8_t* x = xq;
-    const int8_t* w = blocks;
-    for (int64_t group = 0; group < k_groups; ++group, x += 4, w += 64) {
-        const uintptr_t ahead = reinterpret_cast<uintptr_t>(w) + prefetch_bytes;
-        if (prefetch_bytes > 0 && ahead + 3 * block_bytes < weights_end) {
-            prefetch_weights<HINT>(ahead);
-            prefetch_weights<HINT>(ahead + block_bytes);
-            prefetch_weights<HINT>(ahead + 2 * block_bytes);
-            prefetch_weights<HINT>(ahead + 3 * block_bytes);
-        }
-        const __m512i w0 = _mm512_loadu_si512(w), w1 = _mm512_loadu_si512(w + block_bytes);
-        const __m512i w2 = _mm512_loadu_si512(w + 2 * block_bytes);
-        const __m512i w3 = _mm512_loadu_si512(w + 3 * block_bytes);
-#define CHATTS_QUAD_ROW(R)                                                                \
-        if constexpr (ROWS > R) {                                                         \
-            int32_t four;                                                                 \
-            std::memcpy(&four, x + R * x_stride, sizeof four);                            \
-            const __m512i inputs = _mm512_set1_epi32(four);                               \
-            a##R = _mm512_dpbusd_epi32(a##R, inputs, w0);                                 \
-            b##R = _mm512_dpbusd_epi32(b##R, inputs, w1);                                 \
-            c##R = _mm512_dpbusd_epi32(c##R, inputs, w2);                                 \
-            d##R = _mm512_dpbusd_epi32(d##R, inputs, w3);                                 \
-        }
-        CHATTS_QUAD_ROW(0) CHATTS_QUAD_ROW(1) CHATTS_QUAD_ROW(2) CHATTS_QUAD_ROW(3)
-#undef CHATTS_QUAD_ROW
-    }
-    const __m512i accumulators[4][4] = {
-        {a0, a1, a2, a3}, {b0, b1, b2, b3}, {c0, c1, c2, c3}, {d0, d1, d2, d3}};
-    for (int b = 0; b < 4; ++b) {
-        const int channels = b < 3 ? 16 : valid;
-        for (int r = 0; r < ROWS; ++r)
-            store_row(accumulators[b][r], offsets + b * 16, weight_scale + b * 16, row_max[r],
-                      residual == nullptr ? nullptr : residual + r * residual_stride + b * 16,
-                      out + r * out_stride + b * 16, channels);
-    }
-}
-
 using BlockFunction = void (*)(int64_t, const uint8_t*, int64_t, const int8_t*, int64_t,
                                const int32_t*, const float*, const float*, const float*,
                                int64_t, float*, int64_t, int, uintptr_t, int64_t);
@@ -251,8 +219,9 @@ constexpr BlockFunction kBlockFunctions[9] = {
     gemm_blocks<7, BLOCKS, HINT>,
     gemm_blocks<8, BLOCKS, HINT>};
 template <int HINT>
-constexpr BlockFunction kQuadFunctions[5] = {nullptr, gemm_quads<1, HINT>, gemm_quads<2, HINT>,
-                                             gemm_quads<3, HINT>, gemm_quads<4, HINT>};
+constexpr BlockFunction kQuadFunctions[5] = {nullptr, gemm_blocks<1, 4, HINT>,
+                                             gemm_blocks<2, 4, HINT>, gemm_blocks<3, 4, HINT>,
+                                             gemm_blocks<4, 4, HINT>};
 
 __attribute__((target("avx512f,avx512bw,avx512vnni")))
 void gemm(int64_t rows, int64_t n, int64_t k, const uint8_t* xq, const int8_t* packed,
@@ -266,8 +235,8 @@ void gemm(int64_t rows, int64_t n, int64_t k, const uint8_t* xq, const int8_t* p
     // 207) pairs from 2 rows took 0.91-0.95 of the time at 2, 4 and 8 rows. One row walks a
     // block in four chains (gemm_row), or a pair (from 1 row: on an Intel Xeon, family 6
     // model 167, with memory read at 16 GB/s, a one-row step took 0.92 of gemm_row's time).
-    // Up to tuning.quads_up_to rows (at most 4), four blocks at a time (gemm_quads), the last
-    // few alone. The same bits every way.
+    // Up to tuning.quads_up_to rows (at most 4), four blocks at a time (gemm_blocks with
+    // BLOCKS 4), the last few alone. The same bits every way.
     const int64_t blocks = (n + 15) / 16, block_bytes = 16 * k;
     const int64_t span = rows <= tuning.quads_up_to ? 4
                          : rows >= tuning.pair_blocks_from ? 2
