@@ -6,6 +6,7 @@ import subprocess
 import sys
 import time
 
+import pytest
 from conftest import REPO
 
 
@@ -238,6 +239,85 @@ def test_tuning_benchmark_smoke(tiny_model_dir):
         timeout=120,
     )
     assert refused.returncode == 2 and "not a prefetch candidate: '16/fast'" in refused.stderr
+
+
+def test_against_benchmark_smoke(tiny_model_dir, tmp_path):
+    """One library against itself: the same bits every step, a time each; a revision that
+    does not exist, or a library of another ABI, is a clear error."""
+    from chattts_service.kernels import bindings
+
+    library = bindings.load("on").path
+    result = run_benchmark(
+        "benchmarks/against.py",
+        str(library),
+        "--model-dir",
+        str(tiny_model_dir),
+        "--rows",
+        "1,3",
+        "--steps",
+        "4",
+        "--tuning",
+        "default",
+        "--json",
+        timeout=300,
+    )
+    data = json.loads(result.stdout)
+    assert data["against"] == str(library)
+    assert [row["rows"] for row in data["rows"]] == [1, 3]
+    for row in data["rows"]:
+        assert row["same_bits"] and row["largest_difference"] == 0
+        assert row["ms"] > 0 and row["against_ms"] > 0 and row["ratio"] > 0
+
+    def refused(*args: str) -> str:
+        run = subprocess.run(
+            [sys.executable, "benchmarks/against.py", *args, "--model-dir", str(tiny_model_dir)],
+            cwd=REPO,
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+        assert run.returncode == 2 and "Traceback" not in run.stderr, run.stderr[-2000:]
+        return run.stderr
+
+    assert "no kernel sources at 'no-such-revision'" in refused("no-such-revision")
+    foreign = tmp_path / "foreign.so"  # a library, but not of these kernels
+    subprocess.run(
+        ["gcc", "-shared", "-fPIC", "-x", "c", "-", "-o", str(foreign)],
+        input="int chatts_nothing(void) { return 0; }\n",
+        text=True,
+        check=True,
+        timeout=60,
+    )
+    assert "error: " in refused(str(foreign))
+
+
+@pytest.mark.skipif(not (REPO / ".git").exists(), reason="needs the git history (a checkout)")
+def test_against_benchmark_builds_a_revisions_kernels(tiny_model_dir):
+    """HEAD's kernel sources, fetched from git and built apart, give this checkout's bits
+    when the checkout's sources are HEAD's."""
+    result = run_benchmark(
+        "benchmarks/against.py",
+        "HEAD",
+        "--model-dir",
+        str(tiny_model_dir),
+        "--rows",
+        "2",
+        "--steps",
+        "3",
+        "--tuning",
+        "default",
+        "--json",
+        timeout=600,
+    )
+    data = json.loads(result.stdout)
+    assert data["against"].startswith("HEAD (") and len(data["rows"]) == 1
+    unchanged = subprocess.run(
+        ["git", "diff", "--quiet", "HEAD", "--", "chattts_service/kernels/csrc"],
+        cwd=REPO,
+        timeout=60,
+    )
+    if unchanged.returncode == 0:
+        assert data["rows"][0]["same_bits"]
 
 
 def test_streams_benchmark_smoke(tiny_model_dir):

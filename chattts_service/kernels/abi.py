@@ -246,7 +246,15 @@ class AbiMismatch(RuntimeError):
 
 
 def declare(library: ctypes.CDLL) -> None:
-    """Give every exported function its types, and check the library against this module."""
+    """Give every exported function its types, and check the library against this module
+    (``AbiMismatch`` where it differs, or lacks a function: another library altogether)."""
+    try:
+        _declare(library)
+    except AttributeError as error:  # ctypes: an undefined symbol
+        raise AbiMismatch(f"not the kernels' library: {error}") from error
+
+
+def _declare(library: ctypes.CDLL) -> None:
     library.chatts_abi_version.restype = _i32
     library.chatts_abi_version.argtypes = []
     library.chatts_args_size.restype = _i64

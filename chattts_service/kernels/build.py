@@ -58,8 +58,11 @@ def library_path(directory: str = "", flags: tuple[str, ...] = FLAGS) -> Path:
     return kernel_dir(directory) / f"kernels-{digest.hexdigest()[:16]}.so"
 
 
-def build(path: Path | None = None, flags: tuple[str, ...] = FLAGS) -> Path:
-    """Compile the kernels into ``path``; raise ``RuntimeError`` saying why it failed."""
+def build(
+    path: Path | None = None, flags: tuple[str, ...] = FLAGS, source: Path = MAIN_SOURCE
+) -> Path:
+    """Compile the kernels (``source``: their main file, by default this checkout's) into
+    ``path``; raise ``RuntimeError`` saying why it failed."""
     path = path or library_path(flags=flags)
     found = shutil.which(compiler())
     if found is None:
@@ -69,7 +72,7 @@ def build(path: Path | None = None, flags: tuple[str, ...] = FLAGS) -> Path:
     with tempfile.TemporaryDirectory(dir=path.parent) as scratch:
         built = Path(scratch) / path.name
         result = subprocess.run(
-            [found, *flags, str(MAIN_SOURCE), "-o", str(built)],
+            [found, *flags, str(source), "-o", str(built)],
             capture_output=True,
             text=True,
             timeout=300,
