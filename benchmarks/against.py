@@ -51,11 +51,17 @@ def revision_library(revision: str, directory: Path) -> Path:
     ``directory``; raise ``RuntimeError`` saying why not."""
     from chattts_service.kernels import build
 
-    archive = subprocess.run(
-        ["git", "-C", str(REPO), "archive", revision, SOURCES],
-        capture_output=True,
-        timeout=120,
-    )
+    try:
+        archive = subprocess.run(
+            ["git", "-C", str(REPO), "archive", revision, SOURCES],
+            capture_output=True,
+            timeout=120,
+        )
+    except FileNotFoundError:
+        raise RuntimeError(
+            f"no kernel sources at {revision!r} here: a revision needs git (not installed) "
+            "and this checkout's history; give a built library's path instead"
+        ) from None
     if archive.returncode != 0:
         raise RuntimeError(
             f"no kernel sources at {revision!r} here: {archive.stderr.decode()[-500:].strip()}"
@@ -67,12 +73,15 @@ def revision_library(revision: str, directory: Path) -> Path:
 
 def describe_revision(revision: str) -> str:
     """``revision`` with its commit's short hash, where git knows it."""
-    named = subprocess.run(
-        ["git", "-C", str(REPO), "rev-parse", "--short", revision],
-        capture_output=True,
-        text=True,
-        timeout=30,
-    )
+    try:
+        named = subprocess.run(
+            ["git", "-C", str(REPO), "rev-parse", "--short", revision],
+            capture_output=True,
+            text=True,
+            timeout=30,
+        )
+    except FileNotFoundError:
+        return revision
     short = named.stdout.strip()
     return f"{revision} ({short})" if named.returncode == 0 and short != revision else revision
 
