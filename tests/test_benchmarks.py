@@ -217,11 +217,11 @@ def test_tuning_benchmark_smoke(tiny_model_dir):
     from chattts_service.kernels import bindings, tuning
 
     # every candidate, on a VNNI CPU the chosen prefetch with each pairing and the chosen
-    # pairing with and without four blocks at a time, and where the product may use AMX tiles
-    # the chosen choice with and without them
+    # pairing with and without four blocks at a time, then eight, and where the product may
+    # use AMX tiles the chosen choice with and without them
     vnni = bindings.cpu_supports(bindings.VNNI_CPU_FLAGS)
     tiles = bindings.load("on").has_tiles
-    expected = len(tuning.CANDIDATES) + (len(tuning.PAIRINGS) + 2 if vnni else 0) + 2 * tiles
+    expected = len(tuning.CANDIDATES) + (len(tuning.PAIRINGS) + 4 if vnni else 0) + 2 * tiles
     assert sum(" rows " in line and "GB/s" in line for line in lines) == expected
     assert any(line.startswith("measure would choose: ") for line in lines)
     assert lines[-1].startswith("steal: the hypervisor took ")
@@ -230,7 +230,7 @@ def test_tuning_benchmark_smoke(tiny_model_dir):
     result = run_tuning("--prefetch", "16/nta,128/t0")
     timed = [line.split()[0] for line in result.stdout.splitlines() if "GB/s" in line]
     assert timed[:2] == ["16/nta/9", "128/t0/9"]
-    assert len(timed) == 2 + (len(tuning.PAIRINGS) + 2 if vnni else 0) + 2 * tiles
+    assert len(timed) == 2 + (len(tuning.PAIRINGS) + 4 if vnni else 0) + 2 * tiles
     refused = subprocess.run(
         [sys.executable, "benchmarks/tuning.py", "--prefetch", "16/fast"],
         cwd=REPO,

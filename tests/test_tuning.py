@@ -34,11 +34,13 @@ def _packings(kernels, seed=0):
 def _every_tuning(kernels):
     tiles = (tuning.NO_TILES, 2, 9) if kernels.has_tiles else (tuning.NO_TILES,)
     return [
-        replace(candidate, pair_blocks_from=pairs, tiles_from=start, quads_up_to=quads)
+        replace(
+            candidate, pair_blocks_from=pairs, tiles_from=start, quads_up_to=quads, octs_up_to=octs
+        )
         for candidate in tuning.CANDIDATES
         for pairs in (*tuning.PAIRINGS, 5)
         for start in tiles
-        for quads in (tuning.NO_QUADS, 2, 4)
+        for quads, octs in ((tuning.NO_QUADS, tuning.NO_OCTS), (2, 0), (4, 0), (0, 1), (4, 2))
     ]
 
 
@@ -52,7 +54,8 @@ def test_every_candidate_gives_the_same_bits(kernels, shape):
     """Prefetching and pairing move no data and the integer sums are exact, so every tuning
     gives the same bits at every row count; a row's result is its own alone or in a batch.
     (68 inputs: 17 groups, a tail past the one-row chains; 40 channels end inside a block;
-    120 channels inside the fourth block of a quad; 2504 x 768: the code head.)"""
+    120 channels inside the fourth block of a quad and the eighth of an oct; 2504 x 768: the
+    code head, its last five blocks four at a time and one alone after its octs.)"""
     generator = torch.Generator().manual_seed(3)
     packing = Int8Packing(
         torch.randint(-127, 128, shape, dtype=torch.int8, generator=generator),
@@ -141,6 +144,8 @@ def test_the_kernel_refuses_a_tuning_out_of_range(kernels):
         abi.Tuning(16, 0, 9, 66),
         abi.Tuning(16, 0, 9, 0, -1),
         abi.Tuning(16, 0, 9, 0, 5),
+        abi.Tuning(16, 0, 9, 0, 0, -1),
+        abi.Tuning(16, 0, 9, 0, 0, 3),
     ):
         kernels.tuning = bad
         with pytest.raises(cpp_kernels.KernelError, match="prefetch distance"):
@@ -152,6 +157,7 @@ def test_the_kernel_refuses_a_tuning_out_of_range(kernels):
         (16, "t0", 9, 1),
         (16, "t0", 9, 66),
         (16, "t0", 9, 0, 5),
+        (16, "t0", 9, 0, 0, 3),
     ):
         with pytest.raises(ValueError, match="no such tuning"):
             tuning.KernelTuning(*bad)
@@ -172,11 +178,12 @@ def _tiles_rule(passes: dict, without: str, tiled: str) -> int:
     return start
 
 
-def _quads_rule(passes: dict, without: str, quads: str) -> int:
-    """Quads up to the most rows up to which they won by QUADS_BETTER_BY at every count."""
-    up_to = tuning.NO_QUADS
+def _wins_rule(passes: dict, without: str, wider: str, better_by: float) -> int:
+    """More blocks at a time up to the most rows up to which they won by ``better_by`` at
+    every count."""
+    up_to = 0
     for rows in sorted(passes[without], key=int):
-        if passes[quads][rows] > passes[without][rows] * (1 - tuning.QUADS_BETTER_BY):
+        if passes[wider][rows] > passes[without][rows] * (1 - better_by):
             break
         up_to = int(rows)
     return up_to
@@ -209,13 +216,23 @@ def test_measuring_chooses_the_fastest_clearly_faster_than_the_default(product):
         assert set(paired) == {f"{groups}/{hint}/{rows}" for rows in tuning.PAIRINGS}
         assert all(set(by_rows) == {"1", "8"} for by_rows in paired.values())
         single = f"{groups}/{hint}/{tuning.SINGLE_BLOCKS}"
-        paired_best = replace(best, tiles_from=tuning.NO_TILES, quads_up_to=tuning.NO_QUADS)
+        paired_best = replace(
+            best, tiles_from=tuning.NO_TILES, quads_up_to=tuning.NO_QUADS, octs_up_to=tuning.NO_OCTS
+        )
         assert paired_best.name == _rule(paired, single, tuning.PAIRING_BETTER_BY)
         quads = report["quads_ms_per_pass"]
         quadded = replace(paired_best, quads_up_to=tuning.QUAD_ROWS[-1]).name
         assert set(quads) == {paired_best.name, quadded}
         assert all(set(by_rows) == set(map(str, tuning.QUAD_ROWS)) for by_rows in quads.values())
-        assert best.quads_up_to == _quads_rule(quads, paired_best.name, quadded)
+        assert best.quads_up_to == _wins_rule(
+            quads, paired_best.name, quadded, tuning.QUADS_BETTER_BY
+        )
+        quad_best = replace(best, tiles_from=tuning.NO_TILES, octs_up_to=tuning.NO_OCTS)
+        octs = report["octs_ms_per_pass"]
+        octed = replace(quad_best, octs_up_to=tuning.OCT_ROWS[-1]).name
+        assert set(octs) == {quad_best.name, octed}
+        assert all(set(by_rows) == set(map(str, tuning.OCT_ROWS)) for by_rows in octs.values())
+        assert best.octs_up_to == _wins_rule(octs, quad_best.name, octed, tuning.OCTS_BETTER_BY)
         paired_best = replace(best, tiles_from=tuning.NO_TILES)
         if kernels.has_tiles:
             tiles = report["tiles_ms_per_pass"]
@@ -232,11 +249,15 @@ def test_measuring_chooses_the_fastest_clearly_faster_than_the_default(product):
         chosen.prefetch_hint,
         chosen.pair_blocks_from,
         chosen.tiles_from,
+        chosen.quads_up_to,
+        chosen.octs_up_to,
     ) == (
         best.prefetch_groups,
         tuning.HINTS[best.prefetch_hint],
         best.pair_blocks_from,
         best.tiles_from,
+        best.quads_up_to,
+        best.octs_up_to,
     )
 
 
@@ -246,8 +267,9 @@ def test_int4_layers_are_timed_with_their_own_product(kernels):
     best, report = tuning.measure(kernels, packings, rounds=2)
     assert set(report["ms_per_pass"]) == {candidate.name for candidate in tuning.CANDIDATES}
     assert "pairing_ms_per_pass" not in report  # the int4 product walks single blocks
-    assert "quads_ms_per_pass" not in report
+    assert "quads_ms_per_pass" not in report and "octs_ms_per_pass" not in report
     assert best.pair_blocks_from == tuning.SINGLE_BLOCKS and best.quads_up_to == tuning.NO_QUADS
+    assert best.octs_up_to == tuning.NO_OCTS
     assert best.name == _rule(report["ms_per_pass"], tuning.DEFAULT.name, tuning.BETTER_BY)
 
 
@@ -263,6 +285,7 @@ def test_a_measured_choice_is_kept_and_read_on_the_next_start(kernels, tmp_path)
         "pair_blocks_from": first.tuning.pair_blocks_from,
         "tiles_from": first.tuning.tiles_from,
         "quads_up_to": first.tuning.quads_up_to,
+        "octs_up_to": first.tuning.octs_up_to,
     }
     assert stored["cpu"] == tuning.cpu_identity()["name"] and "ms_per_pass" in stored
     # what the next start reads, not what it measures: a choice written by hand is used as is

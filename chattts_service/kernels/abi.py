@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import ctypes
 
-ABI_VERSION = 11
+ABI_VERSION = 12
 
 _i64, _i32, _f32, _ptr = ctypes.c_int64, ctypes.c_int32, ctypes.c_float, ctypes.c_void_p
 
@@ -29,6 +29,7 @@ class Tuning(ctypes.Structure):
         ("pair_blocks_from", _i32),
         ("tiles_from", _i32),
         ("quads_up_to", _i32),
+        ("octs_up_to", _i32),
     ]
 
 

@@ -72,7 +72,12 @@ class Kernels:
         self.int8_instructions = int8_product
         # how the int8 product prefetches its weights; kernels/tuning.py sets what suits the CPU
         self.tuning = abi.Tuning(
-            prefetch_groups=16, prefetch_hint=0, pair_blocks_from=9, tiles_from=0, quads_up_to=0
+            prefetch_groups=16,
+            prefetch_hint=0,
+            pair_blocks_from=9,
+            tiles_from=0,
+            quads_up_to=0,
+            octs_up_to=0,
         )
 
     @property

@@ -4,14 +4,15 @@ A decode step reads every weight once, so how far ahead the product prefetches a
 hint decides how near it gets to the memory's bandwidth, and the best differs from one CPU (and
 memory system) to the next: a non-temporal prefetch that suits a Zen 3 halves what an Intel
 Xeon (family 6 model 207) reads. So does, for the VNNI product, from how many rows two blocks of
-16 channels share each broadcast input, up to how many four do, and, where the CPU has AMX, from
-how many rows the product runs on its tiles. ``CHATTTS_KERNEL_TUNING`` says how the parameters
-are chosen:
+16 channels share each broadcast input, up to how many four or eight do, and, where the CPU
+has AMX, from how many rows the product runs on its tiles. ``CHATTTS_KERNEL_TUNING`` says how
+the parameters are chosen:
 
 - ``measure`` (the default): at the first start on a CPU, each candidate in ``CANDIDATES`` is
   timed on the model's own packed layers at 1 and 8 rows; the fastest, if clearly faster than
   the default, is used; then, for the VNNI product, that prefetch with each of ``PAIRINGS``
-  at 1 and 8 rows; then with blocks four at a time or not at each of ``QUAD_ROWS``; then,
+  at 1 and 8 rows; then with blocks four at a time or not at each of ``QUAD_ROWS``, and
+  eight at a time or not at each of ``OCT_ROWS``; then,
   with AMX, on tiles or not at each of ``TILE_ROWS`` rows (about three seconds in all on the
   full-size model). The choice is kept beside
   the packed weights (``<model dir>/.packed/tuning-<key>.json``, keyed by the CPU's model,
@@ -59,7 +60,10 @@ NO_TILES = 0
 QUAD_ROWS = (1, 2, 4)  # VNNI: four blocks at a time or not at each (at most 4 rows)
 QUADS_BETTER_BY = 0.03  # quads up to the most rows up to which they win by this at every count
 NO_QUADS = 0
-FILE_VERSION = 4
+OCT_ROWS = (1, 2)  # VNNI: eight blocks at a time or not at each (at most 2 rows)
+OCTS_BETTER_BY = 0.03  # octs up to the most rows up to which they win by this at every count
+NO_OCTS = 0
+FILE_VERSION = 5
 
 
 @dataclass(frozen=True)
@@ -69,6 +73,7 @@ class KernelTuning:
     pair_blocks_from: int = SINGLE_BLOCKS  # VNNI: rows from which blocks go in pairs, 1..9
     tiles_from: int = NO_TILES  # VNNI with AMX: rows from which the product runs on tiles
     quads_up_to: int = NO_QUADS  # VNNI: rows up to which blocks go four at a time, 0..4
+    octs_up_to: int = NO_OCTS  # VNNI: rows up to which blocks go eight at a time, 0..2
 
     def __post_init__(self):
         if (
@@ -77,6 +82,7 @@ class KernelTuning:
             or not 1 <= self.pair_blocks_from <= SINGLE_BLOCKS
             or not (self.tiles_from == NO_TILES or 2 <= self.tiles_from <= 65)
             or not NO_QUADS <= self.quads_up_to <= QUAD_ROWS[-1]
+            or not NO_OCTS <= self.octs_up_to <= OCT_ROWS[-1]
         ):
             raise ValueError(f"no such tuning: {self}")
 
@@ -87,13 +93,16 @@ class KernelTuning:
             self.pair_blocks_from,
             self.tiles_from,
             self.quads_up_to,
+            self.octs_up_to,
         )
 
     @property
     def name(self) -> str:
         tiles = f"/tiles {self.tiles_from}" if self.tiles_from else ""
         quads = f"/quads {self.quads_up_to}" if self.quads_up_to else ""
-        return f"{self.prefetch_groups}/{self.prefetch_hint}/{self.pair_blocks_from}{quads}{tiles}"
+        octs = f"/octs {self.octs_up_to}" if self.octs_up_to else ""
+        blocks = f"{self.pair_blocks_from}{quads}{octs}"
+        return f"{self.prefetch_groups}/{self.prefetch_hint}/{blocks}{tiles}"
 
     def describe(self) -> str:
         prefetch = (
@@ -107,6 +116,9 @@ class KernelTuning:
         if self.quads_up_to:
             rows = "1 row" if self.quads_up_to == 1 else f"{self.quads_up_to} rows"
             prefetch += f", blocks four at a time up to {rows}"
+        if self.octs_up_to:
+            rows = "1 row" if self.octs_up_to == 1 else f"{self.octs_up_to} rows"
+            prefetch += f", eight at a time up to {rows}"
         if self.tiles_from:
             prefetch += f", AMX tiles from {self.tiles_from} rows"
         return prefetch
@@ -226,12 +238,14 @@ def _tiles_from(medians: dict, without: KernelTuning, tiled: KernelTuning) -> in
     return start
 
 
-def _quads_up_to(medians: dict, without: KernelTuning, quads: KernelTuning) -> int:
-    """The most of ``QUAD_ROWS`` rows up to which four blocks at a time were
-    ``QUADS_BETTER_BY`` faster at every count measured, or ``NO_QUADS``."""
-    up_to = NO_QUADS
-    for rows in sorted(QUAD_ROWS):
-        if medians[quads][rows] > medians[without][rows] * (1 - QUADS_BETTER_BY):
+def _wins_up_to(
+    medians: dict, without: KernelTuning, wider: KernelTuning, rows_counts, better_by: float
+) -> int:
+    """The most of ``rows_counts`` rows up to which ``wider`` (more blocks at a time) was
+    ``better_by`` faster than ``without`` at every count measured, or 0."""
+    up_to = 0
+    for rows in sorted(rows_counts):
+        if medians[wider][rows] > medians[without][rows] * (1 - better_by):
             break
         up_to = rows
     return up_to
@@ -250,7 +264,8 @@ def measure(kernels, packings, rounds: int = 5, candidates=CANDIDATES) -> tuple[
     median pass, and the fastest replaces the first candidate only when ``BETTER_BY`` faster.
     For the VNNI product, the chosen prefetch is then timed with each of ``PAIRINGS`` at
     ``PAIRING_ROWS``, likewise; then that choice with four blocks at a time and without at
-    each of ``QUAD_ROWS`` (``_quads_up_to`` decides); where the kernels may use AMX tiles,
+    each of ``QUAD_ROWS``, then with eight at a time and without at each of ``OCT_ROWS``
+    (``_wins_up_to`` decides both); where the kernels may use AMX tiles,
     that choice with tiles and without at each of ``TILE_ROWS`` (``_tiles_from`` decides).
     Returns the choice and the timings. The kernels' tuning is left as chosen."""
     medians = _time(kernels, packings, candidates, ROWS, rounds)
@@ -264,8 +279,13 @@ def measure(kernels, packings, rounds: int = 5, candidates=CANDIDATES) -> tuple[
         report["pairing_ms_per_pass"] = _milliseconds(paired)
         quads = replace(best, quads_up_to=QUAD_ROWS[-1])
         timed = _time(kernels, packings, [best, quads], QUAD_ROWS, PAIRING_ROUNDS)
-        best = replace(best, quads_up_to=_quads_up_to(timed, best, quads))
+        up_to = _wins_up_to(timed, best, quads, QUAD_ROWS, QUADS_BETTER_BY)
+        best = replace(best, quads_up_to=up_to)
         report["quads_ms_per_pass"] = _milliseconds(timed)
+        octs = replace(best, octs_up_to=OCT_ROWS[-1])
+        timed = _time(kernels, packings, [best, octs], OCT_ROWS, PAIRING_ROUNDS)
+        best = replace(best, octs_up_to=_wins_up_to(timed, best, octs, OCT_ROWS, OCTS_BETTER_BY))
+        report["octs_ms_per_pass"] = _milliseconds(timed)
         if kernels.has_tiles:
             tiled = replace(best, tiles_from=TILE_ROWS[0])
             timed = _time(kernels, packings, [best, tiled], TILE_ROWS, PAIRING_ROUNDS)
@@ -295,6 +315,7 @@ def cache_path(directory: Path, identity: dict, threads: int, library: Path, pro
             "pairings": PAIRINGS,
             "tile_rows": TILE_ROWS,
             "quad_rows": QUAD_ROWS,
+            "oct_rows": OCT_ROWS,
         }
     )
     return Path(directory) / f"tuning-{key}.json"

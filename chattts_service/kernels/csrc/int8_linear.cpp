@@ -100,12 +100,13 @@ inline void store_row(__m512i sums, const int32_t* offsets, const float* weight_
     _mm512_mask_storeu_ps(out, mask, result);
 }
 
-// BLOCKS (1, 2 or 4) neighbouring blocks of 16 channels for ROWS rows (1..8; 1..4 with four
-// blocks): each broadcast input serves every block, BLOCKS * ROWS accumulators (at most 16)
-// keep the multiply unit busy, and each thread streams BLOCKS runs of weights at once. On an
-// Intel Xeon (family 6 model 167) with memory read at 16-18 GB/s, one row's step on four blocks
-// took 0.90 of its time on pairs, itself 0.90 of its time on single blocks: more runs in flight
-// read faster there (docs/benchmarks.md). The accumulators are named variables, not an array:
+// BLOCKS (1, 2, 4 or 8) neighbouring blocks of 16 channels for ROWS rows (1..8; 1..4 with four
+// blocks, 1..2 with eight): each broadcast input serves every block, BLOCKS * ROWS accumulators
+// (at most 16) keep the multiply unit busy, and each thread streams BLOCKS runs of weights at
+// once. On an Intel Xeon (family 6 model 167) with memory read at 16-18 GB/s, one row's step on
+// four blocks took 0.90 of its time on pairs, itself 0.90 of its time on single blocks, and
+// on eight 0.92-0.94 of its time on four: more runs in flight read faster there
+// (docs/benchmarks.md). The accumulators are named variables, not an array:
 // GCC 12 kept an array of them on the stack, or copied them between registers around every
 // vpdpbusd (1.4x slower at 8 rows); the ones a ROWS and BLOCKS leave unused are never touched.
 // `valid`: how many of the last block's 16 channels are real (the rest are padding and are not
@@ -123,12 +124,16 @@ void gemm_blocks(int64_t k_groups, const uint8_t* xq, int64_t x_stride, const in
                  const float* row_max, const float* residual, int64_t residual_stride,
                  float* out, int64_t out_stride, int valid, uintptr_t weights_end,
                  int64_t prefetch_bytes) {
-    static_assert(BLOCKS == 1 || BLOCKS == 2 || BLOCKS == 4, "one, two or four blocks");
+    static_assert(BLOCKS == 1 || BLOCKS == 2 || BLOCKS == 4 || BLOCKS == 8, "1, 2, 4 or 8 blocks");
     static_assert(ROWS >= 1 && ROWS * BLOCKS <= 16, "at most 16 accumulators");
     __m512i a0 = _mm512_setzero_si512(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0,
             a7 = a0, b0 = a0, b1 = a0, b2 = a0, b3 = a0, b4 = a0, b5 = a0, b6 = a0, b7 = a0,
             c0 = a0, c1 = a0, c2 = a0, c3 = a0, c4 = a0, c5 = a0, c6 = a0, c7 = a0, d0 = a0,
-            d1 = a0, d2 = a0, d3 = a0, d4 = a0, d5 = a0, d6 = a0, d7 = a0;
+            d1 = a0, d2 = a0, d3 = a0, d4 = a0, d5 = a0, d6 = a0, d7 = a0, e0 = a0, e1 = a0,
+            e2 = a0, e3 = a0, e4 = a0, e5 = a0, e6 = a0, e7 = a0, f0 = a0, f1 = a0, f2 = a0,
+            f3 = a0, f4 = a0, f5 = a0, f6 = a0, f7 = a0, g0 = a0, g1 = a0, g2 = a0, g3 = a0,
+            g4 = a0, g5 = a0, g6 = a0, g7 = a0, h0 = a0, h1 = a0, h2 = a0, h3 = a0, h4 = a0,
+            h5 = a0, h6 = a0, h7 = a0;
     const uint8_t* x = xq;
     const int8_t* w = blocks;
     for (int64_t group = 0; group < k_groups; ++group, x += 4, w += 64) {
@@ -138,17 +143,26 @@ void gemm_blocks(int64_t k_groups, const uint8_t* xq, int64_t x_stride, const in
         if (prefetch_bytes > 0 && ahead + (BLOCKS - 1) * block_bytes < weights_end) {
             prefetch_weights<HINT>(ahead);
             if constexpr (BLOCKS >= 2) prefetch_weights<HINT>(ahead + block_bytes);
-            if constexpr (BLOCKS == 4) {
+            if constexpr (BLOCKS >= 4) {
                 prefetch_weights<HINT>(ahead + 2 * block_bytes);
                 prefetch_weights<HINT>(ahead + 3 * block_bytes);
             }
+            if constexpr (BLOCKS == 8) {
+                for (int b = 4; b < 8; ++b) prefetch_weights<HINT>(ahead + b * block_bytes);
+            }
         }
         const __m512i w0 = _mm512_loadu_si512(w);
-        __m512i w1 = w0, w2 = w0, w3 = w0;
+        __m512i w1 = w0, w2 = w0, w3 = w0, w4 = w0, w5 = w0, w6 = w0, w7 = w0;
         if constexpr (BLOCKS >= 2) w1 = _mm512_loadu_si512(w + block_bytes);
-        if constexpr (BLOCKS == 4) {
+        if constexpr (BLOCKS >= 4) {
             w2 = _mm512_loadu_si512(w + 2 * block_bytes);
             w3 = _mm512_loadu_si512(w + 3 * block_bytes);
+        }
+        if constexpr (BLOCKS == 8) {
+            w4 = _mm512_loadu_si512(w + 4 * block_bytes);
+            w5 = _mm512_loadu_si512(w + 5 * block_bytes);
+            w6 = _mm512_loadu_si512(w + 6 * block_bytes);
+            w7 = _mm512_loadu_si512(w + 7 * block_bytes);
         }
 #define CHATTS_ROW(R)                                                                     \
         if constexpr (ROWS > R) {                                                         \
@@ -157,19 +171,29 @@ void gemm_blocks(int64_t k_groups, const uint8_t* xq, int64_t x_stride, const in
             const __m512i inputs = _mm512_set1_epi32(four);                               \
             a##R = _mm512_dpbusd_epi32(a##R, inputs, w0);                                 \
             if constexpr (BLOCKS >= 2) b##R = _mm512_dpbusd_epi32(b##R, inputs, w1);      \
-            if constexpr (BLOCKS == 4) {                                                  \
+            if constexpr (BLOCKS >= 4) {                                                  \
                 c##R = _mm512_dpbusd_epi32(c##R, inputs, w2);                             \
                 d##R = _mm512_dpbusd_epi32(d##R, inputs, w3);                             \
+            }                                                                             \
+            if constexpr (BLOCKS == 8) {                                                  \
+                e##R = _mm512_dpbusd_epi32(e##R, inputs, w4);                             \
+                f##R = _mm512_dpbusd_epi32(f##R, inputs, w5);                             \
+                g##R = _mm512_dpbusd_epi32(g##R, inputs, w6);                             \
+                h##R = _mm512_dpbusd_epi32(h##R, inputs, w7);                             \
             }                                                                             \
         }
         CHATTS_ROW(0) CHATTS_ROW(1) CHATTS_ROW(2) CHATTS_ROW(3)
         CHATTS_ROW(4) CHATTS_ROW(5) CHATTS_ROW(6) CHATTS_ROW(7)
 #undef CHATTS_ROW
     }
-    const __m512i accumulators[4][8] = {{a0, a1, a2, a3, a4, a5, a6, a7},
+    const __m512i accumulators[8][8] = {{a0, a1, a2, a3, a4, a5, a6, a7},
                                         {b0, b1, b2, b3, b4, b5, b6, b7},
                                         {c0, c1, c2, c3, c4, c5, c6, c7},
-                                        {d0, d1, d2, d3, d4, d5, d6, d7}};
+                                        {d0, d1, d2, d3, d4, d5, d6, d7},
+                                        {e0, e1, e2, e3, e4, e5, e6, e7},
+                                        {f0, f1, f2, f3, f4, f5, f6, f7},
+                                        {g0, g1, g2, g3, g4, g5, g6, g7},
+                                        {h0, h1, h2, h3, h4, h5, h6, h7}};
     for (int b = 0; b < BLOCKS; ++b) {
         // offsets: zero point * (sum of the channel's weights), the activations' u8 offset
         const int channels = b + 1 < BLOCKS ? 16 : valid;
@@ -238,6 +262,9 @@ template <int HINT>
 constexpr BlockFunction kQuadFunctions[5] = {nullptr, gemm_blocks<1, 4, HINT>,
                                              gemm_blocks<2, 4, HINT>, gemm_blocks<3, 4, HINT>,
                                              gemm_blocks<4, 4, HINT>};
+template <int HINT>
+constexpr BlockFunction kOctFunctions[3] = {nullptr, gemm_blocks<1, 8, HINT>,
+                                            gemm_blocks<2, 8, HINT>};
 
 __attribute__((target("avx512f,avx512bw,avx512vnni")))
 void gemm(int64_t rows, int64_t n, int64_t k, const uint8_t* xq, const int8_t* packed,
@@ -251,10 +278,12 @@ void gemm(int64_t rows, int64_t n, int64_t k, const uint8_t* xq, const int8_t* p
     // 207) pairs from 2 rows took 0.91-0.95 of the time at 2, 4 and 8 rows. One row walks a
     // block in four chains (gemm_row), or a pair (from 1 row: on an Intel Xeon, family 6
     // model 167, with memory read at 16 GB/s, a one-row step took 0.92 of gemm_row's time).
-    // Up to tuning.quads_up_to rows (at most 4), four blocks at a time (gemm_blocks with
-    // BLOCKS 4), the last few alone. The same bits every way.
+    // Up to tuning.octs_up_to rows (at most 2), eight blocks at a time; else up to
+    // tuning.quads_up_to rows (at most 4), four (gemm_blocks with BLOCKS 8 or 4); the last few
+    // four at a time where four are left, then alone. The same bits every way.
     const int64_t blocks = (n + 15) / 16, block_bytes = 16 * k;
-    const int64_t span = rows <= tuning.quads_up_to ? 4
+    const int64_t span = rows <= tuning.octs_up_to     ? 8
+                         : rows <= tuning.quads_up_to ? 4
                          : rows >= tuning.pair_blocks_from ? 2
                                                            : 1;  // valid_tuning: at most 9
     const int64_t tasks = (blocks + span - 1) / span;
@@ -301,20 +330,33 @@ void gemm(int64_t rows, int64_t n, int64_t k, const uint8_t* xq, const int8_t* p
                 weights_end, first == 0 ? prefetch_bytes : 0);
         }
     };
+    // `count` (4 or 8) neighbouring blocks from `block`, side by side
+    const auto run_of = [&](int64_t block, int count) {
+        const BlockFunction* functions = count == 8 ? (t0 ? kOctFunctions<1> : kOctFunctions<0>)
+                                                    : (t0 ? kQuadFunctions<1> : kQuadFunctions<0>);
+        functions[rows](k / 4, xq, k, packed + block * block_bytes, block_bytes,
+                        offsets + block * 16, weight_scale + block * 16, row_max,
+                        residual == nullptr ? nullptr : residual + block * 16, residual_stride,
+                        out + block * 16, out_stride, valid_in(block + count - 1), weights_end,
+                        prefetch_bytes);
+    };
 #pragma omp parallel for num_threads(threads) schedule(guided)
     for (int64_t task = 0; task < tasks; ++task) {
-        const int64_t block = task * span;
-        if (span == 4 && block + 3 < blocks) {
-            (t0 ? kQuadFunctions<1> : kQuadFunctions<0>)[rows](
-                k / 4, xq, k, packed + block * block_bytes, block_bytes, offsets + block * 16,
-                weight_scale + block * 16, row_max,
-                residual == nullptr ? nullptr : residual + block * 16, residual_stride,
-                out + block * 16, out_stride, valid_in(block + 3), weights_end, prefetch_bytes);
-        } else if (span == 4) {  // the last one to three blocks, each alone
-            for (int64_t single = block; single < blocks; ++single) single_or_pair(single, false);
-        } else {
+        int64_t block = task * span;
+        if (span < 4) {
             single_or_pair(block, span == 2 && block + 1 < blocks);
+            continue;
         }
+        const int64_t end = block + span < blocks ? block + span : blocks;
+        if (end - block == span) {
+            run_of(block, static_cast<int>(span));
+            continue;
+        }
+        if (end - block >= 4) {  // the last few: four side by side if as many are left
+            run_of(block, 4);
+            block += 4;
+        }
+        for (; block < end; ++block) single_or_pair(block, false);
     }
 }
 
@@ -579,7 +621,8 @@ bool valid_tuning(const ChattsTuning& tuning) {
     return tuning.prefetch_groups >= 0 && tuning.prefetch_groups <= 256 &&
            tuning.prefetch_hint >= 0 && tuning.prefetch_hint <= 1 &&
            tuning.pair_blocks_from >= 1 && tuning.pair_blocks_from <= 9 &&
-           tuning.quads_up_to >= 0 && tuning.quads_up_to <= 4 &&
+           tuning.quads_up_to >= 0 && tuning.quads_up_to <= 4 && tuning.octs_up_to >= 0 &&
+           tuning.octs_up_to <= 2 &&
            (tuning.tiles_from == 0 || (tuning.tiles_from >= 2 && tuning.tiles_from <= 65));
 }
 

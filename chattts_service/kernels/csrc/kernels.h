@@ -9,7 +9,7 @@
 #include <cstdint>
 
 #ifndef CHATTS_ABI_VERSION  // a test builds a library of another version to see it refused
-#define CHATTS_ABI_VERSION 11
+#define CHATTS_ABI_VERSION 12
 #endif
 
 // What a kernel returns. chatts_status_message() gives each one's text.
@@ -50,6 +50,7 @@ struct ChattsTuning {
     int32_t pair_blocks_from;        // VNNI: from this many rows (1..9) blocks go in pairs
     int32_t tiles_from;              // VNNI: from this many rows (2..65) on AMX tiles; 0: never
     int32_t quads_up_to;             // VNNI: up to this many rows (0..4) blocks go four at a time
+    int32_t octs_up_to;              // VNNI: up to this many rows (0..2) blocks go eight at a time
 };
 
 struct ChattsAttentionArgs {
