@@ -35,7 +35,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from benchmarks.engine import RELEVANT_CPU_FLAGS, default_model  # noqa: E402
+from benchmarks.engine import RELEVANT_CPU_FLAGS, cpu_line, default_model  # noqa: E402
 from chattts_service.runtime.cpu import (  # noqa: E402
     StealMeter,
     cpu_flags,
@@ -167,7 +167,7 @@ def main(argv: list[str] | None = None) -> int:
             if given.is_file():
                 path, label = given, str(given)
             else:
-                path, label = revision_library(args.against, Path(scratch)), args.against
+                path = revision_library(args.against, Path(scratch))
                 label = describe_revision(args.against)
             theirs = bindings.Kernels(path, ours.int8_instructions)
         except abi.AbiMismatch as error:
@@ -204,7 +204,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         print(json.dumps(data, indent=1))
         return 0
-    print(f"cpu {data['cpu']}; flags: {' '.join(data['cpu_flags']) or 'none of interest'}")
+    print(cpu_line(data))
     print(
         f"this checkout's kernels against {label}'s, {args.steps} decode steps a row count "
         f"after {args.positions}-position prompts, alternated; {data['threads']} threads; "

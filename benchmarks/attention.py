@@ -26,7 +26,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from benchmarks.engine import RELEVANT_CPU_FLAGS  # noqa: E402
+from benchmarks.engine import RELEVANT_CPU_FLAGS, cpu_line  # noqa: E402
 from chattts_service.runtime.cpu import (  # noqa: E402
     StealMeter,
     cpu_flags,
@@ -143,7 +143,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         print(json.dumps(data, indent=1))
         return 0
-    print(f"cpu {data['cpu']}; flags: {' '.join(data['cpu_flags']) or 'none of interest'}")
+    print(cpu_line(data))
     print(
         f"{args.kv_cache_dtype} KV cache, {LAYERS} layers x {HEADS} heads x {DIM}, "
         f"{data['threads']} threads, caches evicted before each call, medians of {args.rounds}"

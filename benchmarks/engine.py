@@ -729,6 +729,12 @@ RELEVANT_CPU_FLAGS = frozenset(
 )
 
 
+def cpu_line(data: dict) -> str:
+    """The CPU a benchmark ran on and which of ``RELEVANT_CPU_FLAGS`` it has (``data``'s
+    "cpu" and "cpu_flags"), as each benchmark's report begins."""
+    return f"cpu {data['cpu']}; flags: {' '.join(data['cpu_flags']) or 'none of interest'}"
+
+
 def steal_line(baseline: float | None, ours: float | None) -> str:
     """How much CPU time the hypervisor took while each side ran: the "vs baseline" figures
     compare two runs apart in time, so a host that took more from one of them skews them."""
@@ -748,7 +754,7 @@ def steal_line(baseline: float | None, ours: float | None) -> str:
 def report(data: dict) -> str:
     base, ours, fidelity = data["baseline"], data["ours"], data.get("fidelity")
     lines = [
-        f"cpu {data['cpu']}; flags: {' '.join(data['cpu_flags']) or 'none of interest'}",
+        cpu_line(data),
         f"model {data['model_dir']}   {data['steps']} GPT steps per request "
         f"({audio_seconds(data['steps']):.2f} s of audio)   {data['threads']} threads",
         "",

@@ -37,7 +37,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from benchmarks.engine import RELEVANT_CPU_FLAGS, TEXT, default_model  # noqa: E402
+from benchmarks.engine import RELEVANT_CPU_FLAGS, TEXT, cpu_line, default_model  # noqa: E402
 from chattts_service.config import DECODER_DTYPES  # noqa: E402  (no torch)
 from chattts_service.runtime.cpu import cpu_flags, cpu_model  # noqa: E402
 
@@ -211,7 +211,7 @@ def decode_round(engine, rows: int, chunk: int, repeats: int) -> dict:
 
 def report(data: dict) -> str:
     lines = [
-        f"cpu {data['cpu']}; flags: {' '.join(data['cpu_flags']) or 'none of interest'}",
+        cpu_line(data),
         f"decoder {data['decoder_dtype']}, {data['steps']} steps a stream, "
         f"{data['threads']} threads",
     ]
