@@ -370,6 +370,14 @@ def test_the_table_gives_its_entry_for_a_known_cpu_and_the_default_otherwise(ker
     assert kernels.tuning.pair_blocks_from == choice.tuning.pair_blocks_from
 
 
+def test_the_kernels_start_with_the_default_and_every_tuning_converts_both_ways():
+    started = tuning.KernelTuning.from_abi(cpp_kernels.load("on").tuning)
+    assert started == tuning.DEFAULT
+    every = [*tuning.CANDIDATES, tuning.KernelTuning(64, "t0", 1, 16, 4, 2)]
+    for each in every:
+        assert tuning.KernelTuning.from_abi(each.to_abi()) == each
+
+
 def test_default_mode_measures_nothing_and_keeps_nothing(kernels, tmp_path):
     choice = tuning.choose(kernels, _packings(kernels), "default", tmp_path)
     assert (choice.source, choice.tuning) == ("default", tuning.DEFAULT)

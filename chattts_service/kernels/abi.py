@@ -33,6 +33,19 @@ class Tuning(ctypes.Structure):
     ]
 
 
+def default_tuning() -> Tuning:
+    """The product's tuning before kernels/tuning.py chooses one (its ``DEFAULT``): 1 KB of
+    weights prefetched ahead, non-temporally; single blocks; no tiles."""
+    return Tuning(
+        prefetch_groups=16,
+        prefetch_hint=0,
+        pair_blocks_from=9,
+        tiles_from=0,
+        quads_up_to=0,
+        octs_up_to=0,
+    )
+
+
 class AttentionArgs(ctypes.Structure):
     _fields_ = [
         ("rows", _i64),

@@ -71,14 +71,7 @@ class Kernels:
             int8_product = "vnni" if cpu_supports(VNNI_CPU_FLAGS) else "avx2"
         self.int8_instructions = int8_product
         # how the int8 product prefetches its weights; kernels/tuning.py sets what suits the CPU
-        self.tuning = abi.Tuning(
-            prefetch_groups=16,
-            prefetch_hint=0,
-            pair_blocks_from=9,
-            tiles_from=0,
-            quads_up_to=0,
-            octs_up_to=0,
-        )
+        self.tuning = abi.default_tuning()
 
     @property
     def has_tiles(self) -> bool:

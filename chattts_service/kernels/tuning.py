@@ -86,6 +86,18 @@ class KernelTuning:
         ):
             raise ValueError(f"no such tuning: {self}")
 
+    @classmethod
+    def from_abi(cls, tuning: abi.Tuning) -> KernelTuning:
+        hints = {number: name for name, number in HINTS.items()}
+        return cls(
+            tuning.prefetch_groups,
+            hints[tuning.prefetch_hint],
+            tuning.pair_blocks_from,
+            tuning.tiles_from,
+            tuning.quads_up_to,
+            tuning.octs_up_to,
+        )
+
     def to_abi(self) -> abi.Tuning:
         return abi.Tuning(
             self.prefetch_groups,
@@ -124,7 +136,7 @@ class KernelTuning:
         return prefetch
 
 
-DEFAULT = KernelTuning(16, "nta")
+DEFAULT = KernelTuning.from_abi(abi.default_tuning())  # what the kernels start with
 CANDIDATES = (
     DEFAULT,
     KernelTuning(0, "nta"),
