@@ -225,6 +225,30 @@ def test_metrics_move_by_the_right_amounts(server):
     assert after["chatts_heap_bytes{kind=free}"] >= 0
 
 
+def test_generated_streams_report_how_far_they_fell_behind_their_listener(server):
+    before = scrape(server)
+    started = time.perf_counter()
+    for seed in (71, 72, 71):  # two generated, then the first again from the cache
+        with requests.post(
+            server.url + "/synthesize",
+            json={"text": "落后测试。", "seed": seed, "stream": True, "format": "pcm"},
+            stream=True,
+            timeout=60,
+        ) as answer:
+            assert answer.status_code == 200
+            assert sum(len(piece) for piece in answer.iter_content(chunk_size=None)) > 0
+    elapsed = time.perf_counter() - started
+    after = scrape(server)
+
+    def moved(name):
+        return after.get(name, 0.0) - before.get(name, 0.0)
+
+    # the cache's answer comes at once: only the generated ones are measured
+    assert moved("chatts_stream_behind_seconds_count") == 2
+    assert 0 <= moved("chatts_stream_behind_seconds_sum") <= elapsed
+    assert moved("chatts_stream_behind_seconds_bucket{le=+Inf}") == 2
+
+
 def test_concurrent_requests_all_get_their_own_audio(server):
     bodies = [{"text": "并发请求测试", "seed": 300 + i} for i in range(5)]
     with ThreadPoolExecutor(max_workers=5) as pool:

@@ -9,6 +9,8 @@ from chattts_service.runtime import heap
 from chattts_service.runtime.cpu import CpuSampler
 
 LATENCY_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2, 4, 8, 15, 30, 60, 120)
+# a stream's lag behind its listener: 0 for one that kept ahead, 0.1 s the load test's tolerance
+BEHIND_BUCKETS = (0, 0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30)
 
 
 class HeapCollector:
@@ -142,6 +144,12 @@ class Metrics:
             "chatts_first_audio_seconds",
             "Time from a streamed request's arrival to its first audio",
             buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.stream_behind = Histogram(
+            "chatts_stream_behind_seconds",
+            "How far a generated stream fell behind a listener playing it from its first audio",
+            buckets=BEHIND_BUCKETS,
             registry=r,
         )
         self.segments_truncated = Counter(

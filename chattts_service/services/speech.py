@@ -17,6 +17,7 @@ from dataclasses import dataclass, replace
 import numpy as np
 
 from chattts_service.config import Settings
+from chattts_service.domain.playback import Playback
 from chattts_service.inference.engine import Engine
 from chattts_service.inference.run import Run
 from chattts_service.inference.types import (
@@ -278,14 +279,15 @@ class SpeechPipeline:
         started: float,
         should_stop: Callable[[], bool] | None,
     ) -> Iterator[bytes]:
-        first = True
+        playback = Playback()  # a listener playing from the first chunk handed over
         try:
             for chunk in run.chunks(self.settings.request_timeout_s, should_stop):
                 pcm = to_pcm16(chunk)
                 parts.append(pcm)
-                if first:
-                    self.metrics.first_audio.observe(time.perf_counter() - started)
-                    first = False
+                now = time.perf_counter()
+                if playback.first is None:
+                    self.metrics.first_audio.observe(now - started)
+                playback.arrived(now, len(chunk) / self.engine.sample_rate)
                 data = writer.encode(pcm)
                 if data:  # an encoder may hold a chunk until it has a whole frame
                     yield data
@@ -298,6 +300,8 @@ class SpeechPipeline:
             yield tail
         self.metrics.infer_total.labels(outcome="ok").inc()
         self.metrics.infer_duration.observe(time.perf_counter() - started)
+        if playback.first is not None:
+            self.metrics.stream_behind.observe(playback.behind)
 
     # -- shared --------------------------------------------------------------------------------
 

@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 
 import requests
 
+from chattts_service.domain.playback import Playback
 from chattts_service.runtime.cpu import StealMeter, describe_steal
 
 DEFAULT_TEXT = "今天天气很好，我们一起去公园散步吧。"
@@ -115,29 +116,20 @@ def send(session: requests.Session, load: Load, timeout: float) -> Outcome:
 def _streamed(response: requests.Response, started: float) -> Outcome:
     """Read a PCM stream as a player would: it starts at the first byte and needs each piece
     by the time the audio before it has played."""
-    received = 0  # bytes
-    first = None
-    behind = 0.0
+    playback = Playback()
     for piece in response.iter_content(chunk_size=None):
-        if not piece:
-            continue
-        now = time.perf_counter()
-        if first is None:
-            first = now
-        else:
-            played = now - first  # what the player has needed so far
-            behind = max(behind, played - received / PCM_BYTES_PER_SECOND)
-        received += len(piece)
+        if piece:
+            playback.arrived(time.perf_counter(), len(piece) / PCM_BYTES_PER_SECOND)
     elapsed = time.perf_counter() - started
-    if first is None:
+    if playback.first is None:
         return Outcome(-1, elapsed, 0.0, "-", "a stream without audio")
     return Outcome(
         200,
         elapsed,
-        received / PCM_BYTES_PER_SECOND,
+        playback.audio,
         response.headers.get("X-Cache", "-"),
-        first_audio=first - started,
-        behind=behind,
+        first_audio=playback.first - started,
+        behind=playback.behind,
     )
 
 
