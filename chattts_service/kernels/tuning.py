@@ -66,6 +66,10 @@ NO_OCTS = 0
 FILE_VERSION = 5
 
 
+def _rows(count: int) -> str:
+    return "1 row" if count == 1 else f"{count} rows"
+
+
 @dataclass(frozen=True)
 class KernelTuning:
     prefetch_groups: int  # 64-byte groups of weights ahead; 0: the hardware prefetcher alone
@@ -123,14 +127,11 @@ class KernelTuning:
             else "no software prefetch"
         )
         if self.pair_blocks_from != SINGLE_BLOCKS:
-            rows = "1 row" if self.pair_blocks_from == 1 else f"{self.pair_blocks_from} rows"
-            prefetch += f", blocks in pairs from {rows}"
+            prefetch += f", blocks in pairs from {_rows(self.pair_blocks_from)}"
         if self.quads_up_to:
-            rows = "1 row" if self.quads_up_to == 1 else f"{self.quads_up_to} rows"
-            prefetch += f", blocks four at a time up to {rows}"
+            prefetch += f", blocks four at a time up to {_rows(self.quads_up_to)}"
         if self.octs_up_to:
-            rows = "1 row" if self.octs_up_to == 1 else f"{self.octs_up_to} rows"
-            prefetch += f", eight at a time up to {rows}"
+            prefetch += f", eight at a time up to {_rows(self.octs_up_to)}"
         if self.tiles_from:
             prefetch += f", AMX tiles from {self.tiles_from} rows"
         return prefetch
