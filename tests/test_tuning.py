@@ -243,22 +243,7 @@ def test_measuring_chooses_the_fastest_clearly_faster_than_the_default(product):
             assert best.tiles_from == _tiles_rule(tiles, paired_best.name, tiled)
         else:
             assert "tiles_ms_per_pass" not in report and best.tiles_from == tuning.NO_TILES
-    chosen = kernels.tuning
-    assert (
-        chosen.prefetch_groups,
-        chosen.prefetch_hint,
-        chosen.pair_blocks_from,
-        chosen.tiles_from,
-        chosen.quads_up_to,
-        chosen.octs_up_to,
-    ) == (
-        best.prefetch_groups,
-        tuning.HINTS[best.prefetch_hint],
-        best.pair_blocks_from,
-        best.tiles_from,
-        best.quads_up_to,
-        best.octs_up_to,
-    )
+    assert tuning.KernelTuning.from_abi(kernels.tuning) == best
 
 
 def test_int4_layers_are_timed_with_their_own_product(kernels):
@@ -293,8 +278,7 @@ def test_a_measured_choice_is_kept_and_read_on_the_next_start(kernels, tmp_path)
     kept.write_text(json.dumps(stored))
     second = tuning.choose(kernels, packings, "measure", tmp_path)
     assert (second.source, second.tuning) == ("kept", tuning.KernelTuning(40, "t0", 3))
-    chosen = kernels.tuning
-    assert (chosen.prefetch_groups, chosen.prefetch_hint, chosen.pair_blocks_from) == (40, 1, 3)
+    assert tuning.KernelTuning.from_abi(kernels.tuning) == second.tuning
 
 
 def test_an_unusable_kept_choice_is_measured_again(kernels, tmp_path, caplog):
@@ -366,8 +350,7 @@ def test_the_table_gives_its_entry_for_a_known_cpu_and_the_default_otherwise(ker
     listed = (here["vendor"], here["family"], here["model"]) in tuning.TABLE
     assert choice.source == ("table" if listed else "default")
     assert choice.tuning == tuning.from_table(here)
-    assert kernels.tuning.prefetch_groups == choice.tuning.prefetch_groups
-    assert kernels.tuning.pair_blocks_from == choice.tuning.pair_blocks_from
+    assert tuning.KernelTuning.from_abi(kernels.tuning) == choice.tuning
 
 
 def test_the_kernels_start_with_the_default_and_every_tuning_converts_both_ways():
