@@ -39,19 +39,10 @@ sys.path.insert(0, str(REPO))
 
 from benchmarks.engine import RELEVANT_CPU_FLAGS, TEXT, cpu_line, default_model  # noqa: E402
 from chattts_service.config import DECODER_DTYPES  # noqa: E402  (no torch)
+from chattts_service.domain.playback import waits  # noqa: E402
 from chattts_service.runtime.cpu import cpu_flags, cpu_model  # noqa: E402
 
 SAMPLE_RATE = 24_000
-
-
-def waits(arrivals: list[tuple[float, float]]) -> list[float]:
-    """Seconds a listener who starts at the first chunk waits for each chunk (their sum: how far
-    the stream fell behind): ``arrivals`` are each chunk's (arrival time, seconds of audio)."""
-    clock, waited = arrivals[0][0], []
-    for arrived, seconds in arrivals:
-        waited.append(max(0.0, arrived - clock))
-        clock = max(clock, arrived) + seconds
-    return waited
 
 
 def run_streams(

@@ -421,15 +421,3 @@ def test_steal_is_read_from_the_kernels_cpu_line(tmp_path):
     assert host_cpu_ticks() is not None
     time.sleep(0.2)
     assert 0 <= real.share() <= 1
-
-
-def test_streams_benchmark_splits_a_listeners_waits_by_chunk(monkeypatch):
-    monkeypatch.syspath_prepend(str(REPO))
-    from benchmarks.streams import waits
-
-    # (arrival, seconds of audio): the player starts at 1.0 with 0.25 s, runs dry at 1.25 and
-    # waits 0.25 s for the second chunk; the third arrives while the second plays (to 2.0);
-    # the fourth arrives 0.5 s after the third ran out (2.5)
-    arrivals = [(1.0, 0.25), (1.5, 0.5), (1.75, 0.5), (3.0, 1.0)]
-    assert waits(arrivals) == [0.0, 0.5 - 0.25, 0.0, 0.5]
-    assert sum(waits(arrivals)) == 0.75

@@ -2,7 +2,8 @@
 
 The service's ``chatts_stream_behind_seconds`` (from when it hands each chunk over) and
 ``bench.py``'s streams (from when each piece arrives) measure the same thing this way: how far
-a stream fell behind such a listener, which is the time the listener spent waiting in all.
+a stream fell behind such a listener, which is the time the listener spent waiting in all;
+``waits`` splits that time by chunk (``benchmarks/streams.py`` reports where it falls).
 """
 
 from __future__ import annotations
@@ -26,3 +27,13 @@ class Playback:
         else:
             self.behind = max(self.behind, (now - self.first) - self.audio)
         self.audio += seconds
+
+
+def waits(arrivals: list[tuple[float, float]]) -> list[float]:
+    """Seconds the same listener waits for each chunk (their sum is ``Playback.behind``):
+    ``arrivals`` are each chunk's (arrival time, seconds of audio)."""
+    clock, waited = arrivals[0][0], []
+    for arrived, seconds in arrivals:
+        waited.append(max(0.0, arrived - clock))
+        clock = max(clock, arrived) + seconds
+    return waited
