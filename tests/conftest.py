@@ -16,6 +16,14 @@ def tiny_model_dir(tmp_path_factory) -> Path:
     return build(tmp_path_factory.mktemp("models") / "tiny", size="tiny", seed=0)
 
 
+@pytest.fixture(scope="session")
+def tiny_endless_model_dir(tmp_path_factory) -> Path:
+    """The tiny model whose speech never ends before the step cap: requests as long as set."""
+    from chattts_service.tools.testmodel import build
+
+    return build(tmp_path_factory.mktemp("models") / "tiny-endless", "tiny", 0, speech_ends=False)
+
+
 class ServerProcess(Server):
     """``python server.py`` as a user runs it, on a loopback port, with the tests' settings
     (at most 200 steps a request, one torch thread) unless given others."""

@@ -110,12 +110,19 @@ def test_short_keys_are_refused():
 # -- SIGTERM: drain, finish in-flight work, exit ---------------------------------------------
 
 
-def test_sigterm_drains_then_finishes_in_flight_requests(start_server):
+def test_sigterm_drains_then_finishes_in_flight_requests(start_server, tiny_endless_model_dir):
+    """SIGTERM: readiness and new requests answer 503 for the drain, and a request in flight
+    goes on past it (gunicorn's graceful stop waits for it) and gets its whole answer. Its
+    speech never ends early (the endless model), so it outlasts the drain on any CPU."""
+    drain = 2.0
     server = start_server(
-        CHATTTS_DRAIN_SECONDS="2", CHATTTS_GRACEFUL_TIMEOUT_S="60", CHATTTS_MAX_NEW_TOKENS="200"
+        tiny_endless_model_dir,
+        CHATTTS_DRAIN_SECONDS=str(int(drain)),
+        CHATTTS_GRACEFUL_TIMEOUT_S="60",
+        CHATTTS_MAX_NEW_TOKENS="2048",
     )
     server.wait_ready()
-    long_text = "这是一段用来测试优雅退出的长文本，它会被切成好几段。" * 30
+    long_text = "这是一段用来测试优雅退出的长文本，它会被切成好几段。" * 60
     results = {}
 
     def in_flight():
@@ -130,14 +137,21 @@ def test_sigterm_drains_then_finishes_in_flight_requests(start_server):
         time.sleep(0.02)
     assert metric(server, "chatts_queue_depth") >= 1, "the long request never started"
     os.kill(server.process.pid, signal.SIGTERM)  # gunicorn's arbiter, as docker stop does
-    time.sleep(0.5)
-    ready = requests.get(server.url + "/readyz", timeout=5)
-    assert ready.status_code == 503 and ready.json()["status"] == "draining"
+    signalled = time.monotonic()
+    while True:  # the signal reaches the worker through the arbiter
+        ready = requests.get(server.url + "/readyz", timeout=5)
+        if ready.json()["status"] == "draining" or time.monotonic() > signalled + drain / 2:
+            break
+        time.sleep(0.02)
+    assert ready.status_code == 503 and ready.json()["status"] == "draining", ready.text
     refused = requests.post(server.url + "/synthesize", json={"text": "新请求"}, timeout=10)
-    assert refused.status_code == 503 and "shutting down" in refused.json()["error"]
+    assert refused.status_code == 503 and "shutting down" in refused.json()["error"], refused.text
+    time.sleep(max(0.0, signalled + drain + 0.5 - time.monotonic()))
+    assert thread.is_alive(), "the request ended within the drain: it shows nothing past it"
     thread.join(timeout=120)
     response = results["response"]
-    assert response.status_code == 200 and int(response.headers["X-Segments"]) > 1
+    assert response.status_code == 200, response.text
+    assert int(response.headers["X-Segments"]) > 1
     assert server.process.wait(timeout=60) == 0
     assert "draining" in server.log()
 
