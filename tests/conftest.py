@@ -9,6 +9,22 @@ import pytest
 from benchmarks.serverproc import REPO, Server  # noqa: F401  (REPO: for the tests)
 
 
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item, call):
+    """A failed test that started servers reports the end of each one's log: a CI run on
+    another machine keeps nothing else of them."""
+    report = yield
+    if report.when == "call" and report.failed:
+        for number, server in enumerate(ServerProcess.started_in_test, 1):
+            report.sections.append((f"server {number} log (end)", server.log()[-4000:]))
+    return report
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item):
+    ServerProcess.started_in_test.clear()
+
+
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory) -> Path:
     from chattts_service.tools.testmodel import build
@@ -28,6 +44,8 @@ class ServerProcess(Server):
     """``python server.py`` as a user runs it, on a loopback port, with the tests' settings
     (at most 200 steps a request, one torch thread) unless given others."""
 
+    started_in_test: list[ServerProcess] = []  # the running test's; a failure shows their logs
+
     def __init__(self, model_dir: Path, log_path: Path, port: int | None = None, **settings: str):
         super().__init__(
             model_dir,
@@ -35,6 +53,7 @@ class ServerProcess(Server):
             port=port,
             **{"CHATTTS_MAX_NEW_TOKENS": "200", "CHATTTS_THREADS": "1", **settings},
         )
+        ServerProcess.started_in_test.append(self)
 
     def wait_ready(self, timeout: float = 120.0) -> float:
         return super().wait_ready(timeout)

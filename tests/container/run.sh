@@ -320,9 +320,13 @@ if [ "${CT_SUITE:-1}" = 1 ]; then
     podman build --format docker --cgroup-parent "$(cgroup_parent)" --build-arg "IMAGE=localhost/$IMAGE" \
         -f "$HERE/Containerfile.test" -t chattts-service-test:latest "$WORK/suite-src" \
         > "$WORK/suite-build.log" 2>&1 || { tail -40 "$WORK/suite-build.log"; fail "test image build"; }
-    podman run --rm --cgroup-parent "$(cgroup_parent)" --shm-size=1g \
-        chattts-service-test:latest 2>&1 | tee "$WORK/suite.log" | tail -40
-    [ "${PIPESTATUS[0]}" = 0 ] || fail "the suite fails inside the image (log: $WORK/suite.log)"
+    if ! podman run --rm --cgroup-parent "$(cgroup_parent)" --shm-size=1g \
+        chattts-service-test:latest 2>&1 | tee "$WORK/suite.log" | tail -40; then
+        # the tail above holds only the summary: show why each test failed, the assertion last
+        sed -n '/^=* FAILURES =*$/,/^=* short test summary/p' "$WORK/suite.log" | head -300
+        grep -E '^E +' "$WORK/suite.log" | tail -20
+        fail "the suite fails inside the image (log: $WORK/suite.log)"
+    fi
     SUITE="$(grep -E '[0-9]+ passed' "$WORK/suite.log" | tail -1), $(seconds_since "$started") s"
     log "the suite inside the image: $SUITE"
 fi
