@@ -380,6 +380,16 @@ def test_bench_capacity_search_reports_the_largest_level_that_held(server):
         ).stdout
     )
     assert none["capacity_streams"] == 0 and list(none["levels"]) == ["1"]
+    # the first audio alone held it back, and the stream that kept up with playback is named
+    assert none["limited_by"] == ["first audio"]
+    assert none["playback_streams"] == 1
+    assert none["playback_first_audio_p95"] == none["levels"]["1"]["first_audio_p95"] > 0
+    kept_up = [
+        int(n)
+        for n, r in report["levels"].items()
+        if r["streams_behind"] == 0 and not r["errors"] and r["requests_ok"] > 0
+    ]
+    assert report["playback_streams"] == max(kept_up, default=0) >= report["capacity_streams"]
 
 
 def test_warmup_script_against_the_server(server):

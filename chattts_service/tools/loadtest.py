@@ -350,15 +350,23 @@ def steal_percent(result: dict) -> str:
     return "steal -" if share is None else f"steal {100 * share:.0f}%"
 
 
+def shortfalls(result: dict, max_first_audio: float) -> list[str]:
+    """What kept a capacity level from holding: "errors" (or no stream answered), "playback"
+    (a stream fell behind its player), "first audio" (its p95 past the bound); none: it held."""
+    found = []
+    if result["errors"] or result["requests_ok"] == 0:
+        found.append("errors")
+    if result["streams_behind"]:
+        found.append("playback")
+    if not result["first_audio_p95"] <= max_first_audio:
+        found.append("first audio")
+    return found
+
+
 def held(result: dict, max_first_audio: float) -> bool:
     """A capacity level holds: no errors, no stream fell behind playback, and the first
     audio's p95 within the bound."""
-    return (
-        not result["errors"]
-        and result["requests_ok"] > 0
-        and result["streams_behind"] == 0
-        and result["first_audio_p95"] <= max_first_audio
-    )
+    return not shortfalls(result, max_first_audio)
 
 
 def capacity(load: Load, args) -> dict:
@@ -408,9 +416,20 @@ def capacity(load: Load, args) -> dict:
             good = middle
         else:
             bad = middle
+    # listeners who can wait longer for their first audio: the most streams, of the levels
+    # tried, that kept up with playback whatever their first audio's p95
+    kept_up = [
+        clients
+        for clients, result in levels.items()
+        if not set(shortfalls(result, args.max_first_audio)) - {"first audio"}
+    ]
+    playback = max(kept_up, default=0)
     return {
         "url": load.address,
         "capacity_streams": good,
+        "limited_by": [] if bad is None else shortfalls(levels[bad], args.max_first_audio),
+        "playback_streams": playback,
+        "playback_first_audio_p95": levels[playback]["first_audio_p95"] if playback else None,
         "max_first_audio_seconds": args.max_first_audio,
         "tolerance_seconds": args.tolerance,
         "levels": {str(clients): result for clients, result in sorted(levels.items())},
@@ -520,6 +539,14 @@ def main(argv: list[str] | None = None) -> int:
                 f"{args.max_first_audio:g} s)"
                 + ("; the most tried" if result["limited_by_max_concurrency"] else "")
             )
+            if result["limited_by"]:
+                print(f"  held back by: {', '.join(result['limited_by'])}")
+            if result["playback_streams"] > result["capacity_streams"]:
+                print(
+                    f"  {result['playback_streams']} streams kept up with playback, their "
+                    f"first audio p95 {result['playback_first_audio_p95']:.2f} s (a larger "
+                    "--max-first-audio counts them)"
+                )
         return 0
     duration = min(args.duration or args.max_seconds, args.max_seconds)
     total = args.requests
