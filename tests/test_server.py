@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 import json
+import re
 import subprocess
 import sys
 import time
@@ -302,7 +303,11 @@ def test_bench_runs_against_the_server(server):
     )
     assert human.returncode == 0 and "latency       p50" in human.stdout
     assert "(1 cache hits)" in human.stdout or "(2 cache hits)" in human.stdout
-    assert "this machine  steal: the hypervisor took" in human.stdout
+    # two cache hits can take less than a tick of /proc/stat: then the steal is not measured
+    steal = re.search(
+        r"this machine  steal: (the hypervisor took [0-9.]+%|not measured)", human.stdout
+    )
+    assert steal is not None, human.stdout
 
 
 def _bench(server, *arguments: str) -> subprocess.CompletedProcess:
