@@ -114,10 +114,10 @@ def test_sigterm_drains_then_finishes_in_flight_requests(start_server, tiny_endl
     """SIGTERM: readiness and new requests answer 503 for the drain, and a request in flight
     goes on past it (gunicorn's graceful stop waits for it) and gets its whole answer. Its
     speech never ends early (the endless model), so it outlasts the drain on any CPU."""
-    drain = 2.0
+    drain = 2
     server = start_server(
         tiny_endless_model_dir,
-        CHATTTS_DRAIN_SECONDS=str(int(drain)),
+        CHATTTS_DRAIN_SECONDS=str(drain),
         CHATTTS_GRACEFUL_TIMEOUT_S="60",
         CHATTTS_MAX_NEW_TOKENS="2048",
     )
