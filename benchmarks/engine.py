@@ -189,23 +189,29 @@ def decode_multiply_adds(decoder, steps: int, hidden_size: int) -> int:
     lower bound)."""
     import torch
 
-    from chattts_service.inference.decoding import Bf16Linear, Int8Pointwise
+    from chattts_service.inference.decoding import Bf16Linear, Int8Pointwise, KernelDepthwise
 
     total = 0
 
     def count(module, inputs, output) -> None:
         nonlocal total
+        if isinstance(module, KernelDepthwise):  # on the kernels, or its convolution's
+            module = module.conv
         if isinstance(module, torch.nn.Conv1d):
             per_output = module.in_channels // module.groups * module.kernel_size[0]
             total += output.numel() * per_output
         else:  # Linear, Bf16Linear or Int8Pointwise: rows x in x out
             total += output.numel() * module.in_features
 
+    modules = [module for part in (decoder.decoder, decoder.vocos) for module in part.modules()]
+    wrapped = {id(module.conv) for module in modules if isinstance(module, KernelDepthwise)}
     hooks = [
         module.register_forward_hook(count)
-        for part in (decoder.decoder, decoder.vocos)
-        for module in part.modules()
-        if isinstance(module, (torch.nn.Conv1d, torch.nn.Linear, Bf16Linear, Int8Pointwise))
+        for module in modules
+        if isinstance(
+            module, (torch.nn.Conv1d, torch.nn.Linear, Bf16Linear, Int8Pointwise, KernelDepthwise)
+        )
+        and id(module) not in wrapped  # counted once, by the wrapper
     ]
     try:
         decoder(torch.randn(steps, hidden_size, generator=torch.Generator().manual_seed(0)))

@@ -95,18 +95,35 @@ def test_engine_benchmark_smoke(tiny_model_dir):
 
 def test_decode_multiply_adds_count_every_layer_whatever_runs_it(tiny_model_dir):
     """The engine benchmark's decode bound counts the same multiply-adds for a decoder whose
-    linear layers run on oneDNN's fused bias (bf16) as for the plain one."""
+    linear layers run on oneDNN's fused bias (bf16) or whose depthwise convolutions run on
+    the kernels (fp32 and bf16, where they give torch's bits) as for the plain one."""
     from engines import engine_on
 
     from benchmarks.engine import decode_multiply_adds
+    from chattts_service.inference.decoding import KernelDepthwise
+
+    def on_kernels(decoder) -> int:
+        return sum(isinstance(m, KernelDepthwise) for m in decoder.vocos.backbone.modules())
 
     with engine_on(tiny_model_dir, decoder_dtype="fp32") as engine:
         decoder, hidden = engine.model.decoder, engine.model.heads.hidden_size
-        plain = engine.scheduler.call(lambda: decode_multiply_adds(decoder, 40, hidden)).result()
+        kernels = engine.model.transformer.kernels
+
+        def counted() -> int:
+            return engine.scheduler.call(lambda: decode_multiply_adds(decoder, 40, hidden)).result()
+
+        fp32 = counted()
+        fp32_on_kernels = on_kernels(decoder)
         decoder.dtype = "bf16"
         decoder.hold_in_bf16()
-        held = engine.scheduler.call(lambda: decode_multiply_adds(decoder, 40, hidden)).result()
-    assert held == plain > 0
+        plain = counted()
+        assert not on_kernels(decoder)
+        decoder.hold_in_bf16(kernels)
+        held = counted()
+        held_on_kernels = on_kernels(decoder)
+    assert fp32 == plain == held > 0
+    if kernels is not None:
+        assert fp32_on_kernels and held_on_kernels
 
 
 def test_memory_benchmark_smoke(tiny_model_dir):

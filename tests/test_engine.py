@@ -424,8 +424,8 @@ def test_a_bf16_decoder_holds_bf16_weights_and_gives_autocasts_samples(tiny_mode
     linear layers run on it, and the samples are still autocast's."""
     from chattts_service.inference.decoding import (
         Advance,
-        Bf16Depthwise,
         Bf16Linear,
+        KernelDepthwise,
         _depthwise_matches,
         fused_bias_linear,
     )
@@ -465,7 +465,7 @@ def test_a_bf16_decoder_holds_bf16_weights_and_gives_autocasts_samples(tiny_mode
         assert (fused and not plain) if fused_bias_linear() else (plain and not fused)
         # the ConvNeXt blocks' depthwise convolutions on the kernels, where they give torch's bits
         blocks = [*decoder.decoder.decoder.decoder_block, *decoder.vocos.backbone.convnext]
-        wrapped = [isinstance(block.dwconv, Bf16Depthwise) for block in blocks]
+        wrapped = [isinstance(block.dwconv, KernelDepthwise) for block in blocks]
         convs = [block.dwconv.conv if on else block.dwconv for block, on in zip(blocks, wrapped)]
         assert blocks and wrapped == [
             kernels is not None and _depthwise_matches(kernels, c.kernel_size[0], c.dilation[0])
@@ -478,6 +478,65 @@ def test_a_bf16_decoder_holds_bf16_weights_and_gives_autocasts_samples(tiny_mode
             engine.scheduler.call(lambda: decoder(hiddens, "fp32")).result()
 
 
+def test_an_fp32_decoder_runs_its_depthwise_convolutions_on_the_kernels_to_the_bit(
+    fp32_decoder_engine,
+):
+    """The fp32 decoder's ConvNeXt blocks' depthwise convolutions run on the kernels in
+    float32 where they give torch's bits (checked once per process): whole windows, batches
+    and streams give, bit for bit, what the same decoder gives with torch's convolutions; asked
+    for bf16 (autocast) it still gives autocast's samples."""
+    from chattts_service.inference.decoding import (
+        Advance,
+        KernelDepthwise,
+        _depthwise_matches,
+        on_kernel_depthwise,
+    )
+
+    engine = fp32_decoder_engine
+    decoder, kernels = engine.model.decoder, engine.model.transformer.kernels
+    if kernels is None:
+        pytest.skip("the C++ kernels are off here (they need AVX2 and FMA)")
+    blocks = [*decoder.decoder.decoder.decoder_block, *decoder.vocos.backbone.convnext]
+    convs = [getattr(block.dwconv, "conv", block.dwconv) for block in blocks]
+    wrapped = [isinstance(block.dwconv, KernelDepthwise) for block in blocks]
+    assert blocks and wrapped == [
+        _depthwise_matches(kernels, c.kernel_size[0], c.dilation[0], float32=True) for c in convs
+    ]
+    if not any(wrapped):
+        pytest.skip("this torch's float32 depthwise convolution sums otherwise than the kernel")
+    items = _windows(engine, 4)
+    hiddens = items[1][0]
+
+    def everything():
+        state = decoder.stream()
+        steps = hiddens.shape[0]
+        streamed = [
+            decoder.advance_many([Advance(state, hiddens[:until], until - 40, False)])[0]
+            for until in range(60, steps, 23)
+        ]
+        streamed += decoder.advance_many([Advance(state, hiddens, steps, True)])
+        return (
+            decoder(hiddens),
+            decoder(hiddens, "bf16"),
+            [decoder.span(*item) for item in items],
+            np.concatenate(streamed),
+        )
+
+    on = engine.scheduler.call(everything).result()
+    modules = (decoder.decoder, decoder.vocos.backbone)
+    engine.scheduler.call(lambda: on_kernel_depthwise(modules, None)).result()
+    try:
+        assert not any(isinstance(block.dwconv, KernelDepthwise) for block in blocks)
+        off = engine.scheduler.call(everything).result()
+    finally:
+        engine.scheduler.call(lambda: on_kernel_depthwise(modules, kernels)).result()
+    assert np.array_equal(on[0], off[0]) and np.array_equal(on[1], off[1])
+    assert not np.array_equal(on[0], on[1])  # bf16 is autocast's, not the float32 kernel's
+    for one, other in zip(on[2], off[2], strict=True):
+        assert np.array_equal(one, other)
+    assert np.array_equal(on[3], off[3]) and len(on[3]) == len(on[0])
+
+
 def test_an_int8_decoder_runs_its_pointwise_layers_on_the_kernels(
     tiny_model_dir, fp32_decoder_engine
 ):
@@ -487,18 +546,24 @@ def test_an_int8_decoder_runs_its_pointwise_layers_on_the_kernels(
     stream what its whole answer gives, but for the fp32 layers' rounding (1e-5 of a window
     in fp32), which now and then moves a value across a quantization level; asked to decode
     in fp32 it says it cannot."""
-    from chattts_service.inference.decoding import Int8Pointwise
+    from chattts_service.inference.decoding import Int8Pointwise, KernelDepthwise
+    from chattts_service.inference.decoding import _depthwise_matches as matches
     from chattts_service.kernels import bindings
 
     if not bindings.cpu_supports():
         pytest.skip("the C++ kernels need AVX2 and FMA, which this CPU lacks")
     with engine_on(tiny_model_dir, max_new_tokens=200, decoder_dtype="int8") as engine:
         decoder = engine.model.decoder
+        kernels = engine.model.transformer.kernels
         blocks = [*decoder.decoder.decoder.decoder_block, *decoder.vocos.backbone.convnext]
         assert blocks and decoder.held == "int8"
         for block in blocks:
             assert isinstance(block.pwconv1, Int8Pointwise)
             assert isinstance(block.pwconv2, Int8Pointwise)
+            # the depthwise convolutions on the kernels in float32, where torch's bits
+            conv = getattr(block.dwconv, "conv", block.dwconv)
+            on = isinstance(block.dwconv, KernelDepthwise)
+            assert on == matches(kernels, conv.kernel_size[0], conv.dilation[0], float32=True)
         # the bias rides in the product's call as a residual of row stride 0: the same bits as
         # adding it after
         layer = blocks[0].pwconv1

@@ -480,11 +480,13 @@ def test_peak_loops_count_the_multiply_adds_they_do(kernel, loop):
             kernel.check(-kernel.library.chatts_peak_loop(*refused, None))
 
 
-def _depthwise_in_order(x, weight, bias, dilation, padding):
+def _depthwise_in_order(x, weight, bias, dilation, padding, float32=False):
     """The depthwise convolution as the kernel forms it, in float64 rounded to float32 after
     every tap: each output starts at its bias and adds the taps' products in tap order (a
-    product of two bf16 values is exact in float32, so this is a fused multiply-add's
-    rounding), then is rounded to bf16. ``x`` [batch, channels, time] holding bf16 values."""
+    product of two float32 values is exact in float64, so this is a fused multiply-add's
+    rounding, but for a sum that float64 rounds before float32 does, about one in 2^29), then
+    is rounded to bf16 (unless ``float32``). ``x`` [batch, channels, time] holding bf16 values,
+    or any float32 with ``float32``."""
     batch, channels, time = x.shape
     kernel = weight.shape[-1]
     padded = F.pad(x.double(), (padding, padding))
@@ -492,7 +494,7 @@ def _depthwise_in_order(x, weight, bias, dilation, padding):
     for tap in range(kernel):
         window = padded[:, :, tap * dilation : tap * dilation + time]
         acc = (acc.double() + window * weight.double()[None, :, 0, tap, None]).float()
-    return acc.bfloat16()
+    return acc if float32 else acc.bfloat16()
 
 
 @pytest.mark.parametrize(
@@ -527,6 +529,61 @@ def test_depthwise_conv1d_sums_its_taps_in_order_from_the_bias(
         torchs = F.conv1d(x, weight, bias, padding=padding, dilation=dilation, groups=channels)
     if channels >= 64:  # the decoder's check runs on 64 channels; oneDNN may differ on fewer
         assert _depthwise_matches(kernel, 7, dilation) == torch.equal(out, torchs)
+
+
+@pytest.mark.parametrize(
+    "channels,time,dilation", [(512, 96, 1), (512, 96, 2), (100, 37, 1), (24, 5, 2), (48, 1, 1)]
+)
+def test_depthwise_conv1d_in_float32_fuses_each_tap_in_order_from_the_bias(
+    channels, time, dilation, kernel
+):
+    """The fp32 and int8 decoders' depthwise convolutions: float32 in (not rounded), float32
+    weights and out, each tap a fused multiply-add in tap order from the bias, every channel
+    count; where this machine's torch forms them so too, its float32 convolution's bits, which
+    the decoder checks before using the kernel."""
+    from chattts_service.inference.decoding import _depthwise_matches
+
+    generator = torch.Generator().manual_seed(channels + time + dilation + 1)
+    weight = torch.randn(channels, 1, 7, generator=generator) * 0.3
+    bias = torch.randn(channels, generator=generator)
+    scales = torch.logspace(-3, 3, channels)
+    x = (torch.randn(3, time, channels, generator=generator) * scales).transpose(1, 2)
+    padding = 3 * dilation
+    taps = weight[:, 0].t().contiguous()
+    out = kernel.depthwise_conv1d(x, taps, bias, dilation, padding, float32=True)
+    assert out.shape == (3, channels, time) and out.dtype == torch.float32
+    assert out.stride(1) == 1  # channels-last, as its input
+    expected = _depthwise_in_order(x, weight, bias, dilation, padding, float32=True)
+    assert torch.equal(out, expected)
+    no_bias = kernel.depthwise_conv1d(x, taps, None, dilation, padding, float32=True)
+    zero = torch.zeros(channels)
+    assert torch.equal(
+        no_bias, _depthwise_in_order(x, weight, zero, dilation, padding, float32=True)
+    )
+    # not rounded to bf16 on the way in, as the bf16 convolution rounds it
+    assert not torch.equal(out, kernel.depthwise_conv1d(x, taps, bias, dilation, padding).float())
+    torchs = F.conv1d(x, weight, bias, padding=padding, dilation=dilation, groups=channels)
+    if channels >= 64:  # the decoder's check runs on 64 channels; oneDNN may differ on fewer
+        assert _depthwise_matches(kernel, 7, dilation, float32=True) == torch.equal(out, torchs)
+    with pytest.raises(ValueError, match="reads float32"):
+        kernel.depthwise_conv1d(x.bfloat16(), taps, bias, dilation, padding, float32=True)
+
+
+def test_the_float32_depthwise_check_tells_a_fused_multiply_add(kernel):
+    """In float32 the decoder's check plants a second output: (1 + 2^-12)^2 - 1 is
+    2^-11 + 2^-24 with the product fused into its sum, 2^-11 with the product rounded first,
+    so a convolution that rounds its products fails the check."""
+    near_one = 1 + 2**-12
+    x = torch.zeros(1, 7, 16)
+    x[0, 3, 0] = near_one
+    weight, bias = torch.zeros(16, 1, 7), torch.zeros(16)
+    weight[0, 0, 3], bias[0] = near_one, -1.0
+    out = kernel.depthwise_conv1d(
+        x.transpose(1, 2), weight[:, 0].t().contiguous(), bias, 1, 3, float32=True
+    )
+    assert float(out[0, 0, 3]) == 2**-11 + 2**-24
+    rounded_first = torch.tensor(near_one) * torch.tensor(near_one)
+    assert float(rounded_first - 1.0) == 2**-11
 
 
 def test_depthwise_conv1d_refuses_what_it_cannot_read(kernel):

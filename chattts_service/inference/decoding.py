@@ -37,10 +37,11 @@ class AudioDecoder:
         in bf16, as autocast casts them on every call anyway: the same samples, half those
         weights' memory (156 -> 78 MB on ChatTTS's), and no casts on every decode (a fifth of a
         round of streamed chunks). The decoder then decodes in bf16 only. With ``kernels``,
-        the ConvNeXt blocks' depthwise convolutions run on them (``Bf16Depthwise``), where
+        the ConvNeXt blocks' depthwise convolutions run on them (``KernelDepthwise``), where
         they give this torch's bits."""
         if self.dtype != "bf16":
             raise ValueError("only a bf16 decoder holds its weights in bf16")
+        on_kernel_depthwise((self.decoder, self.vocos.backbone), None)  # plain convolutions
         for module in (self.decoder, self.vocos.backbone):
             for layer in module.modules():
                 if isinstance(layer, (torch.nn.Linear, torch.nn.Conv1d)):
@@ -51,8 +52,8 @@ class AudioDecoder:
                 for name, child in list(parent.named_children()):
                     if fused and type(child) is torch.nn.Linear and child.bias is not None:
                         setattr(parent, name, Bf16Linear(child))
-                    elif kernels is not None and Bf16Depthwise.suits(child, kernels):
-                        setattr(parent, name, Bf16Depthwise(child, kernels))
+        if kernels is not None:
+            self.depthwise_on(kernels)
         self._own_the_rest(keep=lambda tensor: tensor.dtype == torch.bfloat16)
         self.held = "bf16"
 
@@ -63,7 +64,8 @@ class AudioDecoder:
         does not depend on the frames batched with it: streamed chunks stay the samples of the
         whole answer). The rest stays fp32. Where the CPU has no native bf16 this is the
         faster decoder, at a waveform error printed by ``benchmarks/engine.py`` (opt-in:
-        CHATTTS_DECODER_DTYPE=int8). The decoder then decodes this way only."""
+        CHATTTS_DECODER_DTYPE=int8). Its depthwise convolutions run on the kernels in float32
+        (``depthwise_on``). The decoder then decodes this way only."""
         if self.dtype != "int8":
             raise ValueError("only an int8 decoder holds its pointwise layers in int8")
         blocks = [
@@ -75,8 +77,18 @@ class AudioDecoder:
                 linear = getattr(block, name, None)
                 if isinstance(linear, torch.nn.Linear) and linear.in_features % 4 == 0:
                     setattr(block, name, Int8Pointwise(linear, kernels))
+        self.depthwise_on(kernels)
         self._own_the_rest(keep=lambda tensor: False)
         self.held = "int8"
+
+    def depthwise_on(self, kernels) -> None:
+        """The ConvNeXt blocks' depthwise convolutions on the kernels (``KernelDepthwise``),
+        where they give this torch's bits: in bf16 as autocast computes, in float32 as torch
+        does (so an fp32 decoder still gives upstream's samples). oneDNN's depthwise
+        convolution reads channels-first, so torch transposed every block's input for it and
+        its output back again, a copy each way (a third of what the int8 decoder spent outside
+        its products)."""
+        on_kernel_depthwise((self.decoder, self.vocos.backbone), kernels)
 
     def _own_the_rest(self, keep) -> None:
         """Every tensor of the decoder and the vocoder but those ``keep`` says in memory of its
@@ -398,54 +410,84 @@ class Bf16Linear(torch.nn.Module):
         return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
 
 
-class Bf16Depthwise(torch.nn.Module):
-    """A ConvNeXt block's depthwise ``nn.Conv1d`` (bf16 weights) on the C++ kernels
+class KernelDepthwise(torch.nn.Module):
+    """A ConvNeXt block's depthwise ``nn.Conv1d`` on the C++ kernels
     (``Kernels.depthwise_conv1d``) where its input lies channels-last, as every block but the
     first of a stack hands it on (the residual sum of a transposed tensor): the bits of torch's
-    convolution under autocast, with no transposes around it, and an output the block's
-    layer norm reads without copying. Any other input goes to the convolution itself."""
+    convolution, with no transposes around it, and an output the block's layer norm reads
+    without copying. bf16 weights: as torch computes under autocast (a bf16 decoder); float32
+    weights: as torch computes in float32 (the fp32 and int8 decoders), and under autocast
+    (an fp32 decoder asked for bf16) the convolution itself. Any other input goes to the
+    convolution itself too."""
 
     def __init__(self, conv: torch.nn.Conv1d, kernels):
         super().__init__()
         self.conv, self.kernels = conv, kernels
+        self.float32 = conv.weight.dtype == torch.float32
         self.taps = conv.weight.detach().float()[:, 0].t().contiguous()  # [kernel, channels]
         self.bias_values = None if conv.bias is None else conv.bias.detach().float().contiguous()
         self.dilation, self.padding = conv.dilation[0], conv.padding[0]
 
     @staticmethod
     def suits(module, kernels) -> bool:
-        """A depthwise bf16 ``Conv1d`` of stride 1 and zero padding, for which the kernels
-        give what torch gives on this machine."""
+        """A depthwise bf16 or float32 ``Conv1d`` of stride 1 and zero padding, for which the
+        kernels give what torch gives on this machine."""
         return (
             type(module) is torch.nn.Conv1d
-            and module.weight.dtype == torch.bfloat16
+            and module.weight.dtype in (torch.bfloat16, torch.float32)
             and module.groups == module.in_channels == module.out_channels
             and module.stride == (1,)
             and module.padding_mode == "zeros"
             and isinstance(module.padding, tuple)
-            and _depthwise_matches(kernels, module.kernel_size[0], module.dilation[0])
+            and _depthwise_matches(
+                kernels,
+                module.kernel_size[0],
+                module.dilation[0],
+                float32=module.weight.dtype == torch.float32,
+            )
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if not channels_last(x) or x.dtype not in (torch.bfloat16, torch.float32):
+        if not channels_last(x):
+            return self.conv(x)
+        if self.float32:
+            if x.dtype != torch.float32 or torch.is_autocast_cpu_enabled():
+                return self.conv(x)
+        elif x.dtype not in (torch.bfloat16, torch.float32):
             return self.conv(x)
         return self.kernels.depthwise_conv1d(
-            x, self.taps, self.bias_values, self.dilation, self.padding
+            x, self.taps, self.bias_values, self.dilation, self.padding, float32=self.float32
         )
+
+
+def on_kernel_depthwise(modules, kernels) -> None:
+    """Every ConvNeXt block's depthwise convolution in ``modules`` on the kernels
+    (``KernelDepthwise``), where they give torch's bits for its kernel size, dilation and
+    weights' type, as its weights are now; with no ``kernels``, every one back on torch."""
+    for module in modules:
+        for parent in list(module.modules()):
+            for name, child in list(parent.named_children()):
+                if isinstance(child, KernelDepthwise):
+                    child = child.conv
+                    setattr(parent, name, child)
+                if kernels is not None and KernelDepthwise.suits(child, kernels):
+                    setattr(parent, name, KernelDepthwise(child, kernels))
 
 
 _DEPTHWISE_CHECKED: dict[tuple, bool] = {}
 
 
-def _depthwise_matches(kernels, kernel: int, dilation: int) -> bool:
-    """Whether the kernels' depthwise convolution gives torch's bits under autocast for this
-    kernel size and dilation, bf16 and float32 inputs, checked once per process (oneDNN could
-    sum the taps in another order on another CPU, and a torch without it computes otherwise).
-    Another order changes only a few outputs in a million of random values, so one output is
-    made to tell: bias 1 and products 2^-24, 2^-9, 2^-24, 0, 2^-23, -2^-24, 2^-9 give 1 when
-    added in tap order from the bias, and 1 + 2^-7 when the taps go in reverse, in pairs, or
-    before the bias. Random values of many magnitudes fill the rest."""
-    key = (id(kernels), kernel, dilation)
+def _depthwise_matches(kernels, kernel: int, dilation: int, float32: bool = False) -> bool:
+    """Whether the kernels' depthwise convolution gives torch's bits for this kernel size and
+    dilation, checked once per process (oneDNN could sum the taps in another order on another
+    CPU, and a torch without it computes otherwise): bf16 weights under autocast, on bf16 and
+    float32 inputs, or (``float32``) all in float32. Another order changes only a few outputs
+    in a million of random values, so one output is made to tell: bias 1 and products 2^-24,
+    2^-9, 2^-24, 0, 2^-23, -2^-24, 2^-9 give 1 when added in tap order from the bias, and
+    1 + 2^-7 when the taps go in reverse, in pairs, or before the bias. In float32 a second
+    tells a fused multiply-add from a product rounded before its sum: (1 + 2^-12)^2 - 1 is
+    2^-11 + 2^-24 fused, 2^-11 rounded first. Random values of many magnitudes fill the rest."""
+    key = (id(kernels), kernel, dilation, float32)
     if key not in _DEPTHWISE_CHECKED:
         generator = torch.Generator().manual_seed(kernel * 100 + dilation)
         channels, time, padding = 64, 512, dilation * (kernel // 2)
@@ -458,17 +500,25 @@ def _depthwise_matches(kernels, kernel: int, dilation: int) -> bool:
             weight[0, 0], bias[0] = 1.0, 1.0
             for tap, product in enumerate(products):
                 values[0, tap * dilation, 0] = product
-        weight, bias = weight.bfloat16(), bias.bfloat16()
+        if float32 and kernel % 2:  # channel 1 at frame `padding`: the middle tap alone
+            weight[1, 0], bias[1] = 0.0, -1.0
+            weight[1, 0, kernel // 2] = 1 + 2**-12
+            values[0, : 2 * padding + 1, 1] = 0.0
+            values[0, padding, 1] = 1 + 2**-12
+        if not float32:
+            weight, bias = weight.bfloat16(), bias.bfloat16()
         taps = weight.float()[:, 0].t().contiguous()
         matches = True
         with torch.inference_mode():
-            for dtype in (torch.bfloat16, torch.float32):
+            for dtype in (torch.float32,) if float32 else (torch.bfloat16, torch.float32):
                 x = values.to(dtype).transpose(1, 2)
-                with torch.autocast("cpu", dtype=torch.bfloat16):
+                with torch.autocast("cpu", dtype=torch.bfloat16, enabled=not float32):
                     expected = torch.nn.functional.conv1d(
                         x, weight, bias, padding=padding, dilation=dilation, groups=channels
                     )
-                got = kernels.depthwise_conv1d(x, taps, bias.float(), dilation, padding)
+                got = kernels.depthwise_conv1d(
+                    x, taps, bias.float(), dilation, padding, float32=float32
+                )
                 matches = matches and torch.equal(got, expected)
         _DEPTHWISE_CHECKED[key] = matches
     return _DEPTHWISE_CHECKED[key]
@@ -685,7 +735,7 @@ class _BlockStage:
 
     @property
     def channels_last(self) -> bool:
-        return isinstance(getattr(self.block, "dwconv", None), Bf16Depthwise)
+        return isinstance(getattr(self.block, "dwconv", None), KernelDepthwise)
 
     def __call__(self, y: torch.Tensor) -> torch.Tensor:
         if self.condition is None:

@@ -120,6 +120,8 @@ def _load_modules(settings: Settings, paths: model_files.ModelPaths, architectur
         )
 
     decoder = AudioDecoder(chat.decoder, chat.vocos, settings.resolved_decoder_dtype)
+    if decoder.dtype == "fp32" and transformer.kernels is not None:
+        decoder.depthwise_on(transformer.kernels)  # torch's float32 bits, no transposes
     if decoder.dtype in ("bf16", "int8"):
         if decoder.dtype == "bf16":
             decoder.hold_in_bf16(transformer.kernels)

@@ -234,6 +234,7 @@ class DepthwiseArgs(ctypes.Structure):
         ("bias", _ptr),
         ("out", _ptr),
         ("threads", _i32),
+        ("float32", _i32),
     ]
 
 

@@ -73,6 +73,11 @@ class Kernels:
         # how the int8 product prefetches its weights; kernels/tuning.py sets what suits the CPU
         self.tuning = abi.default_tuning()
 
+    def __deepcopy__(self, memo) -> Kernels:
+        """The same library and tuning: a module copied with its layers on the kernels (a
+        decoder, say) runs on the process's one library, as the original does."""
+        return self
+
     @property
     def has_tiles(self) -> bool:
         """Whether the VNNI product may run on AMX tiles here (the CPU has AMX-INT8 and the
@@ -170,18 +175,23 @@ class Kernels:
         bias: torch.Tensor | None,
         dilation: int,
         padding: int,
+        float32: bool = False,
     ) -> torch.Tensor:
         """torch's ``conv1d(x, w, bias, padding=padding, dilation=dilation, groups=channels)``
         in bf16, to the bit, for ``x`` [batch, channels, time] lying channels-last (its
         channels adjacent: a transposed [batch, time, channels] tensor), bf16 or float32
         (rounded to bf16 first, as autocast rounds it); ``weights`` [kernel, channels] and
         ``bias`` [channels] float32 holding bf16 values. Returns [batch, channels, time] bf16,
-        channels-last too."""
+        channels-last too. With ``float32``: the convolution in float32 (``x`` float32 as it
+        is, any float32 weights, each tap a fused multiply-add from the bias in tap order), a
+        float32 result."""
         batch, channels, time = x.shape
         if x.dtype not in (torch.bfloat16, torch.float32):
             raise ValueError("the depthwise convolution reads bf16 or float32")
         if not channels_last(x):
             raise ValueError("the depthwise convolution reads channels-last inputs")
+        if float32 and x.dtype != torch.float32:
+            raise ValueError("a float32 depthwise convolution reads float32")
         if (
             weights.dtype != torch.float32
             or not weights.is_contiguous()
@@ -192,7 +202,7 @@ class Kernels:
             bias.dtype != torch.float32 or not bias.is_contiguous() or bias.shape != (channels,)
         ):
             raise ValueError(f"bias must be a contiguous float32 [{channels}] tensor")
-        out = torch.empty(batch, time, channels, dtype=torch.bfloat16)
+        out = torch.empty(batch, time, channels, dtype=torch.float32 if float32 else torch.bfloat16)
         status = self.library.chatts_depthwise_conv1d(
             ctypes.byref(
                 abi.DepthwiseArgs(
@@ -208,6 +218,7 @@ class Kernels:
                     bias=None if bias is None else bias.data_ptr(),
                     out=out.data_ptr(),
                     threads=torch.get_num_threads(),
+                    float32=int(float32),
                 )
             )
         )

@@ -141,6 +141,7 @@ std::string layout(int32_t kind) {
             CHATTS_FIELD(S, kernel); CHATTS_FIELD(S, dilation); CHATTS_FIELD(S, padding);
             CHATTS_FIELD(S, x); CHATTS_FIELD(S, x_float); CHATTS_FIELD(S, weights);
             CHATTS_FIELD(S, bias); CHATTS_FIELD(S, out); CHATTS_FIELD(S, threads);
+            CHATTS_FIELD(S, float32);
             break;
         }
         default: return "";
@@ -181,7 +182,7 @@ extern "C" const char* chatts_status_message(int32_t status) {
         case CHATTS_BAD_PEAK: return "a peak loop needs a known kind, an iteration and a thread";
         case CHATTS_BAD_DEPTHWISE:
             return "a depthwise convolution needs channels, time, a kernel, dilation >= 1, "
-                   "padding >= 0 and a thread";
+                   "padding >= 0 and a thread (in float32: a float32 input)";
         case CHATTS_BAD_GROUP:
             return "int4 groups must be 8 to 64 inputs, a multiple of 8, and divide in_features";
         default: return "unknown status";

@@ -7,7 +7,9 @@
 // channels-last ([batch, time, channels]), as the blocks hand them on: torch's convolution on
 // such an input spends about as long transposing it as convolving it, and its output is
 // transposed again for the layer norm after it. Eight channels a vector, two vectors a pass,
-// every tap of an output in registers.
+// every tap of an output in registers. With `float32`, the same in float32 throughout, as
+// oneDNN runs a float32 convolution (the input as it is, each tap a fused multiply-add,
+// float32 out), where the caller has checked that this gives torch's bits.
 #include "common.h"
 
 namespace {
@@ -39,7 +41,33 @@ inline void store_bf16(uint16_t* out, __m256 values) {
 inline float bf16_value(uint16_t x) { return from_bf16(x); }
 inline float bf16_value(float x) { return from_bf16(to_bf16(x)); }
 
-template <typename Element>
+// Eight inputs and one input as the convolution reads them: in bf16 (an input's bf16 value),
+// or in float32 (a float32 input as it is).
+template <bool Float32, typename Element>
+inline __m256 input8(const Element* x) {
+    if constexpr (Float32) return _mm256_loadu_ps(x);
+    else return bf16_floats(x);
+}
+
+template <bool Float32, typename Element>
+inline float input1(Element x) {
+    if constexpr (Float32) return x;
+    else return bf16_value(x);
+}
+
+template <bool Float32>
+inline void store8(void* out, int64_t at, __m256 values) {
+    if constexpr (Float32) _mm256_storeu_ps(static_cast<float*>(out) + at, values);
+    else store_bf16(static_cast<uint16_t*>(out) + at, values);
+}
+
+template <bool Float32>
+inline void store1(void* out, int64_t at, float value) {
+    if constexpr (Float32) static_cast<float*>(out)[at] = value;
+    else static_cast<uint16_t*>(out)[at] = to_bf16(value);
+}
+
+template <bool Float32, typename Element>
 void depthwise(const ChattsDepthwiseArgs& a, const Element* x) {
     const int64_t channels = a.channels, time = a.time;
 #pragma omp parallel for num_threads(a.threads) schedule(static) collapse(2)
@@ -57,7 +85,7 @@ void depthwise(const ChattsDepthwiseArgs& a, const Element* x) {
                 taps[count] = a.weights + tap * channels;
                 ++count;
             }
-            uint16_t* out = a.out + (batch * time + t) * channels;
+            const int64_t out = (batch * time + t) * channels;  // this output's first
             int64_t c = 0;
             for (; c + 16 <= channels; c += 16) {
                 __m256 low = _mm256_setzero_ps(), high = low;
@@ -66,18 +94,19 @@ void depthwise(const ChattsDepthwiseArgs& a, const Element* x) {
                     high = _mm256_loadu_ps(a.bias + c + 8);
                 }
                 for (int i = 0; i < count; ++i) {
-                    low = _mm256_fmadd_ps(bf16_floats(rows[i] + c), _mm256_loadu_ps(taps[i] + c), low);
-                    high = _mm256_fmadd_ps(bf16_floats(rows[i] + c + 8),
+                    low = _mm256_fmadd_ps(input8<Float32>(rows[i] + c),
+                                          _mm256_loadu_ps(taps[i] + c), low);
+                    high = _mm256_fmadd_ps(input8<Float32>(rows[i] + c + 8),
                                            _mm256_loadu_ps(taps[i] + c + 8), high);
                 }
-                store_bf16(out + c, low);
-                store_bf16(out + c + 8, high);
+                store8<Float32>(a.out, out + c, low);
+                store8<Float32>(a.out, out + c + 8, high);
             }
             for (; c < channels; ++c) {
                 float sum = a.bias != nullptr ? a.bias[c] : 0.0f;
                 for (int i = 0; i < count; ++i)
-                    sum = __builtin_fmaf(bf16_value(rows[i][c]), taps[i][c], sum);
-                out[c] = to_bf16(sum);
+                    sum = __builtin_fmaf(input1<Float32>(rows[i][c]), taps[i][c], sum);
+                store1<Float32>(a.out, out + c, sum);
             }
         }
     }
@@ -87,11 +116,13 @@ void depthwise(const ChattsDepthwiseArgs& a, const Element* x) {
 
 extern "C" int32_t chatts_depthwise_conv1d(const ChattsDepthwiseArgs* a) {
     if (a->batch < 0 || a->channels < 1 || a->time < 1 || a->kernel < 1 || a->kernel > 64 ||
-        a->dilation < 1 || a->padding < 0 || a->threads < 1)
+        a->dilation < 1 || a->padding < 0 || a->threads < 1 || (a->float32 && !a->x_float))
         return CHATTS_BAD_DEPTHWISE;
-    if (a->x_float)
-        depthwise(*a, static_cast<const float*>(a->x));
+    if (a->float32)
+        depthwise<true>(*a, static_cast<const float*>(a->x));
+    else if (a->x_float)
+        depthwise<false>(*a, static_cast<const float*>(a->x));
     else
-        depthwise(*a, static_cast<const uint16_t*>(a->x));
+        depthwise<false>(*a, static_cast<const uint16_t*>(a->x));
     return CHATTS_OK;
 }

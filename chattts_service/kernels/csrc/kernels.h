@@ -207,15 +207,16 @@ struct ChattsReadArgs {
 };
 
 // A depthwise 1-D convolution (csrc/depthwise.cpp) over channels-last inputs, as the audio
-// decoder's ConvNeXt blocks run it in bf16.
+// decoder's ConvNeXt blocks run it in bf16, or in float32.
 struct ChattsDepthwiseArgs {
     int64_t batch, channels, time, kernel, dilation, padding;
     const void* x;                   // [batch, time, channels]: bf16, or float32 (rounded to bf16)
     int32_t x_float;                 // 1: x holds float32
     const float* weights;            // [kernel, channels]
     const float* bias;               // [channels], or NULL
-    uint16_t* out;                   // [batch, time, channels] bf16
+    void* out;                       // [batch, time, channels] bf16, or float32 with `float32`
     int32_t threads;
+    int32_t float32;                 // 1: in float32 throughout (x_float too; x not rounded)
 };
 
 // Argument structs by number, for chatts_args_size and chatts_args_layout.
