@@ -38,7 +38,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from benchmarks.engine import RELEVANT_CPU_FLAGS, TEXT, cpu_line, default_model  # noqa: E402
-from chattts_service.config import DECODER_DTYPES  # noqa: E402  (no torch)
+from chattts_service.config import DECODER_DTYPES, KV_CACHE_DTYPES  # noqa: E402  (no torch)
 from chattts_service.domain.playback import waits  # noqa: E402
 from chattts_service.runtime.cpu import cpu_flags, cpu_model  # noqa: E402
 
@@ -203,7 +203,8 @@ def decode_round(engine, rows: int, chunk: int, repeats: int) -> dict:
 def report(data: dict) -> str:
     lines = [
         cpu_line(data),
-        f"decoder {data['decoder_dtype']}, {data['steps']} steps a stream, "
+        f"decoder {data['decoder_dtype']}, {data['kv_cache_dtype']} KV cache, "
+        f"{data['steps']} steps a stream, "
         f"{data['threads']} threads",
     ]
     for level in data["levels"]:
@@ -251,6 +252,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--decoder-dtype", default="auto", choices=DECODER_DTYPES)
     parser.add_argument(
+        "--kv-cache-dtype", default="bf16", choices=KV_CACHE_DTYPES, help="CHATTTS_KV_CACHE_DTYPE"
+    )
+    parser.add_argument(
         "--lookahead",
         default="0",
         help="CHATTTS_STREAM_LOOKAHEAD values, each level run with each in turn (e.g. 0,16)",
@@ -275,6 +279,7 @@ def main(argv: list[str] | None = None) -> int:
             verify_model=False,
             max_batch=max(levels + [8]),
             decoder_dtype=args.decoder_dtype,
+            kv_cache_dtype=args.kv_cache_dtype,
         )
     )
     engine.load()
@@ -283,6 +288,7 @@ def main(argv: list[str] | None = None) -> int:
         "cpu": cpu_model(),
         "cpu_flags": sorted(RELEVANT_CPU_FLAGS & cpu_flags()),
         "decoder_dtype": engine.model.decoder.dtype,
+        "kv_cache_dtype": engine.settings.kv_cache_dtype,
         "steps": args.steps,
         "threads": torch.get_num_threads(),
         "levels": [],
