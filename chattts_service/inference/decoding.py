@@ -62,8 +62,8 @@ class AudioDecoder:
         decode's multiply-adds) on the kernels' int8 product: weights int8 with a scale per
         output channel, each frame quantized by its own largest value (so a frame's result
         does not depend on the frames batched with it: streamed chunks stay the samples of the
-        whole answer). The rest stays fp32. Where the CPU has no native bf16 this is the
-        faster decoder, at a waveform error printed by ``benchmarks/engine.py`` (opt-in:
+        whole answer). The rest stays fp32. The faster decoder without native bf16, and on a
+        Zen 4 with it too, at a waveform error printed by ``benchmarks/engine.py`` (opt-in:
         CHATTTS_DECODER_DTYPE=int8). Its depthwise convolutions run on the kernels in float32
         (``depthwise_on``). The decoder then decodes this way only."""
         if self.dtype != "int8":
