@@ -155,8 +155,10 @@ def phase_ours(
             for _ in engine.start(request, stream=True).chunks(timeout=3600):
                 if first is None:
                     first = time.perf_counter() - began
-        except Overloaded as error:  # a model whose speech never ends: every segment to its
-            refused = str(error)  # cap, longer than admission lets one request wait
+        # a model whose speech never ends runs every segment to its cap: longer than
+        # admission lets one request wait
+        except Overloaded as error:
+            refused = str(error)
         stream_wall = time.perf_counter() - began
         result["long_text"] = {
             "characters": len(text),

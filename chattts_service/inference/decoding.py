@@ -448,12 +448,12 @@ class KernelDepthwise(torch.nn.Module):
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if not channels_last(x):
-            return self.conv(x)
-        if self.float32:
-            if x.dtype != torch.float32 or torch.is_autocast_cpu_enabled():
-                return self.conv(x)
-        elif x.dtype not in (torch.bfloat16, torch.float32):
+        readable = (
+            x.dtype == torch.float32 and not torch.is_autocast_cpu_enabled()
+            if self.float32
+            else x.dtype in (torch.bfloat16, torch.float32)
+        )
+        if not readable or not channels_last(x):
             return self.conv(x)
         return self.kernels.depthwise_conv1d(
             x, self.taps, self.bias_values, self.dilation, self.padding, float32=self.float32
