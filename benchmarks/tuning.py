@@ -4,9 +4,9 @@
 
 Times one pass of the int8 product over the model's packed layers at 1 and 8 rows for every
 candidate of ``chattts_service.kernels.tuning``, interleaved, medians of ``--rounds`` (then,
-for the VNNI product, the chosen prefetch with blocks in pairs or not at 1 and 8 rows, four at
-a time or not at 1, 2 and 4 rows, eight at a time or not at 1 and 2 rows, and with AMX on
-tiles or not at 2 to 32 rows); prints
+for every product, the chosen prefetch or none at 1, 2 and 4 rows; for the VNNI product, that
+choice with blocks in pairs or not at 1 and 8 rows, four at a time or not at 1, 2 and 4 rows,
+eight at a time or not at 1 and 2 rows, and with AMX on tiles or not at 2 to 32 rows); prints
 the CPU, the figures, what ``CHATTTS_KERNEL_TUNING=measure`` would choose, and the table entry
 that records it. Without ``--model-dir`` the full-size random-weight model is used.
 ``--prefetch`` times other prefetch candidates in place of the service's (distances in 64-byte
@@ -67,7 +67,13 @@ def main(argv: list[str] | None = None) -> int:
     best, report = tuning.measure(transformer.kernels, packings, args.rounds, candidates)
     stolen = steal.share()
     print("prefetch distance/hint/pairs from, a pass over the layers:")
-    sections = ("ms_per_pass", "pairing_ms_per_pass", "quads_ms_per_pass", "octs_ms_per_pass")
+    sections = (
+        "ms_per_pass",
+        "bare_ms_per_pass",
+        "pairing_ms_per_pass",
+        "quads_ms_per_pass",
+        "octs_ms_per_pass",
+    )
     for section in (*sections, "tiles_ms_per_pass"):
         for name, by_rows in report.get(section, {}).items():
             figures = "  ".join(
@@ -79,7 +85,7 @@ def main(argv: list[str] | None = None) -> int:
     print(
         f"TABLE entry: ({identity['vendor']!r}, {identity['family']}, {identity['model']}): "
         f"KernelTuning({best.prefetch_groups}, {best.prefetch_hint!r}, {best.pair_blocks_from}, "
-        f"{best.tiles_from}, {best.quads_up_to}, {best.octs_up_to})"
+        f"{best.tiles_from}, {best.quads_up_to}, {best.octs_up_to}, {best.bare_up_to})"
     )
     print(describe_steal(stolen))
     return 0

@@ -35,12 +35,23 @@ def _every_tuning(kernels):
     tiles = (tuning.NO_TILES, 2, 9) if kernels.has_tiles else (tuning.NO_TILES,)
     return [
         replace(
-            candidate, pair_blocks_from=pairs, tiles_from=start, quads_up_to=quads, octs_up_to=octs
+            candidate,
+            pair_blocks_from=pairs,
+            tiles_from=start,
+            quads_up_to=quads,
+            octs_up_to=octs,
+            bare_up_to=bare,
         )
         for candidate in tuning.CANDIDATES
         for pairs in (*tuning.PAIRINGS, 5)
         for start in tiles
-        for quads, octs in ((tuning.NO_QUADS, tuning.NO_OCTS), (2, 0), (4, 0), (0, 1), (4, 2))
+        for quads, octs, bare in (
+            (tuning.NO_QUADS, tuning.NO_OCTS, tuning.NO_BARE),
+            (2, 0, 0),
+            (4, 0, 1),
+            (0, 1, 4),
+            (4, 2, 2),
+        )
     ]
 
 
@@ -146,6 +157,8 @@ def test_the_kernel_refuses_a_tuning_out_of_range(kernels):
         abi.Tuning(16, 0, 9, 0, 5),
         abi.Tuning(16, 0, 9, 0, 0, -1),
         abi.Tuning(16, 0, 9, 0, 0, 3),
+        abi.Tuning(16, 0, 9, 0, 0, 0, -1),
+        abi.Tuning(16, 0, 9, 0, 0, 0, 5),
     ):
         kernels.tuning = bad
         with pytest.raises(cpp_kernels.KernelError, match="prefetch distance"):
@@ -158,6 +171,8 @@ def test_the_kernel_refuses_a_tuning_out_of_range(kernels):
         (16, "t0", 9, 66),
         (16, "t0", 9, 0, 5),
         (16, "t0", 9, 0, 0, 3),
+        (16, "t0", 9, 0, 0, 0, -1),
+        (16, "t0", 9, 0, 0, 0, 5),
     ):
         with pytest.raises(ValueError, match="no such tuning"):
             tuning.KernelTuning(*bad)
@@ -208,18 +223,18 @@ def test_measuring_chooses_the_fastest_clearly_faster_than_the_default(product):
         set(by_rows) == {"1", "8"} and min(by_rows.values()) > 0 for by_rows in passes.values()
     )
     prefetch = _rule(passes, tuning.DEFAULT.name, tuning.BETTER_BY)
+    groups, hint, _ = prefetch.split("/")
+    bare_best = _check_bare(report, tuning.KernelTuning(int(groups), hint), best)
     if product == "avx2":  # its product walks single blocks: no pairing to time
-        assert "pairing_ms_per_pass" not in report and best.name == prefetch
+        assert "pairing_ms_per_pass" not in report and best == bare_best
     else:
         paired = report["pairing_ms_per_pass"]
-        groups, hint, _ = prefetch.split("/")
-        assert set(paired) == {f"{groups}/{hint}/{rows}" for rows in tuning.PAIRINGS}
+        assert set(paired) == {replace(bare_best, pair_blocks_from=r).name for r in tuning.PAIRINGS}
         assert all(set(by_rows) == {"1", "8"} for by_rows in paired.values())
-        single = f"{groups}/{hint}/{tuning.SINGLE_BLOCKS}"
         paired_best = replace(
             best, tiles_from=tuning.NO_TILES, quads_up_to=tuning.NO_QUADS, octs_up_to=tuning.NO_OCTS
         )
-        assert paired_best.name == _rule(paired, single, tuning.PAIRING_BETTER_BY)
+        assert paired_best.name == _rule(paired, bare_best.name, tuning.PAIRING_BETTER_BY)
         quads = report["quads_ms_per_pass"]
         quadded = replace(paired_best, quads_up_to=tuning.QUAD_ROWS[-1]).name
         assert set(quads) == {paired_best.name, quadded}
@@ -246,6 +261,23 @@ def test_measuring_chooses_the_fastest_clearly_faster_than_the_default(product):
     assert tuning.KernelTuning.from_abi(kernels.tuning) == best
 
 
+def _check_bare(
+    report: dict, prefetch: tuning.KernelTuning, best: tuning.KernelTuning
+) -> tuning.KernelTuning:
+    """The chosen ``prefetch`` timed without prefetching or with it at each of BARE_ROWS where
+    it prefetches, and the rows chosen by the same rule as more blocks at a time; returns the
+    choice that far."""
+    if not prefetch.prefetch_groups:
+        assert "bare_ms_per_pass" not in report and best.bare_up_to == tuning.NO_BARE
+        return prefetch
+    timed = report["bare_ms_per_pass"]
+    bared = replace(prefetch, bare_up_to=tuning.BARE_ROWS[-1]).name
+    assert set(timed) == {prefetch.name, bared}
+    assert all(set(by_rows) == set(map(str, tuning.BARE_ROWS)) for by_rows in timed.values())
+    assert best.bare_up_to == _wins_rule(timed, prefetch.name, bared, tuning.BARE_BETTER_BY)
+    return replace(prefetch, bare_up_to=best.bare_up_to)
+
+
 def test_int4_layers_are_timed_with_their_own_product(kernels):
     generator = torch.Generator().manual_seed(5)
     packings = [Int4Packing(torch.randn(shape, generator=generator)) for shape in ((64, 64),) * 3]
@@ -255,7 +287,9 @@ def test_int4_layers_are_timed_with_their_own_product(kernels):
     assert "quads_ms_per_pass" not in report and "octs_ms_per_pass" not in report
     assert best.pair_blocks_from == tuning.SINGLE_BLOCKS and best.quads_up_to == tuning.NO_QUADS
     assert best.octs_up_to == tuning.NO_OCTS
-    assert best.name == _rule(report["ms_per_pass"], tuning.DEFAULT.name, tuning.BETTER_BY)
+    prefetch = replace(best, bare_up_to=tuning.NO_BARE)
+    assert prefetch.name == _rule(report["ms_per_pass"], tuning.DEFAULT.name, tuning.BETTER_BY)
+    assert _check_bare(report, prefetch, best) == best
 
 
 def test_a_measured_choice_is_kept_and_read_on_the_next_start(kernels, tmp_path):
@@ -271,6 +305,7 @@ def test_a_measured_choice_is_kept_and_read_on_the_next_start(kernels, tmp_path)
         "tiles_from": first.tuning.tiles_from,
         "quads_up_to": first.tuning.quads_up_to,
         "octs_up_to": first.tuning.octs_up_to,
+        "bare_up_to": first.tuning.bare_up_to,
     }
     assert stored["cpu"] == tuning.cpu_identity()["name"] and "ms_per_pass" in stored
     # what the next start reads, not what it measures: a choice written by hand is used as is
@@ -356,7 +391,7 @@ def test_the_table_gives_its_entry_for_a_known_cpu_and_the_default_otherwise(ker
 def test_the_kernels_start_with_the_default_and_every_tuning_converts_both_ways():
     started = tuning.KernelTuning.from_abi(cpp_kernels.load("on").tuning)
     assert started == tuning.DEFAULT
-    every = [*tuning.CANDIDATES, tuning.KernelTuning(64, "t0", 1, 16, 4, 2)]
+    every = [*tuning.CANDIDATES, tuning.KernelTuning(64, "t0", 1, 16, 4, 2, 1)]
     for each in every:
         assert tuning.KernelTuning.from_abi(each.to_abi()) == each
 

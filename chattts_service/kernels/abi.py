@@ -30,6 +30,7 @@ class Tuning(ctypes.Structure):
         ("tiles_from", _i32),
         ("quads_up_to", _i32),
         ("octs_up_to", _i32),
+        ("bare_up_to", _i32),
     ]
 
 
@@ -43,6 +44,7 @@ def default_tuning() -> Tuning:
         tiles_from=0,
         quads_up_to=0,
         octs_up_to=0,
+        bare_up_to=0,
     )
 
 

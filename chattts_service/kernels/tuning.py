@@ -5,12 +5,15 @@ hint decides how near it gets to the memory's bandwidth, and the best differs fr
 memory system) to the next: a non-temporal prefetch that suits a Zen 3 halves what an Intel
 Xeon (family 6 model 207) reads. So does, for the VNNI product, from how many rows two blocks of
 16 channels share each broadcast input, up to how many four or eight do, and, where the CPU
-has AMX, from how many rows the product runs on its tiles. ``CHATTTS_KERNEL_TUNING`` says how
+has AMX, from how many rows the product runs on its tiles; and up to how many rows it
+prefetches nothing (on a Zen 4 the hardware prefetcher alone streamed one row's pass faster,
+while 8 rows needed the software prefetch). ``CHATTTS_KERNEL_TUNING`` says how
 the parameters are chosen:
 
 - ``measure`` (the default): at the first start on a CPU, each candidate in ``CANDIDATES`` is
   timed on the model's own packed layers at 1 and 8 rows; the fastest, if clearly faster than
-  the default, is used; then, for the VNNI product, that prefetch with each of ``PAIRINGS``
+  the default, is used; then (every product) that prefetch or none at each of ``BARE_ROWS``;
+  then, for the VNNI product, that choice with each of ``PAIRINGS``
   at 1 and 8 rows; then with blocks four at a time or not at each of ``QUAD_ROWS``, and
   eight at a time or not at each of ``OCT_ROWS``; then,
   with AMX, on tiles or not at each of ``TILE_ROWS`` rows (about three seconds in all on the
@@ -63,7 +66,13 @@ NO_QUADS = 0
 OCT_ROWS = (1, 2)  # VNNI: eight blocks at a time or not at each (at most 2 rows)
 OCTS_BETTER_BY = 0.03  # octs up to the most rows up to which they win by this at every count
 NO_OCTS = 0
-FILE_VERSION = 5
+# no software prefetch or not at each (at most 4 rows). On an AMD EPYC (Zen 4) the candidate
+# without prefetch had the fastest one-row pass in each of seven measurements (2-15% faster
+# than 16/nta) and at 8 rows was 15-36% slower, so one distance for both lost the one-row gain
+BARE_ROWS = (1, 2, 4)
+BARE_BETTER_BY = 0.03  # no prefetch up to the most rows up to which it wins by this at every count
+NO_BARE = 0
+FILE_VERSION = 6
 
 
 def _rows(count: int) -> str:
@@ -78,6 +87,7 @@ class KernelTuning:
     tiles_from: int = NO_TILES  # VNNI with AMX: rows from which the product runs on tiles
     quads_up_to: int = NO_QUADS  # VNNI: rows up to which blocks go four at a time, 0..4
     octs_up_to: int = NO_OCTS  # VNNI: rows up to which blocks go eight at a time, 0..2
+    bare_up_to: int = NO_BARE  # rows up to which nothing is prefetched, 0..4
 
     def __post_init__(self):
         if (
@@ -87,6 +97,7 @@ class KernelTuning:
             or not (self.tiles_from == NO_TILES or 2 <= self.tiles_from <= 65)
             or not NO_QUADS <= self.quads_up_to <= QUAD_ROWS[-1]
             or not NO_OCTS <= self.octs_up_to <= OCT_ROWS[-1]
+            or not NO_BARE <= self.bare_up_to <= BARE_ROWS[-1]
         ):
             raise ValueError(f"no such tuning: {self}")
 
@@ -100,6 +111,7 @@ class KernelTuning:
             tuning.tiles_from,
             tuning.quads_up_to,
             tuning.octs_up_to,
+            tuning.bare_up_to,
         )
 
     def to_abi(self) -> abi.Tuning:
@@ -110,6 +122,7 @@ class KernelTuning:
             self.tiles_from,
             self.quads_up_to,
             self.octs_up_to,
+            self.bare_up_to,
         )
 
     @property
@@ -117,8 +130,9 @@ class KernelTuning:
         tiles = f"/tiles {self.tiles_from}" if self.tiles_from else ""
         quads = f"/quads {self.quads_up_to}" if self.quads_up_to else ""
         octs = f"/octs {self.octs_up_to}" if self.octs_up_to else ""
+        bare = f"/bare {self.bare_up_to}" if self.bare_up_to else ""
         blocks = f"{self.pair_blocks_from}{quads}{octs}"
-        return f"{self.prefetch_groups}/{self.prefetch_hint}/{blocks}{tiles}"
+        return f"{self.prefetch_groups}/{self.prefetch_hint}/{blocks}{tiles}{bare}"
 
     def describe(self) -> str:
         prefetch = (
@@ -134,6 +148,8 @@ class KernelTuning:
             prefetch += f", eight at a time up to {_rows(self.octs_up_to)}"
         if self.tiles_from:
             prefetch += f", AMX tiles from {self.tiles_from} rows"
+        if self.bare_up_to:
+            prefetch += f", none up to {_rows(self.bare_up_to)}"
         return prefetch
 
 
@@ -275,15 +291,22 @@ def measure(kernels, packings, rounds: int = 5, candidates=CANDIDATES) -> tuple[
     """Time one pass of the int8 product over ``packings`` per candidate, at each of ``ROWS``
     rows, ``rounds`` times interleaved; the score is the sum over the row counts of the
     median pass, and the fastest replaces the first candidate only when ``BETTER_BY`` faster.
-    For the VNNI product, the chosen prefetch is then timed with each of ``PAIRINGS`` at
-    ``PAIRING_ROWS``, likewise; then that choice with four blocks at a time and without at
+    When it prefetches, it is then timed without prefetching and with it at each of
+    ``BARE_ROWS`` (every product). For the VNNI product, that choice is then timed with each of
+    ``PAIRINGS`` at ``PAIRING_ROWS``, likewise; then with four blocks at a time and without at
     each of ``QUAD_ROWS``, then with eight at a time and without at each of ``OCT_ROWS``
-    (``_wins_up_to`` decides both); where the kernels may use AMX tiles,
-    that choice with tiles and without at each of ``TILE_ROWS`` (``_tiles_from`` decides).
+    (``_wins_up_to`` decides these and the prefetch's rows); where the kernels may use AMX
+    tiles, that choice with tiles and without at each of ``TILE_ROWS`` (``_tiles_from``
+    decides).
     Returns the choice and the timings. The kernels' tuning is left as chosen."""
     medians = _time(kernels, packings, candidates, ROWS, rounds)
     best = _fastest(medians, candidates[0], BETTER_BY)
     report = {"ms_per_pass": _milliseconds(medians), "rounds": rounds}
+    if best.prefetch_groups:
+        bare = replace(best, bare_up_to=BARE_ROWS[-1])
+        timed = _time(kernels, packings, [best, bare], BARE_ROWS, PAIRING_ROUNDS)
+        best = replace(best, bare_up_to=_wins_up_to(timed, best, bare, BARE_ROWS, BARE_BETTER_BY))
+        report["bare_ms_per_pass"] = _milliseconds(timed)
     pairs = all(isinstance(packing, Int8Packing) for packing in packings)
     if kernels.int8_instructions == "vnni" and pairs:  # int4 and AVX2 walk single blocks
         pairings = [replace(best, pair_blocks_from=rows) for rows in PAIRINGS]
@@ -329,6 +352,7 @@ def cache_path(directory: Path, identity: dict, threads: int, library: Path, pro
             "tile_rows": TILE_ROWS,
             "quad_rows": QUAD_ROWS,
             "oct_rows": OCT_ROWS,
+            "bare_rows": BARE_ROWS,
         }
     )
     return Path(directory) / f"tuning-{key}.json"

@@ -126,6 +126,7 @@ std::string layout(int32_t kind) {
             CHATTS_FIELD(S, prefetch_groups); CHATTS_FIELD(S, prefetch_hint);
             CHATTS_FIELD(S, pair_blocks_from); CHATTS_FIELD(S, tiles_from);
             CHATTS_FIELD(S, quads_up_to); CHATTS_FIELD(S, octs_up_to);
+            CHATTS_FIELD(S, bare_up_to);
             break;
         }
         case CHATTS_ARGS_LINEAR_WEIGHTS: {
@@ -175,7 +176,8 @@ extern "C" const char* chatts_status_message(int32_t status) {
         case CHATTS_BAD_SAMPLING: return "sample needs a vocabulary and min_keep >= 1";
         case CHATTS_BAD_TUNING:
             return "prefetch distance must be 0-256 groups, hint 0 or 1, pairs from 1-9 rows, "
-                   "tiles from 2-65 rows or never (0), quads up to 0-4 rows, octs up to 0-2";
+                   "tiles from 2-65 rows or never (0), quads up to 0-4 rows, octs up to 0-2, "
+                   "no prefetch up to 0-4";
         case CHATTS_NO_TILES: return "AMX tiles asked for, but this CPU or its OS has none";
         case CHATTS_BAD_READ:
             return "read needs a count and prefetch >= 0, a thread and 1-16 streams";

@@ -51,4 +51,10 @@ inline float exp_nonpositive(float x) {
     return y * scale;
 }
 
+// The bytes of weights a product prefetches ahead for `rows` rows: the tuning's distance, or
+// none up to tuning.bare_up_to rows (where the hardware prefetcher alone streams faster).
+inline int64_t prefetch_bytes_for(const ChattsTuning& tuning, int64_t rows) {
+    return rows <= tuning.bare_up_to ? 0 : static_cast<int64_t>(tuning.prefetch_groups) * 64;
+}
+
 }  // namespace

@@ -206,7 +206,7 @@ static int32_t int4_linear(const ChattsInt4LinearArgs& a) {
     }
     const int64_t blocks = (n + 15) / 16, block_bytes = 8 * k;
     const uintptr_t weights_end = reinterpret_cast<uintptr_t>(a.packed) + blocks * block_bytes;
-    const int64_t prefetch_bytes = static_cast<int64_t>(tuning.prefetch_groups) * 64;
+    const int64_t prefetch_bytes = prefetch_bytes_for(tuning, rows);
     const bool t0 = tuning.prefetch_hint == 1;
     const Int4BlockFunction* functions =
         vnni ? (t0 ? kInt4VnniBlockFunctions<1> : kInt4VnniBlockFunctions<0>)

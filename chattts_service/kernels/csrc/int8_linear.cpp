@@ -288,7 +288,7 @@ void gemm(int64_t rows, int64_t n, int64_t k, const uint8_t* xq, const int8_t* p
                                                            : 1;  // valid_tuning: at most 9
     const int64_t tasks = (blocks + span - 1) / span;
     const uintptr_t weights_end = reinterpret_cast<uintptr_t>(packed) + blocks * block_bytes;
-    const int64_t prefetch_bytes = static_cast<int64_t>(tuning.prefetch_groups) * 64;
+    const int64_t prefetch_bytes = prefetch_bytes_for(tuning, rows);
     // More than 8 rows pass over each block again and must find it in cache: a non-temporal
     // prefetch leaves lines in L1 alone, and a block of 1,536 inputs (24 KB, 48 KB a pair)
     // does not stay there, so every pass read it from memory again (the tuning measures 1 and
@@ -460,7 +460,7 @@ void gemm_tiles(int64_t rows, int64_t n, int64_t k, const uint8_t* xq, const int
     const int64_t blocks = (n + 15) / 16, block_bytes = 16 * k, tasks = (blocks + 1) / 2;
     const int64_t chunks = k / 64, tail_groups = (k % 64) / 4;
     const uintptr_t weights_end = reinterpret_cast<uintptr_t>(packed) + blocks * block_bytes;
-    const int64_t prefetch_bytes = static_cast<int64_t>(tuning.prefetch_groups) * 64;
+    const int64_t prefetch_bytes = prefetch_bytes_for(tuning, rows);
     // past 16 rows later passes read each block again: into every level, as gemm does
     const bool t0 = tuning.prefetch_hint == 1 || rows > 16;
     const TileConfig config(rows < 16 ? static_cast<int>(rows) : 16);
@@ -583,7 +583,7 @@ void gemm_avx2(int64_t rows, int64_t n, int64_t k, const uint8_t* xq, const int8
                int threads, const ChattsTuning& tuning) {
     const int64_t blocks = (n + 15) / 16, block_bytes = 16 * k;
     const uintptr_t weights_end = reinterpret_cast<uintptr_t>(packed) + blocks * block_bytes;
-    const int64_t prefetch_bytes = static_cast<int64_t>(tuning.prefetch_groups) * 64;
+    const int64_t prefetch_bytes = prefetch_bytes_for(tuning, rows);
     const Avx2BlockFunction* functions =
         tuning.prefetch_hint == 1 ? kAvx2BlockFunctions<1> : kAvx2BlockFunctions<0>;
     const int64_t passes = (rows + 3) / 4, k_groups = k / 4;  // 4 rows a pass
@@ -622,7 +622,7 @@ bool valid_tuning(const ChattsTuning& tuning) {
            tuning.prefetch_hint >= 0 && tuning.prefetch_hint <= 1 &&
            tuning.pair_blocks_from >= 1 && tuning.pair_blocks_from <= 9 &&
            tuning.quads_up_to >= 0 && tuning.quads_up_to <= 4 && tuning.octs_up_to >= 0 &&
-           tuning.octs_up_to <= 2 &&
+           tuning.octs_up_to <= 2 && tuning.bare_up_to >= 0 && tuning.bare_up_to <= 4 &&
            (tuning.tiles_from == 0 || (tuning.tiles_from >= 2 && tuning.tiles_from <= 65));
 }
 

@@ -51,6 +51,7 @@ struct ChattsTuning {
     int32_t tiles_from;              // VNNI: from this many rows (2..65) on AMX tiles; 0: never
     int32_t quads_up_to;             // VNNI: up to this many rows (0..4) blocks go four at a time
     int32_t octs_up_to;              // VNNI: up to this many rows (0..2) blocks go eight at a time
+    int32_t bare_up_to;              // up to this many rows (0..4) no prefetch: the hardware's alone
 };
 
 struct ChattsAttentionArgs {
