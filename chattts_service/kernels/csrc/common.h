@@ -51,6 +51,17 @@ inline float exp_nonpositive(float x) {
     return y * scale;
 }
 
+// acc += u8 x s8 in fours (vpdpbusd) in acc's own register. Written as the intrinsic, GCC 12
+// gave the loops with many sums (gemm_blocks from 4 rows, the peak loop) a second register
+// per sum and copied each there and back around every vpdpbusd: 16 register copies for every
+// 8 vpdpbusd at 8 rows, which share the vector pipes with them. The same instruction, so the
+// same bits.
+__attribute__((target("avx512f,avx512vnni"), always_inline)) inline void dpbusd(__m512i& acc,
+                                                                                __m512i u8,
+                                                                                __m512i s8) {
+    asm("vpdpbusd %2, %1, %0" : "+v"(acc) : "v"(u8), "v"(s8));
+}
+
 // The bytes of weights a product prefetches ahead for `rows` rows: the tuning's distance, or
 // none up to tuning.bare_up_to rows (where the hardware prefetcher alone streams faster).
 inline int64_t prefetch_bytes_for(const ChattsTuning& tuning, int64_t rows) {

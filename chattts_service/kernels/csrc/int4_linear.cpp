@@ -124,8 +124,8 @@ void int4_block_vnni(int64_t k, int64_t group, const int8_t* xs, int64_t x_strid
                 int32_t first, second;                                                    \
                 std::memcpy(&first, xs + R * x_stride + i, 4);                            \
                 std::memcpy(&second, xs + R * x_stride + i + 4, 4);                      \
-                l##R = _mm512_dpbusd_epi32(l##R, low, _mm512_set1_epi32(first));          \
-                h##R = _mm512_dpbusd_epi32(h##R, high, _mm512_set1_epi32(second));        \
+                dpbusd(l##R, low, _mm512_set1_epi32(first));                              \
+                dpbusd(h##R, high, _mm512_set1_epi32(second));                            \
             }
             CHATTS_ROW(0) CHATTS_ROW(1) CHATTS_ROW(2) CHATTS_ROW(3)
 #undef CHATTS_ROW

@@ -106,9 +106,9 @@ inline void store_row(__m512i sums, const int32_t* offsets, const float* weight_
 // once. On an Intel Xeon (family 6 model 167) with memory read at 16-18 GB/s, one row's step on
 // four blocks took 0.90 of its time on pairs, itself 0.90 of its time on single blocks, and
 // on eight 0.92-0.94 of its time on four: more runs in flight read faster there
-// (docs/benchmarks.md). The accumulators are named variables, not an array:
-// GCC 12 kept an array of them on the stack, or copied them between registers around every
-// vpdpbusd (1.4x slower at 8 rows); the ones a ROWS and BLOCKS leave unused are never touched.
+// (docs/benchmarks.md). The accumulators are named variables, not an array (GCC 12 kept an
+// array of them on the stack: 1.4x slower at 8 rows), each added to in its own register
+// (dpbusd); the ones a ROWS and BLOCKS leave unused are never touched.
 // `valid`: how many of the last block's 16 channels are real (the rest are padding and are not
 // stored).
 // optimize: without -fassociative-math the epilogue multiplies in the written order for every
@@ -169,17 +169,17 @@ void gemm_blocks(int64_t k_groups, const uint8_t* xq, int64_t x_stride, const in
             int32_t four;                                                                 \
             std::memcpy(&four, x + R * x_stride, sizeof four);                            \
             const __m512i inputs = _mm512_set1_epi32(four);                               \
-            a##R = _mm512_dpbusd_epi32(a##R, inputs, w0);                                 \
-            if constexpr (BLOCKS >= 2) b##R = _mm512_dpbusd_epi32(b##R, inputs, w1);      \
+            dpbusd(a##R, inputs, w0);                                                     \
+            if constexpr (BLOCKS >= 2) dpbusd(b##R, inputs, w1);                          \
             if constexpr (BLOCKS >= 4) {                                                  \
-                c##R = _mm512_dpbusd_epi32(c##R, inputs, w2);                             \
-                d##R = _mm512_dpbusd_epi32(d##R, inputs, w3);                             \
+                dpbusd(c##R, inputs, w2);                                                 \
+                dpbusd(d##R, inputs, w3);                                                 \
             }                                                                             \
             if constexpr (BLOCKS == 8) {                                                  \
-                e##R = _mm512_dpbusd_epi32(e##R, inputs, w4);                             \
-                f##R = _mm512_dpbusd_epi32(f##R, inputs, w5);                             \
-                g##R = _mm512_dpbusd_epi32(g##R, inputs, w6);                             \
-                h##R = _mm512_dpbusd_epi32(h##R, inputs, w7);                             \
+                dpbusd(e##R, inputs, w4);                                                 \
+                dpbusd(f##R, inputs, w5);                                                 \
+                dpbusd(g##R, inputs, w6);                                                 \
+                dpbusd(h##R, inputs, w7);                                                 \
             }                                                                             \
         }
         CHATTS_ROW(0) CHATTS_ROW(1) CHATTS_ROW(2) CHATTS_ROW(3)

@@ -60,8 +60,8 @@ __attribute__((target("avx512f,avx512bw,avx512vnni"))) uint64_t peak_vnni(int64_
 #define CHATTS_ROW(R)                                              \
         {                                                          \
             const __m512i inputs = _mm512_set1_epi32(x[R]);        \
-            a##R = _mm512_dpbusd_epi32(a##R, inputs, w0);          \
-            b##R = _mm512_dpbusd_epi32(b##R, inputs, w1);          \
+            dpbusd(a##R, inputs, w0);                              \
+            dpbusd(b##R, inputs, w1);                              \
         }
         CHATTS_ROW(0) CHATTS_ROW(1) CHATTS_ROW(2) CHATTS_ROW(3)
         CHATTS_ROW(4) CHATTS_ROW(5) CHATTS_ROW(6) CHATTS_ROW(7)
