@@ -18,6 +18,12 @@ alignas(64) const int8_t kPeakWeights[128] = {3, -5, 7, -11, 13, -17, 19, -23};
 // gemm_block_avx2's instructions for 4 rows of one block (a group of 4 inputs): per row, a
 // broadcast input; per half-block, vpmaddubsw (32 u8 x s8 products added in pairs),
 // vpmaddwd by ones (pairs to int32), vpaddd.
+// acc += v in acc's own register (as dpbusd does for vpdpbusd: written as the intrinsic, GCC 12
+// copied each sum to another register and back every iteration, and spilled one)
+__attribute__((target("avx2"), always_inline)) inline void add_in_place(__m256i& acc, __m256i v) {
+    asm("vpaddd %1, %0, %0" : "+x"(acc) : "x"(v));
+}
+
 __attribute__((target("avx2"))) uint64_t peak_avx2(int64_t iterations) {
     const __m256i ones = _mm256_set1_epi16(1);
     __m256i a0 = _mm256_setzero_si256(), a1 = a0, a2 = a0, a3 = a0, b0 = a0, b1 = a0, b2 = a0,
@@ -31,10 +37,8 @@ __attribute__((target("avx2"))) uint64_t peak_avx2(int64_t iterations) {
 #define CHATTS_ROW(R)                                                                        \
         {                                                                                    \
             const __m256i inputs = _mm256_set1_epi32(x[R]);                                  \
-            a##R = _mm256_add_epi32(a##R, _mm256_madd_epi16(_mm256_maddubs_epi16(inputs, w0), \
-                                                            ones));                          \
-            b##R = _mm256_add_epi32(b##R, _mm256_madd_epi16(_mm256_maddubs_epi16(inputs, w1), \
-                                                            ones));                          \
+            add_in_place(a##R, _mm256_madd_epi16(_mm256_maddubs_epi16(inputs, w0), ones));   \
+            add_in_place(b##R, _mm256_madd_epi16(_mm256_maddubs_epi16(inputs, w1), ones));   \
         }
         CHATTS_ROW(0) CHATTS_ROW(1) CHATTS_ROW(2) CHATTS_ROW(3)
 #undef CHATTS_ROW
