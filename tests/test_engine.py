@@ -417,6 +417,46 @@ def test_streams_decoded_stage_by_stage_are_their_whole_decodes(fp32_decoder_eng
     )
 
 
+@pytest.mark.parametrize("dtype", ["fp32", "bf16", "int8"])
+def test_a_block_run_on_its_kept_frames_gives_their_values_bit_for_bit(tiny_model_dir, dtype):
+    """A stream's chunk runs each ConvNeXt block past its depthwise convolution on the frames
+    it keeps alone (``_BlockStage.kept``): each of them is the value the whole block gives that
+    frame, bit for bit, on ChatTTS's blocks and Vocos', for every decoder precision, on a canvas
+    laid out as the stage's depthwise convolution reads it."""
+    from chattts_service.inference.decoding import _BlockStage
+    from chattts_service.kernels import bindings
+
+    if dtype == "int8" and not bindings.cpu_supports():
+        pytest.skip("the C++ kernels need AVX2 and FMA, which this CPU lacks")
+    with engine_on(tiny_model_dir, decoder_dtype=dtype) as engine:
+        decoder = engine.model.decoder
+        stages = [
+            (stage, radius) for stage, radius in decoder._stages if isinstance(stage, _BlockStage)
+        ]
+        kinds = {type(stage.block).__module__.split(".")[0] for stage, _ in stages}
+        assert kinds == {"ChatTTS", "vocos"}
+
+        def compare():
+            generator = torch.Generator().manual_seed(6)
+            found = []
+            for stage, radius in stages:
+                channels = stage.block.norm.normalized_shape[0]
+                canvas = torch.randn(1, channels, 64, generator=generator)
+                if stage.channels_last:
+                    canvas = canvas.transpose(1, 2).contiguous().transpose(1, 2)
+                spans = [(radius, 17), (30 + radius, 1), (40 + radius, 9)]
+                with (
+                    torch.inference_mode(),
+                    torch.autocast("cpu", dtype=torch.bfloat16, enabled=dtype == "bf16"),
+                ):
+                    whole, kept = stage(canvas), stage.kept(canvas, spans)
+                expected = torch.cat([whole[:, :, a : a + n] for a, n in spans], dim=2)
+                found.append((expected.dtype == kept.dtype, torch.equal(expected, kept)))
+            return found
+
+        assert engine.scheduler.call(compare).result() == [(True, True)] * len(stages)
+
+
 def test_a_bf16_decoder_holds_bf16_weights_and_gives_autocasts_samples(tiny_model_dir):
     """Autocast casts the convolutions' and linears' weights to bf16 on every call; a bf16
     decoder keeps them so: the same samples, whole and streamed, half the bytes; asked to
