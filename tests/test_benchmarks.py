@@ -233,12 +233,20 @@ def test_tuning_benchmark_smoke(tiny_model_dir):
     assert lines[0].startswith("cpu ") and "family" in lines[0]
     from chattts_service.kernels import bindings, tuning
 
-    # every candidate, on a VNNI CPU the chosen prefetch with each pairing and the chosen
-    # pairing with and without four blocks at a time, then eight, and where the product may
-    # use AMX tiles the chosen choice with and without them
+    # every candidate; the chosen prefetch, where it prefetches, with and without prefetching
+    # at few rows; on a VNNI CPU that choice with each pairing and the chosen pairing with and
+    # without four blocks at a time, then eight, and where the product may use AMX tiles the
+    # chosen choice with and without them
     vnni = bindings.cpu_supports(bindings.VNNI_CPU_FLAGS)
     tiles = bindings.load("on").has_tiles
-    expected = len(tuning.CANDIDATES) + (len(tuning.PAIRINGS) + 4 if vnni else 0) + 2 * tiles
+    (entry,) = [line for line in lines if line.startswith("TABLE entry: ")]
+    prefetches = int(entry.split("KernelTuning(")[1].split(",")[0]) > 0
+    expected = (
+        len(tuning.CANDIDATES)
+        + 2 * prefetches
+        + (len(tuning.PAIRINGS) + 4 if vnni else 0)
+        + 2 * tiles
+    )
     assert sum(" rows " in line and "GB/s" in line for line in lines) == expected
     assert any(line.startswith("measure would choose: ") for line in lines)
     assert lines[-1].startswith("steal: the hypervisor took ")
@@ -247,7 +255,7 @@ def test_tuning_benchmark_smoke(tiny_model_dir):
     result = run_tuning("--prefetch", "16/nta,128/t0")
     timed = [line.split()[0] for line in result.stdout.splitlines() if "GB/s" in line]
     assert timed[:2] == ["16/nta/9", "128/t0/9"]
-    assert len(timed) == 2 + (len(tuning.PAIRINGS) + 4 if vnni else 0) + 2 * tiles
+    assert len(timed) == 2 + 2 + (len(tuning.PAIRINGS) + 4 if vnni else 0) + 2 * tiles
     refused = subprocess.run(
         [sys.executable, "benchmarks/tuning.py", "--prefetch", "16/fast"],
         cwd=REPO,

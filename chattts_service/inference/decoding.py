@@ -275,8 +275,11 @@ class AudioDecoder:
                 places.append(column)
                 column += width
             if isinstance(stage, _BlockStage):  # only the kept frames past the depthwise
-                kept = [(column + radius, w[4]) for w, column in zip(windows, places, strict=True)]
-                out, at = stage.kept(canvas, kept), 0
+                spans = [
+                    (column + radius, count)
+                    for (_, _, _, _, count), column in zip(windows, places, strict=True)
+                ]
+                out, at = stage.kept(canvas, spans), 0
                 for position, _, _, _, count in windows:
                     outputs[position] = out[0, :, at : at + count]
                     at += count

@@ -52,10 +52,10 @@ inline float exp_nonpositive(float x) {
 }
 
 // acc += u8 x s8 in fours (vpdpbusd) in acc's own register. Written as the intrinsic, GCC 12
-// gave the loops with many sums (gemm_blocks from 4 rows, the peak loop) a second register
-// per sum and copied each there and back around every vpdpbusd: 16 register copies for every
-// 8 vpdpbusd at 8 rows, which share the vector pipes with them. The same instruction, so the
-// same bits.
+// gave the sums of gemm_blocks' single-block loops (every row count), of the int4 VNNI blocks
+// and of the peak loop a second register each and copied every sum there and back around
+// each vpdpbusd: two register copies per vpdpbusd, sharing the vector pipes with it. The same
+// instruction, so the same bits.
 __attribute__((target("avx512f,avx512vnni"), always_inline)) inline void dpbusd(__m512i& acc,
                                                                                 __m512i u8,
                                                                                 __m512i s8) {

@@ -15,15 +15,15 @@ alignas(64) const int32_t kPeakInputs[8] = {0x01020304, 0x05060708, 0x090a0b0c, 
                                             0x11121314, 0x15161718, 0x191a1b1c, 0x1d1e1f20};
 alignas(64) const int8_t kPeakWeights[128] = {3, -5, 7, -11, 13, -17, 19, -23};
 
-// gemm_block_avx2's instructions for 4 rows of one block (a group of 4 inputs): per row, a
-// broadcast input; per half-block, vpmaddubsw (32 u8 x s8 products added in pairs),
-// vpmaddwd by ones (pairs to int32), vpaddd.
 // acc += v in acc's own register (as dpbusd does for vpdpbusd: written as the intrinsic, GCC 12
 // copied each sum to another register and back every iteration, and spilled one)
 __attribute__((target("avx2"), always_inline)) inline void add_in_place(__m256i& acc, __m256i v) {
     asm("vpaddd %1, %0, %0" : "+x"(acc) : "x"(v));
 }
 
+// gemm_block_avx2's instructions for 4 rows of one block (a group of 4 inputs): per row, a
+// broadcast input; per half-block, vpmaddubsw (32 u8 x s8 products added in pairs),
+// vpmaddwd by ones (pairs to int32), vpaddd.
 __attribute__((target("avx2"))) uint64_t peak_avx2(int64_t iterations) {
     const __m256i ones = _mm256_set1_epi16(1);
     __m256i a0 = _mm256_setzero_si256(), a1 = a0, a2 = a0, a3 = a0, b0 = a0, b1 = a0, b2 = a0,
