@@ -418,11 +418,14 @@ def test_streams_decoded_stage_by_stage_are_their_whole_decodes(fp32_decoder_eng
 
 
 @pytest.mark.parametrize("dtype", ["fp32", "bf16", "int8"])
-def test_a_block_run_on_its_kept_frames_gives_their_values_bit_for_bit(tiny_model_dir, dtype):
+def test_a_block_run_on_its_kept_frames_gives_their_values(tiny_model_dir, dtype):
     """A stream's chunk runs each ConvNeXt block past its depthwise convolution on the frames
     it keeps alone (``_BlockStage.kept``): each of them is the value the whole block gives that
-    frame, bit for bit, on ChatTTS's blocks and Vocos', for every decoder precision, on a canvas
-    laid out as the stage's depthwise convolution reads it."""
+    frame, on ChatTTS's blocks and Vocos', for every decoder precision, on a canvas laid out as
+    the stage's depthwise convolution reads it. The same bits with pip's torch; Debian's (the
+    image's) rounds fp32 products over other row counts otherwise, so the block's own part
+    (its output less the residual) is held to 1e-5 of its norm, as streams are to their whole
+    decodes, where the frames one to the side miss by far more."""
     from chattts_service.inference.decoding import _BlockStage
     from chattts_service.kernels import bindings
 
@@ -445,16 +448,29 @@ def test_a_block_run_on_its_kept_frames_gives_their_values_bit_for_bit(tiny_mode
                 if stage.channels_last:
                     canvas = canvas.transpose(1, 2).contiguous().transpose(1, 2)
                 spans = [(radius, 17), (30 + radius, 1), (40 + radius, 9)]
+                beside = [(first + 1, count) for first, count in spans]
                 with (
                     torch.inference_mode(),
                     torch.autocast("cpu", dtype=torch.bfloat16, enabled=dtype == "bf16"),
                 ):
-                    whole, kept = stage(canvas), stage.kept(canvas, spans)
-                expected = torch.cat([whole[:, :, a : a + n] for a, n in spans], dim=2)
-                found.append((expected.dtype == kept.dtype, torch.equal(expected, kept)))
+                    whole = stage(canvas)
+                    kept, shifted = stage.kept(canvas, spans), stage.kept(canvas, beside)
+
+                def own(output, at, canvas=canvas):  # the block's part: less the residual
+                    residual = torch.cat([canvas[:, :, a : a + n] for a, n in at], dim=2)
+                    return output.float() - residual
+
+                expected = own(torch.cat([whole[:, :, a : a + n] for a, n in spans], dim=2), spans)
+                scale = expected.norm().item()
+                error = (own(kept, spans) - expected).norm().item() / scale
+                apart = (own(shifted, beside) - expected).norm().item() / scale
+                found.append((expected.shape == kept.shape, scale > 0, error <= 1e-5, apart > 0.1))
+                if dtype != "fp32":  # bf16 and int8 products: each frame's bits, whatever the
+                    found[-1] += (torch.equal(own(kept, spans), expected),)  # row count
             return found
 
-        assert engine.scheduler.call(compare).result() == [(True, True)] * len(stages)
+        checks = engine.scheduler.call(compare).result()
+        assert checks == [(True,) * (4 if dtype == "fp32" else 5)] * len(stages)
 
 
 def test_a_bf16_decoder_holds_bf16_weights_and_gives_autocasts_samples(tiny_model_dir):
