@@ -274,19 +274,17 @@ class AudioDecoder:
                 state.hold(index, parts, max(0, state.done[index] - radius))  # as ``keep``
                 places.append(column)
                 column += width
+            spans = [
+                (column + radius, count)
+                for (_, _, _, _, count), column in zip(windows, places, strict=True)
+            ]
             if isinstance(stage, _BlockStage):  # only the kept frames past the depthwise
-                spans = [
-                    (column + radius, count)
-                    for (_, _, _, _, count), column in zip(windows, places, strict=True)
-                ]
-                out, at = stage.kept(canvas, spans), 0
-                for position, _, _, _, count in windows:
-                    outputs[position] = out[0, :, at : at + count]
-                    at += count
+                out = stage.kept(canvas, spans)  # side by side
+                starts = np.cumsum([0] + [count for _, count in spans[:-1]]).tolist()
             else:
-                out = stage(canvas)
-                for (position, _, _, _, count), column in zip(windows, places, strict=True):
-                    outputs[position] = out[0, :, column + radius : column + radius + count]
+                out, starts = stage(canvas), [first for first, _ in spans]
+            for (position, *_), start, (_, count) in zip(windows, starts, spans, strict=True):
+                outputs[position] = out[0, :, start : start + count]
         return outputs
 
     def _advance_head(self, item: Advance, new) -> np.ndarray:
