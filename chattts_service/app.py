@@ -60,7 +60,10 @@ def build_state(settings: Settings, engine: Engine | None = None) -> ServiceStat
     """Everything one running service holds, wired together."""
     metrics = Metrics()
     engine = engine or Engine(
-        settings, step_observer=metrics.observe_step, decode_observer=metrics.observe_decode
+        settings,
+        step_observer=metrics.observe_step,
+        decode_observer=metrics.observe_decode,
+        prefill_observer=metrics.observe_prefill,
     )
     state = ServiceState(
         settings=settings,

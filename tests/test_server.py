@@ -214,6 +214,10 @@ def test_metrics_move_by_the_right_amounts(server):
     assert moved("chatts_audio_decode_items_total") == 1
     assert moved("chatts_audio_decode_seconds_count") == 1
     assert moved("chatts_audio_decode_seconds_sum") > 0
+    # one prompt prefilled (speech only: no text refinement by default), its positions counted
+    assert moved("chatts_prefill_duration_seconds_count") == 1
+    assert moved("chatts_prefill_duration_seconds_sum") > 0
+    assert moved("chatts_prefill_positions_total") >= len("指标测试")
     assert after["chatts_queue_depth"] == 0
     assert after["chatts_ready"] == 1
     assert 0 <= after["chatts_cpu_percent"] <= 100

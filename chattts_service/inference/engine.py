@@ -45,15 +45,19 @@ WARMUP_MAX_STEPS = 12
 
 
 class Engine:
-    def __init__(self, settings: Settings, step_observer=None, decode_observer=None):
+    def __init__(
+        self, settings: Settings, step_observer=None, decode_observer=None, prefill_observer=None
+    ):
         """``step_observer(rows, seconds)`` is called after every GPT step,
-        ``decode_observer(items, seconds)`` after every round of audio decoding."""
+        ``decode_observer(items, seconds)`` after every round of audio decoding,
+        ``prefill_observer(positions, seconds)`` after every prompt's prefill (with its first
+        token)."""
         self.settings = settings
         self._decode_observer = decode_observer
         self.decodes = None  # a decoding.DecodeQueue once loaded
         self.policy = BatchingPolicy.from_settings(settings)
         self.admission = Admission(self.policy)
-        self.scheduler = Scheduler(self.policy, on_step=step_observer)
+        self.scheduler = Scheduler(self.policy, on_step=step_observer, on_prefill=prefill_observer)
         self.model = None  # a loader.LoadedModel once loaded
         self.prompts = None  # a prompts.Prompts once loaded
         self.voices: VoiceStore | None = None

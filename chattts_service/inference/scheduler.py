@@ -66,7 +66,12 @@ class Job(Protocol):
 
 
 class Scheduler:
-    def __init__(self, policy: BatchingPolicy, on_step: Callable[[int, float], None] | None = None):
+    def __init__(
+        self,
+        policy: BatchingPolicy,
+        on_step: Callable[[int, float], None] | None = None,
+        on_prefill: Callable[[int, float], None] | None = None,
+    ):
         self.batch: Batch | None = None  # attached from the model thread once loaded
         self.decodes = None
         self.policy = policy
@@ -78,7 +83,9 @@ class Scheduler:
         self._wakeup = threading.Event()
         self._waiting: list[tuple[Job, Sequence]] = []  # started, but no room in the batch yet
         self._owners: dict[Sequence, Job] = {}  # the job of every sequence waiting or generating
-        self._on_step = on_step
+        self._on_step = on_step  # on_step(rows, seconds) after every step
+        # on_prefill(positions, seconds) after every prompt's prefill (every row waits for it)
+        self._on_prefill = on_prefill
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="scheduler", daemon=True)
 
@@ -225,6 +232,7 @@ class Scheduler:
             if not fits:
                 break
             pending.pop(0)
+            started = time.perf_counter()
             try:
                 self.batch.add(sequence)
             except Exception as error:
@@ -232,6 +240,8 @@ class Scheduler:
                 del self._owners[sequence]
                 job.future.set_exception(error)
                 continue
+            if self._on_prefill is not None:
+                self._on_prefill(sequence.prompt.shape[0], time.perf_counter() - started)
             if sequence.finished:  # done at its first token: hand over to the job's next stage
                 self._advance(sequence)
                 pending.extend(self._waiting)

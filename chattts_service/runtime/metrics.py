@@ -224,6 +224,17 @@ class Metrics:
             buckets=(1, 2, 3, 4, 6, 8, 12, 16, 32, 64),
             registry=r,
         )
+        self.prefill_duration = Histogram(
+            "chatts_prefill_duration_seconds",
+            "One prompt's prefill and first token (every row in the batch waits for it)",
+            buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.2, 0.4, 0.8),
+            registry=r,
+        )
+        self.prefill_positions = Counter(
+            "chatts_prefill_positions_total",
+            "Prompt positions prefilled (those copied from a kept beginning too)",
+            registry=r,
+        )
         self.audio_decode = Histogram(
             "chatts_audio_decode_seconds",
             "One round of audio decoding between two steps (every chunk and segment asked for)",
@@ -246,6 +257,10 @@ class Metrics:
     def observe_step(self, rows: int, seconds: float) -> None:
         self.step_duration.observe(seconds)
         self.batch_rows.observe(rows)
+
+    def observe_prefill(self, positions: int, seconds: float) -> None:
+        self.prefill_duration.observe(seconds)
+        self.prefill_positions.inc(positions)
 
     def observe_decode(self, items: int, seconds: float) -> None:
         self.audio_decode.observe(seconds)
