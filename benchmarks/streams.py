@@ -8,7 +8,10 @@ GPT steps, and plays each stream to a listener who starts at its first chunk and
 runs dry: the first audio, how far the stream fell behind (seconds the listener waited), its
 chunks, the audio made per wall second, and where listeners waited: for the second chunk (the
 start, when every stream's first chunk is decoded and the listener holds 12 steps of audio) or
-later (generation and decoding slower than playback). Then a round of streamed chunks decoded
+later (generation and decoding slower than playback); and what the last stream's first audio
+was made of: the prefills, steps and decode rounds the engine ran until then (its observers'
+timings), against the steps an exact first chunk waits for and what they would take at the read
+floor (the GPT's int8 layers read once a step). Then a round of streamed chunks decoded
 both ways the decoder can: stage by stage from what each stream kept
 (``AudioDecoder.advance_many``, the service's way) and as windows with their context on both
 sides (``decode_many``), medians of ``--repeats``. Without ``--model-dir`` the full-size
@@ -37,7 +40,13 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from benchmarks.engine import RELEVANT_CPU_FLAGS, TEXT, cpu_line, default_model  # noqa: E402
+from benchmarks.engine import (  # noqa: E402
+    RELEVANT_CPU_FLAGS,
+    TEXT,
+    cpu_line,
+    default_model,
+    weights_read_seconds,
+)
 from chattts_service.config import DECODER_DTYPES, KV_CACHE_DTYPES  # noqa: E402  (no torch)
 from chattts_service.domain.playback import waits  # noqa: E402
 from chattts_service.runtime.cpu import cpu_flags, cpu_model  # noqa: E402
@@ -45,14 +54,76 @@ from chattts_service.runtime.cpu import cpu_flags, cpu_model  # noqa: E402
 SAMPLE_RATE = 24_000
 
 
+class Timeline:
+    """The engine's prefills, steps and decode rounds as they end: (end, size, seconds) each,
+    from the observers ``Engine`` takes (``observers()``)."""
+
+    def __init__(self):
+        self.prefills: list[tuple[float, int, float]] = []
+        self.steps: list[tuple[float, int, float]] = []
+        self.decodes: list[tuple[float, int, float]] = []
+
+    def observers(self) -> dict:
+        def into(events):
+            return lambda size, seconds: events.append((time.perf_counter(), size, seconds))
+
+        return {
+            "prefill_observer": into(self.prefills),
+            "step_observer": into(self.steps),
+            "decode_observer": into(self.decodes),
+        }
+
+    def clear(self) -> None:
+        self.prefills.clear()
+        self.steps.clear()
+        self.decodes.clear()
+
+    def first_audio(self, started: float, until: float, rows: int) -> dict:
+        """What the engine did from ``started`` to ``until`` (the last stream's first audio):
+        the prefills, steps and decode rounds that ended by then, the steps at ``rows`` rows,
+        and the rest (the scheduler's own work, handing chunks over)."""
+
+        def within(events):
+            return [(size, seconds) for end, size, seconds in events if started < end <= until]
+
+        prefills, steps, decodes = (
+            within(self.prefills),
+            within(self.steps),
+            within(self.decodes),
+        )
+        full = [seconds for size, seconds in steps if size == rows]
+        parts = {
+            "prefills": len(prefills),
+            "prefill_seconds": sum(seconds for _, seconds in prefills),
+            "steps": len(steps),
+            "step_seconds": sum(seconds for _, seconds in steps),
+            "full_step_ms": statistics.median(full) * 1e3 if full else None,
+            "decode_rounds": len(decodes),
+            "decode_seconds": sum(seconds for _, seconds in decodes),
+        }
+        parts["other_seconds"] = (until - started) - (
+            parts["prefill_seconds"] + parts["step_seconds"] + parts["decode_seconds"]
+        )
+        return parts
+
+
 def run_streams(
-    engine, count: int, steps: int, seed: int, text: str = TEXT, whole: bool = False
+    engine,
+    count: int,
+    steps: int,
+    seed: int,
+    text: str = TEXT,
+    whole: bool = False,
+    timeline: Timeline | None = None,
 ) -> dict:
     """``whole``: then generate each stream's whole answer too and compare its provisional
-    start (a look-ahead's) with it."""
+    start (a look-ahead's) with it. With the engine's ``timeline``: what the last stream's
+    first audio was made of."""
     from chattts_service.inference.types import SynthesisRequest
 
     results: list = [None] * count
+    if timeline is not None:
+        timeline.clear()
     started = time.perf_counter()
     runs = [
         engine.start(SynthesisRequest(text, seed + index), fixed_steps=steps, stream=True)
@@ -92,6 +163,10 @@ def run_streams(
         "audio_per_wall_second": audio / wall,
         "provisional_steps_max": max(run.provisional for run in runs),
     }
+    if timeline is not None:
+        level["first_audio_parts"] = timeline.first_audio(
+            started, started + level["first_audio_max"], count
+        )
     if whole and level["provisional_steps_max"]:
         level["provisional_snr_db_min"] = min(
             _provisional_snr(engine, run, chunks, SynthesisRequest(text, seed + index), steps)
@@ -225,6 +300,32 @@ def report(data: dict) -> str:
             f"waits for the 2nd chunk max {level['second_chunk_wait_max']:.3f} s, "
             f"later max {level['later_wait_max']:.3f} s"
         )
+        parts = level.get("first_audio_parts")
+        if parts is not None:
+            at_rows = (
+                f" (at {level['streams']} rows {parts['full_step_ms']:.1f} ms median)"
+                if parts["full_step_ms"] is not None
+                else ""
+            )
+            lines.append(
+                f"    first audio {level['first_audio_max']:.3f} s: {parts['prefills']} prefills "
+                f"{parts['prefill_seconds']:.3f} s, {parts['steps']} steps "
+                f"{parts['step_seconds']:.3f} s{at_rows}, {parts['decode_rounds']} decode rounds "
+                f"{parts['decode_seconds']:.3f} s, the rest {parts['other_seconds']:.3f} s"
+            )
+    if "first_chunk_steps" in data:
+        floor = data.get("read_floor_ms")
+        at_floor = (
+            f"; at the read floor (the GPT's int8 layers read once a step, {floor:.2f} ms) "
+            f"they take {data['first_chunk_steps'] * floor / 1e3:.2f} s"
+            if floor is not None
+            else ""
+        )
+        lines.append(
+            f"an exact first chunk waits for {data['first_chunk_steps']} steps (the decoders' "
+            f"{data['context_steps']} of context and its own "
+            f"{data['first_chunk_steps'] - data['context_steps']}){at_floor}"
+        )
     for row in data["lookahead_fidelity"]:
         lines.append(
             f"a 12-step chunk decoded {row['lookahead']} steps ahead of generation: SNR "
@@ -269,9 +370,11 @@ def main(argv: list[str] | None = None) -> int:
 
     from chattts_service.config import Settings
     from chattts_service.inference.engine import Engine
+    from chattts_service.inference.job import FIRST_CHUNK_STEPS
 
     levels = [int(value) for value in args.streams.split(",") if value]
     lookaheads = [int(value) for value in args.lookahead.split(",") if value]
+    timeline = Timeline()
     engine = Engine(
         Settings.from_env(
             {},
@@ -280,7 +383,8 @@ def main(argv: list[str] | None = None) -> int:
             max_batch=max(levels + [8]),
             decoder_dtype=args.decoder_dtype,
             kv_cache_dtype=args.kv_cache_dtype,
-        )
+        ),
+        **timeline.observers(),
     )
     engine.load()
     engine.warm_up()
@@ -294,6 +398,8 @@ def main(argv: list[str] | None = None) -> int:
         "levels": [],
         "lookahead_fidelity": [],
         "decode_rounds": [],
+        "context_steps": engine.model.decoder.context_steps,
+        "first_chunk_steps": engine.model.decoder.context_steps + FIRST_CHUNK_STEPS,
     }
     seed = 1000
     try:
@@ -302,7 +408,15 @@ def main(argv: list[str] | None = None) -> int:
                 for lookahead in lookaheads:  # the same seeds each way
                     engine.settings = replace(engine.settings, stream_lookahead=lookahead)
                     data["levels"].append(
-                        run_streams(engine, count, args.steps, seed, args.text, whole=lookahead > 0)
+                        run_streams(
+                            engine,
+                            count,
+                            args.steps,
+                            seed,
+                            args.text,
+                            whole=lookahead > 0,
+                            timeline=timeline,
+                        )
                     )
                 seed += count
         if any(lookaheads):
@@ -311,6 +425,10 @@ def main(argv: list[str] | None = None) -> int:
         for spec in (value for value in args.chunks.split(",") if value):
             rows, chunk = (int(part) for part in spec.split("x"))
             data["decode_rounds"].append(decode_round(engine, rows, chunk, args.repeats))
+        transformer = engine.model.transformer
+        read = engine.scheduler.call(lambda: weights_read_seconds(transformer)).result()
+        if read is not None:
+            data["read_floor_ms"] = read * 1e3
     finally:
         engine.close()
     print(json.dumps(data, indent=1) if args.json else report(data))

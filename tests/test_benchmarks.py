@@ -392,6 +392,37 @@ def test_streams_benchmark_smoke(tiny_model_dir):
         )
     (decode,) = [line for line in lines if line.startswith("a round of 2 x 8-step chunks")]
     assert re.search(r"stage by stage [\d.]+ ms, as windows [\d.]+ ms \([\d.]+\)$", decode)
+    # what each level's last first audio was made of: its streams' prefills, the steps until
+    # a first chunk could be decoded (the tiny model's decoders: 9 steps of context, and the
+    # first token comes with the prefill), the decode rounds, and little else
+    (waits_for,) = [line for line in lines if line.startswith("an exact first chunk waits")]
+    match = re.match(
+        r"an exact first chunk waits for (\d+) steps \(the decoders' (\d+) of context and its "
+        r"own 12\); at the read floor \(the GPT's int8 layers read once a step, ([\d.]+) ms\) "
+        r"they take ([\d.]+) s$",
+        waits_for,
+    )
+    assert match and int(match[1]) == int(match[2]) + 12 == 21, waits_for
+    assert float(match[4]) == pytest.approx(21 * float(match[3]) / 1e3, abs=0.006)
+    parts = [lines[lines.index(line) + 1] for line in levels]
+    for line, level, lookahead in zip(parts, levels, (0, 3, 0, 3), strict=True):
+        match = re.match(
+            r"    first audio ([\d.]+) s: (\d+) prefills ([\d.]+) s, (\d+) steps ([\d.]+) s"
+            r"( \(at \d rows [\d.]+ ms median\))?, (\d+) decode rounds ([\d.]+) s, "
+            r"the rest (-?[\d.]+) s$",
+            line,
+        )
+        assert match, line
+        streams = int(level.split()[0])
+        first, prefill, step, decode, rest = (float(match[i]) for i in (1, 3, 5, 8, 9))
+        assert int(match[2]) == streams and int(match[7]) >= 1
+        assert int(match[4]) >= (lookahead or 9) + 12 - 1
+        assert first == pytest.approx(
+            float(level.split("first audio max ")[1].split()[0]), abs=0.006
+        )
+        # the parts do not overlap, so the rest is what they leave (rounded to the ms)
+        assert prefill > 0 and step > 0 and decode > 0 and -0.002 <= rest < first
+        assert prefill + step + decode + rest == pytest.approx(first, abs=0.003)
 
 
 def test_attention_benchmark_smoke():
