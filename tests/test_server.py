@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 import json
+import re
 import subprocess
 import sys
 import time
@@ -297,6 +298,11 @@ def test_bench_runs_against_the_server(server):
     assert report["requests_ok"] == 4 and report["errors"] == {}
     assert report["latency_p50"] > 0 and report["audio_seconds_per_wall_second"] > 0
     assert 0 <= report["steal_share"] <= 1  # what the hypervisor took while it ran
+    # the model thread's time, from the server's /metrics: it generated, so it stepped,
+    # decoded and prefilled, each for part of the wall time, together for at most all of it
+    shares = report["server_time"]
+    assert set(shares) == {"steps", "decoding", "prefills"}
+    assert all(share > 0 for share in shares.values()) and sum(shares.values()) <= 1
     # a seed no other test sends: the first request is generated, so the run lasts ticks of
     # /proc/stat (two cache hits alone can take less than one, and then no steal is measured)
     human = subprocess.run(
@@ -312,6 +318,9 @@ def test_bench_runs_against_the_server(server):
     assert human.returncode == 0 and "latency       p50" in human.stdout
     assert "(1 cache hits)" in human.stdout
     assert "this machine  steal: the hypervisor took" in human.stdout
+    assert re.search(
+        r"model thread  steps \d+%, decoding \d+%, prefills \d+% of the wall time", human.stdout
+    )
 
 
 def _bench(server, *arguments: str) -> subprocess.CompletedProcess:
@@ -374,6 +383,13 @@ def test_bench_capacity_search_reports_the_largest_level_that_held(server):
     # what the hypervisor took while each level ran (None: a level too short for a tick)
     shares = [level["steal_share"] for level in report["levels"].values()]
     assert all(share is None or 0 <= share <= 1 for share in shares)
+    # and the model thread's share of each level's wall time in steps, decoding and prefills
+    # (none where every stream was a cache hit: the earlier tests sent these seeds)
+    for level in report["levels"].values():
+        shares = level["server_time"]
+        assert set(shares) == {"steps", "decoding", "prefills"} and sum(shares.values()) <= 1
+        generated = level["cache_hits"] < level["requests_ok"]
+        assert all((share > 0) == generated for share in shares.values()), level
     # a first-audio bound nothing meets: no level holds
     none = json.loads(
         _bench(

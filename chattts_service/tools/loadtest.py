@@ -7,7 +7,10 @@ started at its first byte: a stream that falls behind by more than ``--tolerance
 stutter. Closed loop (``--concurrency`` clients, each sending its next request when the last
 one ends) or open loop (``--rate`` requests a second, whatever the answers); ``--capacity``
 raises the number of streams until they fall behind playback or the first audio gets too slow,
-and prints the largest level that held. Bounded in requests and time; talks to one URL.
+and prints the largest level that held. Where the server's ``/metrics`` can be read, each run
+also says what share of its wall time the model thread spent in steps, decoding and prefills
+(near 100% in all: the box was saturated). Bounded in requests and time; talks to one URL
+(and its ``/metrics``).
 """
 
 from __future__ import annotations
@@ -90,6 +93,56 @@ class Load:
 def wav_seconds(payload: bytes) -> float:
     with wave.open(io.BytesIO(payload)) as reader:
         return reader.getnframes() / reader.getframerate()
+
+
+# the model thread's work, as the server's /metrics sums it: seconds in each part
+SERVER_TIME_SERIES = {
+    "steps": "chatts_step_duration_seconds_sum",
+    "decoding": "chatts_audio_decode_seconds_sum",
+    "prefills": "chatts_prefill_duration_seconds_sum",
+}
+
+
+class ServerTime:
+    """What share of a run's wall time the server's model thread spent in its steps, decode
+    rounds and prefills: their sums on its ``/metrics``, read at the start and at ``shares``.
+    None where they cannot be read (a protected or older server, or another host's)."""
+
+    def __init__(self, url: str, timeout: float = 5.0):
+        self.address, self.timeout = url.rstrip("/") + "/metrics", timeout
+        self._start = self._read()
+        self._began = time.perf_counter()
+
+    def _read(self) -> dict[str, float] | None:
+        try:
+            response = requests.get(self.address, timeout=self.timeout)
+        except requests.RequestException:
+            return None
+        if response.status_code != 200:
+            return None
+        wanted = set(SERVER_TIME_SERIES.values())
+        values = {}
+        for line in response.text.splitlines():
+            name, _, value = line.partition(" ")
+            if name in wanted:
+                values[name] = float(value)
+        return values if len(values) == len(wanted) else None
+
+    def shares(self) -> dict[str, float] | None:
+        end, wall = self._read(), time.perf_counter() - self._began
+        if self._start is None or end is None or wall <= 0:
+            return None
+        return {
+            part: (end[name] - self._start[name]) / wall
+            for part, name in SERVER_TIME_SERIES.items()
+        }
+
+
+def describe_server_time(shares: dict[str, float] | None) -> str:
+    """``ServerTime.shares`` short: "steps 58%, decoding 30%, prefills 7%" (or "-")."""
+    if shares is None:
+        return "-"
+    return ", ".join(f"{part} {100 * share:.0f}%" for part, share in shares.items())
 
 
 def send(session: requests.Session, load: Load, timeout: float) -> Outcome:
@@ -337,6 +390,11 @@ def format_report(result: dict) -> str:
             f"{result['behind_max']:.2f} s)",
         ]
     lines.append(f"errors        {errors}")
+    if result.get("server_time") is not None:
+        lines.append(
+            f"model thread  {describe_server_time(result['server_time'])} of the wall time "
+            "(the server's /metrics)"
+        )
     if "steal_share" in result:
         lines.append(f"this machine  {describe_steal(result['steal_share'])}")
     return "\n".join(lines)
@@ -376,7 +434,7 @@ def capacity(load: Load, args) -> dict:
     levels: dict[int, dict] = {}
 
     def measure(clients: int) -> bool:
-        steal = StealMeter()
+        steal, server = StealMeter(), ServerTime(load.url)
         outcomes, wall = run(
             load,
             clients,
@@ -390,13 +448,15 @@ def capacity(load: Load, args) -> dict:
         )
         result["held"] = held(result, args.max_first_audio)
         result["steal_share"] = steal.share()
+        result["server_time"] = server.shares()
         levels[clients] = result
         if not args.json:
             print(
                 f"{clients:4d} streams  first audio p95 {result['first_audio_p95']:.2f} s  "
                 f"fell behind {result['streams_behind']}/{result['requests_ok']} "
                 f"(worst {result['behind_max']:.2f} s)  errors {sum(result['errors'].values())}"
-                f"  {'held' if result['held'] else 'FAILED'}  {steal_percent(result)}",
+                f"  {'held' if result['held'] else 'FAILED'}  {steal_percent(result)}  "
+                f"server {describe_server_time(result['server_time'])}",
                 flush=True,
             )
         return result["held"]
@@ -550,10 +610,11 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     duration = min(args.duration or args.max_seconds, args.max_seconds)
     total = args.requests
-    steal = StealMeter()
+    steal, server = StealMeter(), ServerTime(load.url)
     outcomes, wall = run(load, args.concurrency, total, duration, args.rate, args.progress)
     result = summarise(outcomes, load, args.concurrency, total, wall, args.tolerance, args.rate)
     result["steal_share"] = steal.share()
+    result["server_time"] = server.shares()
     print(json.dumps(result) if args.json else format_report(result))
     return 0 if not result["errors"] else 1
 
