@@ -11,7 +11,9 @@ start, when every stream's first chunk is decoded and the listener holds 12 step
 later (generation and decoding slower than playback); and what the last stream's first audio
 was made of: the prefills, steps and decode rounds the engine ran until then (its observers'
 timings), against the steps an exact first chunk waits for and what they would take at the read
-floor (the GPT's int8 layers read once a step). Then a round of streamed chunks decoded
+floor (the GPT's int8 layers read once a step); with 8 streams or more, the capacity target
+in the engine (every stream kept up, the last first audio within 1 s) as ok or MISSED, and
+where the first audio misses, what it was made of. Then a round of streamed chunks decoded
 both ways the decoder can: stage by stage from what each stream kept
 (``AudioDecoder.advance_many``, the service's way) and as windows with their context on both
 sides (``decode_many``), medians of ``--repeats``. Without ``--model-dir`` the full-size
@@ -52,6 +54,12 @@ from chattts_service.domain.playback import waits  # noqa: E402
 from chattts_service.runtime.cpu import cpu_flags, cpu_model  # noqa: E402
 
 SAMPLE_RATE = 24_000
+# the capacity target in the engine: this many streams started at once all keep up with their
+# listeners (none behind by more than BEHIND_TOLERANCE, bench.py's default) and the last first
+# audio comes within FIRST_AUDIO_BOUND (bench.py --capacity's default bound on its p95)
+TARGET_STREAMS = 8
+FIRST_AUDIO_BOUND = 1.0
+BEHIND_TOLERANCE = 0.1
 
 
 class Timeline:
@@ -313,6 +321,9 @@ def report(data: dict) -> str:
                 f"{parts['step_seconds']:.3f} s{at_rows}, {parts['decode_rounds']} decode rounds "
                 f"{parts['decode_seconds']:.3f} s, the rest {parts['other_seconds']:.3f} s"
             )
+    target = [level for level in data["levels"] if level["streams"] >= TARGET_STREAMS]
+    if target:
+        lines += target_lines(target, data)
     if "first_chunk_steps" in data:
         floor = data.get("read_floor_ms")
         at_floor = (
@@ -338,6 +349,36 @@ def report(data: dict) -> str:
             f"({round_['staged_ms'] / round_['windows_ms']:.2f})"
         )
     return "\n".join(lines)
+
+
+def target_lines(levels: list[dict], data: dict) -> list[str]:
+    """ok/MISSED for the levels of TARGET_STREAMS streams or more (their worst run), and where
+    the first audio is missed, what it was made of against the steps at the read floor."""
+    first = max(levels, key=lambda level: level["first_audio_max"])
+    behind = max(level["behind_max"] for level in levels)
+    reason = ""
+    parts = first.get("first_audio_parts")
+    if first["first_audio_max"] > FIRST_AUDIO_BOUND and parts is not None:
+        floor = data.get("read_floor_ms")
+        at_floor = (
+            f", {data['first_chunk_steps'] * floor / 1e3:.2f} s at the read floor"
+            if floor is not None and "first_chunk_steps" in data
+            else ""
+        )
+        reason = (
+            f" (its steps {parts['step_seconds']:.2f} s{at_floor}; its prefills "
+            f"{parts['prefill_seconds']:.2f} s; its decode rounds {parts['decode_seconds']:.2f} s)"
+        )
+    streams = first["streams"]
+    first_label = f"{streams} streams at once: last first audio <= {FIRST_AUDIO_BOUND:g} s"
+    behind_label = f"{streams} streams at once: each within {BEHIND_TOLERANCE:g} s of playback"
+    return [
+        "targets:",
+        f"  {first_label:<52}: {first['first_audio_max']:.2f} s  "
+        f"{'ok' if first['first_audio_max'] <= FIRST_AUDIO_BOUND else 'MISSED'}{reason}",
+        f"  {behind_label:<52}: {behind:.3f} s behind at most  "
+        f"{'ok' if behind <= BEHIND_TOLERANCE else 'MISSED'}",
+    ]
 
 
 def main(argv: list[str] | None = None) -> int:

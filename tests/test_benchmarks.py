@@ -351,7 +351,7 @@ def test_streams_benchmark_smoke(tiny_model_dir):
         "--model-dir",
         str(tiny_model_dir),
         "--streams",
-        "1,2",
+        "1,8",
         "--steps",
         "80",
         "--rounds",
@@ -367,7 +367,7 @@ def test_streams_benchmark_smoke(tiny_model_dir):
     lines = result.stdout.splitlines()
     assert lines[0].startswith("cpu ") and lines[1].startswith("decoder ")
     levels = [line for line in lines if "first audio max " in line]
-    assert [line.split()[0] for line in levels] == ["1", "1", "2", "2"]
+    assert [line.split()[0] for line in levels] == ["1", "1", "8", "8"]
     # each level with the look-ahead too, its provisional start compared with the whole answer
     assert all(" streams: " in line for line in levels[::2])
     for line in levels[1::2]:
@@ -423,6 +423,42 @@ def test_streams_benchmark_smoke(tiny_model_dir):
         # the parts do not overlap, so the rest is what they leave (rounded to the ms)
         assert prefill > 0 and step > 0 and decode > 0 and -0.002 <= rest < first
         assert prefill + step + decode + rest == pytest.approx(first, abs=0.003)
+    # the capacity target in the engine, from the 8-stream levels' worst figures
+    firsts = [float(line.split("first audio max ")[1].split()[0]) for line in levels[2:]]
+    behinds = [float(line.split("behind max ")[1].split()[0]) for line in levels[2:]]
+    targets = lines[lines.index("targets:") + 1 : lines.index("targets:") + 3]
+    match = re.match(
+        r"  8 streams at once: last first audio <= 1 s +: ([\d.]+) s  (ok|MISSED)", targets[0]
+    )
+    assert match and float(match[1]) == max(firsts), targets
+    assert match[2] == ("ok" if max(firsts) <= 1 else "MISSED")
+    match = re.match(
+        r"  8 streams at once: each within 0.1 s of playback +: ([\d.]+) s behind at most  "
+        r"(ok|MISSED)$",
+        targets[1],
+    )
+    assert match and float(match[1]) == pytest.approx(max(behinds), abs=1e-3), targets
+    assert match[2] == ("ok" if float(match[1]) <= 0.1 else "MISSED")
+
+
+def test_streams_target_says_what_a_missed_first_audio_was_made_of():
+    sys.path.insert(0, str(REPO))
+    from benchmarks.streams import target_lines
+
+    parts = {"step_seconds": 0.83, "prefill_seconds": 0.38, "decode_seconds": 0.22}
+    level = {"streams": 8, "first_audio_max": 1.45, "behind_max": 0.02, "first_audio_parts": parts}
+    fast = {**level, "first_audio_max": 0.9, "behind_max": 0.3}
+    data = {"read_floor_ms": 6.5, "first_chunk_steps": 64}
+    lines = target_lines([fast, level], data)
+    assert lines[0] == "targets:"
+    # the worst first audio of the levels, and why: 64 steps at the read floor take 0.42 s
+    assert lines[1].endswith(
+        ": 1.45 s  MISSED (its steps 0.83 s, 0.42 s at the read floor; its prefills 0.38 s; "
+        "its decode rounds 0.22 s)"
+    )
+    assert lines[2].endswith(": 0.300 s behind at most  MISSED")
+    held = target_lines([fast | {"behind_max": 0.05}], data)
+    assert held[1].endswith(": 0.90 s  ok") and held[2].endswith(": 0.050 s behind at most  ok")
 
 
 def test_attention_benchmark_smoke():
