@@ -39,6 +39,13 @@ float quantize_row(const float* x, int64_t width, const float* gain, float eps, 
 // Prefetching the weights: `prefetch_bytes` ahead of use (0: none, the hardware prefetcher
 // alone), with hint HINT (0: non-temporal, 1: T0). The best of these differs between CPUs
 // (ChattsTuning; kernels/tuning.py measures them). The hint has to be a constant.
+// The HINT of a product that prefetches nothing: no prefetch code in its loop at all (where
+// the distance is 0 at run time, the loop still worked out every address it would not fetch:
+// 33 instructions a group of inputs at 8 rows against 50). A prompt's rows past the first 8
+// find the weights in cache and fetch nothing: side by side on a Zen 4 (AMD EPYC, family 25
+// model 17), 59 and 64 rows took 0.90-0.95 of the time (docs/benchmarks.md).
+constexpr int kNoPrefetch = 2;
+
 template <int HINT>
 inline void prefetch_weights(uintptr_t address) {
     _mm_prefetch(reinterpret_cast<const char*>(address), HINT == 0 ? _MM_HINT_NTA : _MM_HINT_T0);
@@ -140,7 +147,8 @@ void gemm_blocks(int64_t k_groups, const uint8_t* xq, int64_t x_stride, const in
         // the weights are read once per call: fetch them ahead of use; at a block's end into
         // the next run's (ahead_in_run), read next, but never past the weights
         const uintptr_t ahead = ahead_in_run<BLOCKS>(w, blocks, block_bytes, prefetch_bytes);
-        if (prefetch_bytes > 0 && ahead + (BLOCKS - 1) * block_bytes < weights_end) {
+        if (HINT != kNoPrefetch && prefetch_bytes > 0 &&
+            ahead + (BLOCKS - 1) * block_bytes < weights_end) {
             prefetch_weights<HINT>(ahead);
             if constexpr (BLOCKS >= 2) prefetch_weights<HINT>(ahead + block_bytes);
             if constexpr (BLOCKS >= 4) {
@@ -220,7 +228,8 @@ void gemm_row(int64_t k_groups, const uint8_t* x, const int8_t* w, const int32_t
     int64_t group = 0;
     const auto prefetch = [&](const int8_t* at) {
         const uintptr_t ahead = reinterpret_cast<uintptr_t>(at) + prefetch_bytes;
-        if (prefetch_bytes > 0 && ahead < weights_end) prefetch_weights<HINT>(ahead);
+        if (HINT != kNoPrefetch && prefetch_bytes > 0 && ahead < weights_end)
+            prefetch_weights<HINT>(ahead);
     };
     for (; group + 4 <= k_groups; group += 4, x += 16, w += 256) {
         int32_t four[4];
@@ -310,7 +319,7 @@ void gemm(int64_t rows, int64_t n, int64_t k, const uint8_t* xq, const int8_t* p
     const auto single_or_pair = [&](int64_t block, bool both) {
         const int valid = valid_in(both ? block + 1 : block);
         if (rows == 1 && !both) {
-            (t0 ? gemm_row<1> : gemm_row<0>)(
+            (prefetch_bytes == 0 ? gemm_row<kNoPrefetch> : t0 ? gemm_row<1> : gemm_row<0>)(
                 k / 4, xq, packed + block * block_bytes, offsets + block * 16,
                 weight_scale + block * 16, row_max[0],
                 residual == nullptr ? nullptr : residual + block * 16, out + block * 16, valid,
@@ -319,9 +328,11 @@ void gemm(int64_t rows, int64_t n, int64_t k, const uint8_t* xq, const int8_t* p
         }
         for (int64_t first = 0; first < rows; first += 8) {
             const int64_t count = rows - first < 8 ? rows - first : 8;
+            const bool fetch = first == 0 && prefetch_bytes > 0;
             const BlockFunction* functions =
-                both ? (t0 ? kBlockFunctions<2, 1> : kBlockFunctions<2, 0>)
-                     : (t0 ? kBlockFunctions<1, 1> : kBlockFunctions<1, 0>);
+                !fetch ? (both ? kBlockFunctions<2, kNoPrefetch> : kBlockFunctions<1, kNoPrefetch>)
+                : both ? (t0 ? kBlockFunctions<2, 1> : kBlockFunctions<2, 0>)
+                       : (t0 ? kBlockFunctions<1, 1> : kBlockFunctions<1, 0>);
             functions[count](
                 k / 4, xq + first * k, k, packed + block * block_bytes, block_bytes,
                 offsets + block * 16, weight_scale + block * 16, row_max + first,
@@ -332,8 +343,11 @@ void gemm(int64_t rows, int64_t n, int64_t k, const uint8_t* xq, const int8_t* p
     };
     // `count` (4 or 8) neighbouring blocks from `block`, side by side
     const auto run_of = [&](int64_t block, int count) {
-        const BlockFunction* functions = count == 8 ? (t0 ? kOctFunctions<1> : kOctFunctions<0>)
-                                                    : (t0 ? kQuadFunctions<1> : kQuadFunctions<0>);
+        const BlockFunction* functions =
+            prefetch_bytes == 0 ? (count == 8 ? kOctFunctions<kNoPrefetch>
+                                              : kQuadFunctions<kNoPrefetch>)
+            : count == 8        ? (t0 ? kOctFunctions<1> : kOctFunctions<0>)
+                                : (t0 ? kQuadFunctions<1> : kQuadFunctions<0>);
         functions[rows](k / 4, xq, k, packed + block * block_bytes, block_bytes,
                         offsets + block * 16, weight_scale + block * 16, row_max,
                         residual == nullptr ? nullptr : residual + block * 16, residual_stride,
