@@ -9,8 +9,8 @@ one ends) or open loop (``--rate`` requests a second, whatever the answers); ``-
 raises the number of streams until they fall behind playback or the first audio gets too slow,
 and prints the largest level that held. Where the server's ``/metrics`` can be read, each run
 also says what share of its wall time the model thread spent in steps, decoding and prefills
-(near 100% in all: the box was saturated). Bounded in requests and time; talks to one URL
-(and its ``/metrics``).
+(it generates ahead of playback, so while any stream generates it is busy: the shares say where
+that time goes). Bounded in requests and time; talks to one URL (and its ``/metrics``).
 """
 
 from __future__ import annotations
