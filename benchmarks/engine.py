@@ -222,13 +222,15 @@ def decode_multiply_adds(decoder, steps: int, hidden_size: int) -> int:
 
 
 def peak_rates(engine) -> dict[str, float] | None:
-    """The most multiply-adds a second (G) the int8 product's instructions and fp32 FMAs do
-    from registers on the engine's threads (``Kernels.peak_rate``; call on its scheduler's
-    thread). None without the kernels."""
+    """The most multiply-adds a second (G) the int8 product's instructions, fp32 FMAs and,
+    where the CPU has AVX512-BF16, bf16 pairs (the bf16 decoder's products) do from registers
+    on the engine's threads (``Kernels.peak_rate``; call on its scheduler's thread). None
+    without the kernels."""
     kernels = engine.model.transformer.kernels
     if kernels is None:
         return None
-    loops = dict.fromkeys((kernels.int8_instructions, "fp32"))
+    bf16 = ("bf16",) if "avx512_bf16" in cpu_flags() else ()
+    loops = dict.fromkeys((kernels.int8_instructions, "fp32", *bf16))
     return {loop: kernels.peak_rate(loop) / 1e9 for loop in loops}
 
 
@@ -454,13 +456,24 @@ def arithmetic_bounds(ours: dict, steps: int) -> dict | None:
     if eight and "wall_seconds" in eight:
         outside = eight["wall_seconds"] * (1 - eight["decode_share"])
         bounds["outside_decode_8_seconds"] = outside
-        for dtype, peak in (("fp32", peaks["fp32"]), ("int8", peaks[figures["product"]])):
+        for dtype, peak in decoder_peaks(figures):
             decoding = 8 * figures["decode_macs"] / (peak * 1e9)
             bounds[f"decode_8_seconds_{dtype}"] = decoding
             bounds[f"decode_share_8_{dtype}"] = decoding / (decoding + outside)
-        if ours["decoder_dtype"] in ("fp32", "int8"):  # bf16: no peak measured for it
+        if f"decode_share_8_{ours['decoder_dtype']}" in bounds:  # bf16: where its peak is
             bounds["decode_share_8"] = bounds[f"decode_share_8_{ours['decoder_dtype']}"]
     return bounds
+
+
+def decoder_peaks(figures: dict) -> list[tuple[str, float]]:
+    """Each decoder precision with the peak of the instructions its products use (GMAC/s):
+    fp32 FMAs, the int8 product's, and bf16 pairs where the CPU has them."""
+    peaks = figures["peak_gmac_per_s"]
+    found = [("fp32", peaks["fp32"]), ("int8", peaks[figures["product"]])]
+    return found + ([("bf16", peaks["bf16"])] if "bf16" in peaks else [])
+
+
+PEAK_NAMES = {"fp32": "fp32 FMAs", "bf16": "bf16 pairs"}
 
 
 def arithmetic_lines(ours: dict, bounds: dict, steps: int, floor: float) -> list[str]:
@@ -470,7 +483,7 @@ def arithmetic_lines(ours: dict, bounds: dict, steps: int, floor: float) -> list
         return []
     peaks = figures["peak_gmac_per_s"]
     rates = ", ".join(
-        f"{'fp32 FMAs' if loop == 'fp32' else f'the {loop} int8 product'} {rate:.0f}"
+        f"{PEAK_NAMES.get(loop, f'the {loop} int8 product')} {rate:.0f}"
         for loop, rate in peaks.items()
     )
     lines = [
@@ -489,7 +502,7 @@ def arithmetic_lines(ours: dict, bounds: dict, steps: int, floor: float) -> list
             f"{dtype} {bounds[f'decode_8_seconds_{dtype}']:.2f} s, a decode share of at least "
             f"{100 * bounds[f'decode_share_8_{dtype}']:.0f}%"
             + (" (this run's decoder)" if dtype == ours["decoder_dtype"] else "")
-            for dtype in ("fp32", "int8")
+            for dtype, _ in decoder_peaks(figures)
         )
         lines.append(
             f"  decoding a request ({figures['decode_macs'] / 1e9:.1f} G multiply-adds in "

@@ -12,6 +12,7 @@ from chattts_service.kernels import abi
 from chattts_service.kernels import bindings as cpp_kernels
 from chattts_service.kernels import build as kernel_build
 from chattts_service.kernels.int8 import Int8Packing
+from chattts_service.runtime.cpu import cpu_flags
 
 HEADS, DIM, LAYERS = 4, 64, 3
 
@@ -449,7 +450,7 @@ def test_the_int8_product_is_the_cpus_best_unless_chosen(kernel):
         cpp_kernels.load("on", "avx512")
 
 
-@pytest.mark.parametrize("loop", ["avx2", "vnni", "fp32"])
+@pytest.mark.parametrize("loop", ["avx2", "vnni", "fp32", "bf16"])
 def test_peak_loops_count_the_multiply_adds_they_do(kernel, loop):
     """The benchmarks' arithmetic bound: a loop reports its instructions' multiply-adds
     (iterations x threads x its own per iteration), its results change with every iteration
@@ -457,7 +458,9 @@ def test_peak_loops_count_the_multiply_adds_they_do(kernel, loop):
     import ctypes
 
     kind = abi.PEAK_LOOPS[loop]
-    if loop == "vnni" and kernel.int8_instructions != "vnni":
+    if (loop == "vnni" and kernel.int8_instructions != "vnni") or (
+        loop == "bf16" and "avx512_bf16" not in cpu_flags()
+    ):
         with pytest.raises(cpp_kernels.KernelError, match="lacks"):
             kernel.peak_rate(loop)
         return
@@ -467,7 +470,7 @@ def test_peak_loops_count_the_multiply_adds_they_do(kernel, loop):
         done = kernel.library.chatts_peak_loop(kind, iterations, threads, ctypes.byref(checksum))
         return done, checksum.value
 
-    per_iteration = {"avx2": 256, "vnni": 1024}.get(loop)
+    per_iteration = {"avx2": 256, "vnni": 1024, "bf16": 384}.get(loop)
     done, checksum = run(1000)
     assert done > 0 and done % 2000 == 0
     if per_iteration:

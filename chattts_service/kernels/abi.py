@@ -19,7 +19,7 @@ _i64, _i32, _f32, _ptr = ctypes.c_int64, ctypes.c_int32, ctypes.c_float, ctypes.
 PRODUCT_AVX2 = 1
 PRODUCT_VNNI = 2
 # ChattsPeak: the instruction loops of chatts_peak_loop
-PEAK_LOOPS = {"avx2": 1, "vnni": 2, "fp32": 3}
+PEAK_LOOPS = {"avx2": 1, "vnni": 2, "fp32": 3, "bf16": 4}
 
 
 class Tuning(ctypes.Structure):

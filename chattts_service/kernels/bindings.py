@@ -338,7 +338,8 @@ class Kernels:
 
     def peak_rate(self, loop: str, seconds: float = 0.05, repeats: int = 5) -> float:
         """Multiply-adds a second that ``loop``'s instructions ("avx2" or "vnni": the int8
-        product's; "fp32": fused multiply-adds, as wide as the CPU has) do at most on torch's
+        product's; "fp32": fused multiply-adds, as wide as the CPU has; "bf16": AVX512-BF16's
+        pairs, as oneDNN's bf16 products issue them) do at most on torch's
         threads, from registers (``csrc/peak.cpp``): the fastest of ``repeats`` runs of about
         ``seconds`` each. Raises KernelError where the CPU lacks them."""
         kind, threads = abi.PEAK_LOOPS[loop], torch.get_num_threads()

@@ -41,6 +41,7 @@ enum ChattsPeak : int32_t {
     CHATTS_PEAK_AVX2 = 1,  // the AVX2 int8 product's: vpmaddubsw, vpmaddwd, vpaddd
     CHATTS_PEAK_VNNI = 2,  // the VNNI int8 product's: vpdpbusd
     CHATTS_PEAK_FP32 = 3,  // fp32 vfmadd231ps, 512-bit where the CPU has AVX-512, else 256-bit
+    CHATTS_PEAK_BF16 = 4,  // bf16 pairs into fp32 sums, vdpbf16ps (AVX512-BF16), 512-bit
 };
 
 // How the int8 product streams its weights: chosen per CPU (kernels/tuning.py), never baked in.

@@ -114,6 +114,29 @@ CHATTS_PEAK_FMA(peak_fma512, "avx512f", __m512, _mm512_set1_ps, _mm512_loadu_ps,
                 _mm512_fmadd_ps)
 #undef CHATTS_PEAK_FMA
 
+// bf16 products as oneDNN's bf16 GEMM issues them on AVX512-BF16 (the bf16 decoder's linear
+// layers): 12 fp32 sums, each adding a broadcast pair of bf16 inputs times a vector of 16 pairs
+// of weights (vdpbf16ps: 32 multiply-adds), the weights loaded once per iteration.
+alignas(64) const uint16_t kPeakBf16[32] = {0x3f00, 0x3e80, 0x3e00, 0x3d80, 0x3f00, 0x3e80,
+                                            0x3e00, 0x3d80, 0x3f00, 0x3e80, 0x3e00, 0x3d80,
+                                            0x3f00, 0x3e80, 0x3e00, 0x3d80};
+__attribute__((target("avx512f,avx512bf16"))) uint64_t peak_bf16(int64_t iterations) {
+    __m512 s[12];
+    for (int j = 0; j < 12; ++j) s[j] = _mm512_set1_ps(static_cast<float>(j));
+    const uint16_t* w = kPeakBf16;
+    for (int64_t i = 0; i < iterations; ++i) {
+        asm volatile("" : "+r"(w));
+        const __m512bh weights = reinterpret_cast<__m512bh>(_mm512_loadu_si512(w));
+        _Pragma("GCC unroll 12") for (int j = 0; j < 12; ++j) s[j] = _mm512_dpbf16_ps(
+            s[j], reinterpret_cast<__m512bh>(_mm512_set1_epi32(0x3c003c00 + j)), weights);
+    }
+    float total = 0.0f;
+    for (const auto& sum : s) total += _mm512_reduce_add_ps(sum);
+    uint32_t bits;
+    std::memcpy(&bits, &total, sizeof bits);
+    return bits;
+}
+
 }  // namespace
 
 extern "C" int64_t chatts_peak_loop(int32_t kind, int64_t iterations, int32_t threads,
@@ -135,6 +158,9 @@ extern "C" int64_t chatts_peak_loop(int32_t kind, int64_t iterations, int32_t th
             if (!__builtin_cpu_supports("fma")) return -CHATTS_CPU_LACKS_PRODUCT;
             loop = peak_fma256, per_iteration = 12 * 8;
         }
+    } else if (kind == CHATTS_PEAK_BF16) {
+        if (!__builtin_cpu_supports("avx512bf16")) return -CHATTS_CPU_LACKS_PRODUCT;
+        loop = peak_bf16, per_iteration = 12 * 32;
     } else {
         return -CHATTS_BAD_PEAK;
     }
