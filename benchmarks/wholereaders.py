@@ -35,13 +35,14 @@ from benchmarks.engine import default_model  # noqa: E402
 from benchmarks.overload import TEXTS  # noqa: E402
 from benchmarks.serverproc import Server  # noqa: E402
 from chattts_service.runtime.cpu import cpu_model  # noqa: E402
+from chattts_service.tools.loadtest import read_metrics  # noqa: E402
 
 
 def audio_seconds_total(url: str) -> float:
-    for line in requests.get(url + "/metrics", timeout=30).text.splitlines():
-        if line.startswith("chatts_audio_seconds_total "):
-            return float(line.split()[-1])
-    raise RuntimeError("the server reports no chatts_audio_seconds_total")
+    read = read_metrics(url, ["chatts_audio_seconds_total"], timeout=30)
+    if read is None:
+        raise RuntimeError("the server reports no chatts_audio_seconds_total")
+    return read["chatts_audio_seconds_total"]
 
 
 KINDS = {"whole": False, "default": None, "asked": True}  # the request's "stream" field

@@ -39,6 +39,8 @@ DEFAULT_STREAM_TEXT = (
     "走累了就在湖边坐一会儿，看看水里的鱼。"
 )
 PCM_BYTES_PER_SECOND = 24_000 * 2  # 16-bit mono at 24 kHz
+TOLERANCE_SECONDS = 0.1  # how far a stream may fall behind its playback before it counts
+MAX_FIRST_AUDIO_SECONDS = 1.0  # the capacity search's bound on the first audio's p95
 ENDPOINTS = ("synthesize", "speech")
 
 
@@ -95,6 +97,23 @@ def wav_seconds(payload: bytes) -> float:
         return reader.getnframes() / reader.getframerate()
 
 
+def read_metrics(url: str, names, timeout: float = 5.0) -> dict[str, float] | None:
+    """The unlabelled series ``names`` from the server's ``/metrics`` at ``url``: None where
+    it cannot be read (a protected or older server) or lacks any of them."""
+    try:
+        response = requests.get(url.rstrip("/") + "/metrics", timeout=timeout)
+    except requests.RequestException:
+        return None
+    if response.status_code != 200:
+        return None
+    wanted, values = set(names), {}
+    for line in response.text.splitlines():
+        name, _, value = line.partition(" ")
+        if name in wanted:
+            values[name] = float(value)
+    return values if len(values) == len(wanted) else None
+
+
 # the model thread's work, as the server's /metrics sums it: seconds in each part
 SERVER_TIME_SERIES = {
     "steps": "chatts_step_duration_seconds_sum",
@@ -108,25 +127,13 @@ class ServerTime:
     rounds and prefills: their sums on its ``/metrics``, read at the start and at ``shares``.
     None where they cannot be read (a protected or older server, or another host's)."""
 
-    def __init__(self, url: str, timeout: float = 5.0):
-        self.address, self.timeout = url.rstrip("/") + "/metrics", timeout
+    def __init__(self, url: str):
+        self.url = url
         self._start = self._read()
         self._began = time.perf_counter()
 
     def _read(self) -> dict[str, float] | None:
-        try:
-            response = requests.get(self.address, timeout=self.timeout)
-        except requests.RequestException:
-            return None
-        if response.status_code != 200:
-            return None
-        wanted = set(SERVER_TIME_SERIES.values())
-        values = {}
-        for line in response.text.splitlines():
-            name, _, value = line.partition(" ")
-            if name in wanted:
-                values[name] = float(value)
-        return values if len(values) == len(wanted) else None
+        return read_metrics(self.url, SERVER_TIME_SERIES.values())
 
     def shares(self) -> dict[str, float] | None:
         end, wall = self._read(), time.perf_counter() - self._began
@@ -539,7 +546,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--tolerance",
         type=float,
-        default=0.1,
+        default=TOLERANCE_SECONDS,
         help="seconds a stream may fall behind its playback before it counts",
     )
     parser.add_argument(
@@ -550,7 +557,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--max-first-audio",
         type=float,
-        default=1.0,
+        default=MAX_FIRST_AUDIO_SECONDS,
         help="capacity: the bound on the first audio's p95, in seconds",
     )
     parser.add_argument(
