@@ -46,6 +46,12 @@ float quantize_row(const float* x, int64_t width, const float* gain, float eps, 
 // model 17), 59 and 64 rows took 0.90-0.95 of the time (docs/benchmarks.md).
 constexpr int kNoPrefetch = 2;
 
+// One of a product's three builds by its HINT: non-temporal, T0, or none (kNoPrefetch).
+template <typename Build>
+inline Build by_hint(int hint, Build nta, Build t0, Build none) {
+    return hint == kNoPrefetch ? none : hint == 1 ? t0 : nta;
+}
+
 template <int HINT>
 inline void prefetch_weights(uintptr_t address) {
     _mm_prefetch(reinterpret_cast<const char*>(address), HINT == 0 ? _MM_HINT_NTA : _MM_HINT_T0);
@@ -304,7 +310,11 @@ void gemm(int64_t rows, int64_t n, int64_t k, const uint8_t* xq, const int8_t* p
     // 8 rows, one pass). So the first pass fetches into every level (T0) and later ones fetch
     // nothing. Side by side on an Intel Xeon (family 6 model 167) with the default NTA
     // prefetch, 300 rows of a 512 x 1,536 layer: docs/benchmarks.md.
-    const bool t0 = tuning.prefetch_hint == 1 || rows > 8;
+    // The HINT every product of this call runs with (by_hint picks its build): none where
+    // nothing is fetched, else the tuning's, T0 past 8 rows.
+    const int hint = prefetch_bytes == 0                     ? kNoPrefetch
+                     : tuning.prefetch_hint == 1 || rows > 8 ? 1
+                                                             : 0;
     // guided: each thread starts on a long run of blocks, streamed in order, and the last
     // blocks go to whichever thread is free first. On a shared virtual machine one vCPU is
     // often slower for a moment, and with halves fixed in advance the other waited for it:
@@ -319,7 +329,7 @@ void gemm(int64_t rows, int64_t n, int64_t k, const uint8_t* xq, const int8_t* p
     const auto single_or_pair = [&](int64_t block, bool both) {
         const int valid = valid_in(both ? block + 1 : block);
         if (rows == 1 && !both) {
-            (prefetch_bytes == 0 ? gemm_row<kNoPrefetch> : t0 ? gemm_row<1> : gemm_row<0>)(
+            by_hint(hint, gemm_row<0>, gemm_row<1>, gemm_row<kNoPrefetch>)(
                 k / 4, xq, packed + block * block_bytes, offsets + block * 16,
                 weight_scale + block * 16, row_max[0],
                 residual == nullptr ? nullptr : residual + block * 16, out + block * 16, valid,
@@ -328,11 +338,14 @@ void gemm(int64_t rows, int64_t n, int64_t k, const uint8_t* xq, const int8_t* p
         }
         for (int64_t first = 0; first < rows; first += 8) {
             const int64_t count = rows - first < 8 ? rows - first : 8;
-            const bool fetch = first == 0 && prefetch_bytes > 0;
+            const int group_hint = first == 0 ? hint : kNoPrefetch;  // later passes: none
             const BlockFunction* functions =
-                !fetch ? (both ? kBlockFunctions<2, kNoPrefetch> : kBlockFunctions<1, kNoPrefetch>)
-                : both ? (t0 ? kBlockFunctions<2, 1> : kBlockFunctions<2, 0>)
-                       : (t0 ? kBlockFunctions<1, 1> : kBlockFunctions<1, 0>);
+                both ? by_hint<const BlockFunction*>(group_hint, kBlockFunctions<2, 0>,
+                                                     kBlockFunctions<2, 1>,
+                                                     kBlockFunctions<2, kNoPrefetch>)
+                     : by_hint<const BlockFunction*>(group_hint, kBlockFunctions<1, 0>,
+                                                     kBlockFunctions<1, 1>,
+                                                     kBlockFunctions<1, kNoPrefetch>);
             functions[count](
                 k / 4, xq + first * k, k, packed + block * block_bytes, block_bytes,
                 offsets + block * 16, weight_scale + block * 16, row_max + first,
@@ -344,10 +357,11 @@ void gemm(int64_t rows, int64_t n, int64_t k, const uint8_t* xq, const int8_t* p
     // `count` (4 or 8) neighbouring blocks from `block`, side by side
     const auto run_of = [&](int64_t block, int count) {
         const BlockFunction* functions =
-            prefetch_bytes == 0 ? (count == 8 ? kOctFunctions<kNoPrefetch>
-                                              : kQuadFunctions<kNoPrefetch>)
-            : count == 8        ? (t0 ? kOctFunctions<1> : kOctFunctions<0>)
-                                : (t0 ? kQuadFunctions<1> : kQuadFunctions<0>);
+            count == 8 ? by_hint<const BlockFunction*>(hint, kOctFunctions<0>, kOctFunctions<1>,
+                                                       kOctFunctions<kNoPrefetch>)
+                       : by_hint<const BlockFunction*>(hint, kQuadFunctions<0>,
+                                                       kQuadFunctions<1>,
+                                                       kQuadFunctions<kNoPrefetch>);
         functions[rows](k / 4, xq, k, packed + block * block_bytes, block_bytes,
                         offsets + block * 16, weight_scale + block * 16, row_max,
                         residual == nullptr ? nullptr : residual + block * 16, residual_stride,
