@@ -504,7 +504,14 @@ def test_a_bf16_decoder_holds_bf16_weights_and_gives_autocasts_samples(tiny_mode
         kernels = engine.model.transformer.kernels
         decoder.hold_in_bf16(kernels)
         held_whole, held_streamed = engine.scheduler.call(both).result()
-        after = sum(p.numel() * p.element_size() for p in decoder.vocos.backbone.parameters())
+        packed = [  # packed weights are no parameters: counted as they are held
+            layer.packed
+            for layer in decoder.vocos.backbone.modules()
+            if isinstance(layer, Bf16Linear) and layer.packed is not None
+        ]
+        after = sum(
+            p.numel() * p.element_size() for p in [*decoder.vocos.backbone.parameters(), *packed]
+        )
         fused = [
             layer
             for module in (decoder.decoder, decoder.vocos.backbone)
@@ -532,6 +539,35 @@ def test_a_bf16_decoder_holds_bf16_weights_and_gives_autocasts_samples(tiny_mode
         assert after < 0.6 * before
         with pytest.raises(ValueError, match="holds its weights in bf16"):
             engine.scheduler.call(lambda: decoder(hiddens, "fp32")).result()
+
+
+def test_a_packed_bf16_linear_gives_the_plain_weights_bits():
+    """``Bf16Linear.pack`` holds the weight in oneDNN's blocked layout where its product then
+    gives the plain weight's bits (checked on three row counts): on row counts and shapes the
+    check did not try, the same bits as the plain layer, in as many bytes, the plain copy
+    gone. Where this CPU's packing rounds otherwise, it says so and keeps the plain weight."""
+    from chattts_service.inference.decoding import Bf16Linear, fused_bias_linear
+
+    if not fused_bias_linear():
+        pytest.skip("this torch has no oneDNN linear with a fused bias (a build without oneDNN)")
+    generator = torch.Generator().manual_seed(3)
+    linear = torch.nn.Linear(384, 1000)  # 1000: the last block of outputs partly filled
+    with torch.no_grad():
+        linear.weight.copy_(torch.randn(1000, 384, generator=generator) * 0.05)
+        linear.bias.copy_(torch.randn(1000, generator=generator) * 0.05)
+    linear.to(torch.bfloat16)
+    plain, packed = Bf16Linear(linear), Bf16Linear(linear)
+    did = packed.pack()
+    assert plain.packed is None and plain.weight is not None
+    if did:
+        assert packed.packed is not None and "weight" not in dict(packed.named_parameters())
+    else:
+        assert packed.packed is None and packed.weight is not None
+    assert packed.nbytes == plain.nbytes
+    with torch.inference_mode():
+        for shape in ((1, 2, 384), (1, 33, 384), (3, 100, 384), (300, 384), (1, 1, 384)):
+            x = torch.randn(*shape, generator=generator)  # float32: rounded to bf16 first
+            assert torch.equal(packed(x), plain(x)), shape
 
 
 def test_an_fp32_decoder_runs_its_depthwise_convolutions_on_the_kernels_to_the_bit(
