@@ -10,6 +10,7 @@ import torch
 
 from chattts_service.inference.quantize import KernelLinear
 from chattts_service.kernels.bindings import channels_last
+from chattts_service.runtime.cpu import cpu_flags
 
 
 class AudioDecoder:
@@ -57,7 +58,7 @@ class AudioDecoder:
             self.depthwise_on(kernels)
         self._own_the_rest(keep=lambda tensor: tensor.dtype == torch.bfloat16)
         packs: dict[tuple[int, int], bool] = {}  # a shape's packing, checked on its first layer
-        for module in (self.decoder, self.vocos.backbone):
+        for module in (self.decoder, self.vocos.backbone) if packs_linear_weights() else ():
             for layer in module.modules():
                 if isinstance(layer, Bf16Linear):
                     shape = (layer.in_features, layer.out_features)
@@ -424,7 +425,8 @@ class Bf16Linear(torch.nn.Module):
     _reorder_linear_weight``, as torch's compiler packs it) in place of the plain one: a plain
     weight is reordered into that layout on every call. Side by side on a Zen 4 (AMD EPYC,
     family 25 model 17), caches evicted before each decode as a step evicts them: a round of
-    streamed chunks 0.90-0.975 of the time, 8 whole windows 0.93 (docs/benchmarks.md)."""
+    streamed chunks 0.90-0.975 of the time, 8 whole windows 0.93 (docs/benchmarks.md). Not
+    on a CPU with AMX (``packs_linear_weights``)."""
 
     def __init__(self, linear: torch.nn.Linear):
         super().__init__()
@@ -598,6 +600,15 @@ def fused_bias_linear() -> bool:
     except (AttributeError, RuntimeError, NotImplementedError):
         return False
     return True
+
+
+def packs_linear_weights() -> bool:
+    """Whether a bf16 decoder holds its linear weights packed (``Bf16Linear.pack``): not on a
+    CPU with AMX. On an Intel Xeon with AMX (family 6 model 167) packed weights made the
+    products faster but every small copy around them about ten times slower: a round of 8
+    streams' 32-step chunks 178-185 ms against 114-121 ms (docs/benchmarks.md); on a Zen 4
+    (AVX512-BF16, no AMX) packing took 0.90-0.975 of a round's time."""
+    return "amx_bf16" not in cpu_flags()
 
 
 def bucket(frames: int) -> int:
