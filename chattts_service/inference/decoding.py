@@ -454,13 +454,6 @@ class Bf16Linear(torch.nn.Module):
         del self.weight  # the plain copy's memory goes: the packed one is as large
         return True
 
-    @property
-    def nbytes(self) -> int:
-        """The bytes of its weight (packed or plain) and bias."""
-        weight = self.packed if self.packed is not None else self.weight
-        tensors = [weight] if self.bias is None else [weight, self.bias]
-        return sum(tensor.numel() * tensor.element_size() for tensor in tensors)
-
     def _product(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         return torch.ops.mkldnn._linear_pointwise(x, weight, self.bias, "none", [], "")
 
