@@ -439,7 +439,8 @@ class Bf16Linear(torch.nn.Module):
         bits (rows of every remainder of oneDNN's blocks, compared on the spot: a packing
         whose kernels round otherwise keeps the plain weight); whether it does. oneDNN picks
         its kernels by shape, so a layer of a shape already checked may skip the check
-        (``check=False``): 40 checks took 0.13 s of a start on a Zen 4, 4 shapes' far less."""
+        (``check=False``): on a Zen 4 the 40 layers packed and checked took 0.13 s of a
+        start, packed and checked once a shape 0.05 s."""
         generator = torch.Generator().manual_seed(0)
         try:
             with torch.inference_mode():
@@ -451,7 +452,7 @@ class Bf16Linear(torch.nn.Module):
         except (AttributeError, RuntimeError, NotImplementedError):
             return False
         self.packed = packed
-        del self.weight  # the plain copy's memory goes: the packed one is as large
+        del self.weight  # the plain copy's memory goes, the packed one in its place
         return True
 
     def _product(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
