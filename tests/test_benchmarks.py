@@ -424,8 +424,9 @@ def test_streams_benchmark_smoke(tiny_model_dir):
         assert first == pytest.approx(
             float(level.split("first audio max ")[1].split()[0]), abs=0.006
         )
-        # the parts do not overlap, so the rest is what they leave (rounded to the ms)
-        assert prefill > 0 and step > 0 and decode > 0 and -0.002 <= rest < first
+        # the parts do not overlap, so the rest is what they leave (rounded to the ms: the tiny
+        # model's one prefill or one decode round can take under half a millisecond, 0.000 s)
+        assert prefill >= 0 and step > 0 and decode >= 0 and -0.002 <= rest < first
         assert prefill + step + decode + rest == pytest.approx(first, abs=0.003)
     # the capacity target in the engine, from the 8-stream levels' worst figures
     firsts = [float(line.split("first audio max ")[1].split()[0]) for line in levels[2:]]
