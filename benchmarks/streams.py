@@ -327,10 +327,11 @@ def report(data: dict) -> str:
     if target:
         lines += target_lines(target, data)
     if "first_chunk_steps" in data:
+        floor_seconds = first_chunk_at_floor(data)
         at_floor = (
             f"; at the read floor (the GPT's int8 layers read once a step, "
-            f"{data['read_floor_ms']:.2f} ms) they take {first_chunk_at_floor(data):.2f} s"
-            if first_chunk_at_floor(data) is not None
+            f"{data['read_floor_ms']:.2f} ms) they take {floor_seconds:.2f} s"
+            if floor_seconds is not None
             else ""
         )
         lines.append(
