@@ -66,28 +66,30 @@ def test_every_candidate_gives_the_same_bits(kernels, shape):
     gives the same bits at every row count; a row's result is its own alone or in a batch.
     (68 inputs: 17 groups, a tail past the one-row chains; 40 channels end inside a block;
     120 channels inside the fourth block of a quad and the eighth of an oct; 2504 x 768: the
-    code head, its last five blocks four at a time and one alone after its octs.)"""
+    code head, its last five blocks four at a time and one alone after its octs. 17 and 25
+    rows: three and four passes over each block, each fetching its share of the next.)"""
     generator = torch.Generator().manual_seed(3)
     packing = Int8Packing(
         torch.randint(-127, 128, shape, dtype=torch.int8, generator=generator),
         torch.rand(shape[0], generator=generator) / 100,
         kernels.int8_instructions,
     )
-    x = torch.randn(10, packing.in_features, generator=generator)
-    residual = torch.randn(10, packing.out_features, generator=generator)
+    x = torch.randn(25, packing.in_features, generator=generator)
+    residual = torch.randn(25, packing.out_features, generator=generator)
     reference = None
     for candidate in _every_tuning(kernels):
         kernels.tuning = candidate.to_abi()
         results = {
             rows: kernels.int8_linear(x[:rows], packing, residual=residual[:rows])
-            for rows in range(1, 11)
+            for rows in (*range(1, 11), 17, 25)
         }
         if reference is None:
-            reference = results[10]
+            reference = results[25]
         for rows, result in results.items():
             assert torch.equal(result, reference[:rows]), (candidate, rows)
-        alone = kernels.int8_linear(x[7:8], packing, residual=residual[7:8])
-        assert torch.equal(alone, reference[7:8]), candidate
+        for row in (7, 20):  # in the first pass of a batch, and in its third
+            alone = kernels.int8_linear(x[row : row + 1], packing, residual=residual[row : row + 1])
+            assert torch.equal(alone, reference[row : row + 1]), (candidate, row)
 
 
 @pytest.mark.parametrize("shape", [(40, 68), (64, 40), (300, 768), (96, 3072)])

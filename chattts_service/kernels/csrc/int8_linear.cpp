@@ -45,6 +45,12 @@ float quantize_row(const float* x, int64_t width, const float* gain, float eps, 
 // find the weights in cache and fetch nothing: side by side on a Zen 4 (AMD EPYC, family 25
 // model 17), 59 and 64 rows took 0.90-0.95 of the time (docs/benchmarks.md).
 constexpr int kNoPrefetch = 2;
+// Past 8 rows, gemm_blocks' passes also fetch their share of the next run of weights
+// (share_of_next_run): the first with T0 ahead of its own reads as well (kT0AndNextRun), the
+// later ones nothing else (kNextRunOnly). Two builds of their own, so the loops of 8 rows or
+// fewer carry no code for it.
+constexpr int kNextRunOnly = 3;
+constexpr int kT0AndNextRun = 4;
 
 // One of a product's three builds by its HINT: non-temporal, T0, or none (kNoPrefetch).
 template <typename Build>
@@ -78,20 +84,29 @@ inline uintptr_t ahead_in_run(const int8_t* at, const int8_t* blocks, int64_t bl
 // next one `step` bytes further (a step of 0: none). One pass prefetches `prefetch_bytes` ahead
 // of its own reads. With more, the first streams the block from memory and the next find it in
 // cache, so prefetching ahead would leave memory idle during those: each pass prefetches its
-// share of the next block instead (the p-th P-th of it, a few bytes a step), and the stream
-// runs through every pass. Side by side on a Zen 3, a pass over the int8 layers at 8 rows
-// (two AVX2 passes) took 8-11% less time, at 41 rows 1.5-2% less.
+// share of the next block instead (the p-th P-th of it, a few bytes a step:
+// share_of_next_run), and the stream runs through every pass. Side by side on a Zen 3, a pass
+// over the int8 layers at 8 rows (two AVX2 passes) took 8-11% less time, at 41 rows 1.5-2%
+// less. (The VNNI product past 8 rows does the same, its shares by rows: gemm.)
 struct PassPrefetch {
     uintptr_t from;
     int64_t step;
 };
 
+// A pass's share of the next run of weights (`run_bytes` from `next_run`), in proportion to
+// its rows (rows [first, first + count) of `rows`), spread over its `steps` steps.
+inline PassPrefetch share_of_next_run(uintptr_t next_run, int64_t run_bytes, int64_t steps,
+                                      int64_t first, int64_t count, int64_t rows) {
+    return {next_run + static_cast<uintptr_t>(run_bytes * first / rows),
+            (run_bytes * count + steps * rows - 1) / (steps * rows)};
+}
+
 inline PassPrefetch pass_prefetch(uintptr_t block_start, int64_t block_bytes, int64_t steps,
                                   int64_t prefetch_bytes, int64_t pass, int64_t passes) {
     if (prefetch_bytes <= 0) return {block_start, 0};
     if (passes == 1) return {block_start + static_cast<uintptr_t>(prefetch_bytes), 64};
-    const int64_t step = (64 + passes - 1) / passes;
-    return {block_start + static_cast<uintptr_t>(block_bytes + pass * steps * step), step};
+    return share_of_next_run(block_start + static_cast<uintptr_t>(block_bytes), block_bytes,
+                             steps, pass, 1, passes);
 }
 
 // The VNNI products' epilogue for one row's int32 sums of a block of 16 channels: the u8 offset
@@ -136,7 +151,7 @@ void gemm_blocks(int64_t k_groups, const uint8_t* xq, int64_t x_stride, const in
                  int64_t block_bytes, const int32_t* offsets, const float* weight_scale,
                  const float* row_max, const float* residual, int64_t residual_stride,
                  float* out, int64_t out_stride, int valid, uintptr_t weights_end,
-                 int64_t prefetch_bytes) {
+                 int64_t prefetch_bytes, PassPrefetch next) {
     static_assert(BLOCKS == 1 || BLOCKS == 2 || BLOCKS == 4 || BLOCKS == 8, "1, 2, 4 or 8 blocks");
     static_assert(ROWS >= 1 && ROWS * BLOCKS <= 16, "at most 16 accumulators");
     __m512i a0 = _mm512_setzero_si512(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0,
@@ -149,11 +164,18 @@ void gemm_blocks(int64_t k_groups, const uint8_t* xq, int64_t x_stride, const in
             h5 = a0, h6 = a0, h7 = a0;
     const uint8_t* x = xq;
     const int8_t* w = blocks;
+    uintptr_t next_at = next.from;
     for (int64_t group = 0; group < k_groups; ++group, x += 4, w += 64) {
         // the weights are read once per call: fetch them ahead of use; at a block's end into
         // the next run's (ahead_in_run), read next, but never past the weights
         const uintptr_t ahead = ahead_in_run<BLOCKS>(w, blocks, block_bytes, prefetch_bytes);
-        if (HINT != kNoPrefetch && prefetch_bytes > 0 &&
+        // a pass of many rows: its share of the next run, into L2 (see gemm)
+        if constexpr (HINT == kNextRunOnly || HINT == kT0AndNextRun) {
+            if (next_at < weights_end)
+                _mm_prefetch(reinterpret_cast<const char*>(next_at), _MM_HINT_T1);
+            next_at += next.step;
+        }
+        if (HINT != kNoPrefetch && HINT != kNextRunOnly && prefetch_bytes > 0 &&
             ahead + (BLOCKS - 1) * block_bytes < weights_end) {
             prefetch_weights<HINT>(ahead);
             if constexpr (BLOCKS >= 2) prefetch_weights<HINT>(ahead + block_bytes);
@@ -261,7 +283,8 @@ void gemm_row(int64_t k_groups, const uint8_t* x, const int8_t* w, const int32_t
 
 using BlockFunction = void (*)(int64_t, const uint8_t*, int64_t, const int8_t*, int64_t,
                                const int32_t*, const float*, const float*, const float*,
-                               int64_t, float*, int64_t, int, uintptr_t, int64_t);
+                               int64_t, float*, int64_t, int, uintptr_t, int64_t,
+                               PassPrefetch);
 template <int BLOCKS, int HINT>
 constexpr BlockFunction kBlockFunctions[9] = {
     nullptr,
@@ -273,6 +296,17 @@ constexpr BlockFunction kBlockFunctions[9] = {
     gemm_blocks<6, BLOCKS, HINT>,
     gemm_blocks<7, BLOCKS, HINT>,
     gemm_blocks<8, BLOCKS, HINT>};
+// gemm_blocks' builds for BLOCKS blocks by their HINT
+template <int BLOCKS>
+const BlockFunction* block_builds(int hint) {
+    switch (hint) {
+        case 0: return kBlockFunctions<BLOCKS, 0>;
+        case 1: return kBlockFunctions<BLOCKS, 1>;
+        case kNextRunOnly: return kBlockFunctions<BLOCKS, kNextRunOnly>;
+        case kT0AndNextRun: return kBlockFunctions<BLOCKS, kT0AndNextRun>;
+        default: return kBlockFunctions<BLOCKS, kNoPrefetch>;
+    }
+}
 template <int HINT>
 constexpr BlockFunction kQuadFunctions[5] = {nullptr, gemm_blocks<1, 4, HINT>,
                                              gemm_blocks<2, 4, HINT>, gemm_blocks<3, 4, HINT>,
@@ -307,9 +341,13 @@ void gemm(int64_t rows, int64_t n, int64_t k, const uint8_t* xq, const int8_t* p
     // More than 8 rows pass over each block again and must find it in cache: a non-temporal
     // prefetch leaves lines in L1 alone, and a block of 1,536 inputs (24 KB, 48 KB a pair)
     // does not stay there, so every pass read it from memory again (the tuning measures 1 and
-    // 8 rows, one pass). So the first pass fetches into every level (T0) and later ones fetch
-    // nothing. Side by side on an Intel Xeon (family 6 model 167) with the default NTA
-    // prefetch, 300 rows of a 512 x 1,536 layer: docs/benchmarks.md.
+    // 8 rows, one pass). So the first pass fetches into every level (T0) (side by side on an
+    // Intel Xeon, family 6 model 167, with the default NTA prefetch, 300 rows of a 512 x
+    // 1,536 layer: docs/benchmarks.md), and every pass fetches its share of the next block or
+    // pair into L2 (share_of_next_run, by its rows): the passes after the first read from
+    // cache, and memory sat idle through them while the next block's first pass waited for
+    // it. Side by side on a Zen 4 (AMD EPYC, family 25 model 17), a step at 12 and 16 rows
+    // took 0.90-0.91 of the time, a 22- and a 59-position prompt 0.93 and 0.97.
     // The HINT every product of this call runs with (by_hint picks its build): none where
     // nothing is fetched, else the tuning's, T0 past 8 rows.
     const int hint = prefetch_bytes == 0                     ? kNoPrefetch
@@ -336,22 +374,23 @@ void gemm(int64_t rows, int64_t n, int64_t k, const uint8_t* xq, const int8_t* p
                 weights_end, prefetch_bytes);
             return;
         }
+        const int64_t run_blocks = both ? 2 : 1;
+        const uintptr_t next_run =
+            reinterpret_cast<uintptr_t>(packed + (block + run_blocks) * block_bytes);
         for (int64_t first = 0; first < rows; first += 8) {
             const int64_t count = rows - first < 8 ? rows - first : 8;
-            const int group_hint = first == 0 ? hint : kNoPrefetch;  // later passes: none
-            const BlockFunction* functions =
-                both ? by_hint<const BlockFunction*>(group_hint, kBlockFunctions<2, 0>,
-                                                     kBlockFunctions<2, 1>,
-                                                     kBlockFunctions<2, kNoPrefetch>)
-                     : by_hint<const BlockFunction*>(group_hint, kBlockFunctions<1, 0>,
-                                                     kBlockFunctions<1, 1>,
-                                                     kBlockFunctions<1, kNoPrefetch>);
-            functions[count](
+            const PassPrefetch next = share_of_next_run(next_run, run_blocks * block_bytes,
+                                                        k / 4, first, count, rows);
+            // past 8 rows (where hint is T0, or nothing) the passes share the next run
+            const int pass_hint = rows <= 8 || hint == kNoPrefetch ? hint
+                                  : first == 0                     ? kT0AndNextRun
+                                                                   : kNextRunOnly;
+            (both ? block_builds<2>(pass_hint) : block_builds<1>(pass_hint))[count](
                 k / 4, xq + first * k, k, packed + block * block_bytes, block_bytes,
                 offsets + block * 16, weight_scale + block * 16, row_max + first,
                 residual == nullptr ? nullptr : residual + first * residual_stride + block * 16,
                 residual_stride, out + first * out_stride + block * 16, out_stride, valid,
-                weights_end, first == 0 ? prefetch_bytes : 0);
+                weights_end, first == 0 ? prefetch_bytes : 0, next);
         }
     };
     // `count` (4 or 8) neighbouring blocks from `block`, side by side
@@ -366,7 +405,7 @@ void gemm(int64_t rows, int64_t n, int64_t k, const uint8_t* xq, const int8_t* p
                         offsets + block * 16, weight_scale + block * 16, row_max,
                         residual == nullptr ? nullptr : residual + block * 16, residual_stride,
                         out + block * 16, out_stride, valid_in(block + count - 1), weights_end,
-                        prefetch_bytes);
+                        prefetch_bytes, PassPrefetch{0, 0});
     };
 #pragma omp parallel for num_threads(threads) schedule(guided)
     for (int64_t task = 0; task < tasks; ++task) {
