@@ -349,7 +349,8 @@ void gemm(int64_t rows, int64_t n, int64_t k, const uint8_t* xq, const int8_t* p
     // it. Side by side on a Zen 4 (AMD EPYC, family 25 model 17), a step at 12 and 16 rows
     // took 0.90-0.91 of the time, a 22- and a 59-position prompt 0.93 and 0.97.
     // The HINT every product of this call runs with (by_hint picks its build): none where
-    // nothing is fetched, else the tuning's, T0 past 8 rows.
+    // nothing is fetched, else the tuning's, T0 past 8 rows (where single blocks and pairs
+    // run the share-fetching builds, block_builds).
     const int hint = prefetch_bytes == 0                     ? kNoPrefetch
                      : tuning.prefetch_hint == 1 || rows > 8 ? 1
                                                              : 0;
@@ -379,12 +380,13 @@ void gemm(int64_t rows, int64_t n, int64_t k, const uint8_t* xq, const int8_t* p
             reinterpret_cast<uintptr_t>(packed + (block + run_blocks) * block_bytes);
         for (int64_t first = 0; first < rows; first += 8) {
             const int64_t count = rows - first < 8 ? rows - first : 8;
-            const PassPrefetch next = share_of_next_run(next_run, run_blocks * block_bytes,
-                                                        k / 4, first, count, rows);
             // past 8 rows (where hint is T0, or nothing) the passes share the next run
-            const int pass_hint = rows <= 8 || hint == kNoPrefetch ? hint
-                                  : first == 0                     ? kT0AndNextRun
-                                                                   : kNextRunOnly;
+            const bool shares = rows > 8 && hint != kNoPrefetch;
+            const int pass_hint = !shares ? hint : first == 0 ? kT0AndNextRun : kNextRunOnly;
+            const PassPrefetch next =
+                shares ? share_of_next_run(next_run, run_blocks * block_bytes, k / 4, first,
+                                           count, rows)
+                       : PassPrefetch{0, 0};
             (both ? block_builds<2>(pass_hint) : block_builds<1>(pass_hint))[count](
                 k / 4, xq + first * k, k, packed + block * block_bytes, block_bytes,
                 offsets + block * 16, weight_scale + block * 16, row_max + first,
