@@ -14,7 +14,7 @@ from chattts_service.inference.generation import (
     sample_with_kernels,
     shape_logits,
 )
-from chattts_service.inference.transformer import KVCache, Transformer
+from chattts_service.inference.transformer import KVCache, PromptFill, Transformer
 from chattts_service.inference.types import CODE_SAMPLING, TEXT_SAMPLING, Sampling
 from chattts_service.kernels import bindings as cpp_kernels
 from chattts_service.kernels import tuning
@@ -385,3 +385,74 @@ def test_a_kept_prompt_beginning_gives_the_bits_of_the_whole_prompt(
     # a prompt no longer than its shared beginning is computed whole and not kept
     model.prefill(beginning, model.new_cache(reserve=8), shared=3)
     assert model.prefixes.misses == 4
+
+
+@pytest.mark.parametrize("quantization", ["int8", "int4"])
+@pytest.mark.parametrize("kv_cache", ["bf16", "int8"])
+def test_a_prompt_prefilled_in_pieces_gives_the_bits_of_the_whole_prompt(
+    tiny_model_dir, quantization, kv_cache
+):
+    """The scheduler prefills a long prompt a few positions at a time between steps: every
+    piece size ends on the hidden state, and holds the cache, of the prompt in one call, with
+    and without a kept beginning (computed by a piece, then copied)."""
+    llama = LlamaModel.from_pretrained(str(tiny_model_dir / "asset/gpt"))
+    torch.manual_seed(9)
+    hidden = llama.config.hidden_size
+    model = Transformer(llama, quantization, "on", kv_cache=kv_cache)
+    assert model.prefills_in_pieces
+    names = ["keys", "values"] + (["key_scales", "value_scales"] if kv_cache == "int8" else [])
+    beginning = torch.randn(3, hidden) * 4
+    prompt = torch.cat([beginning, torch.randn(20, hidden) * 4])
+    whole = model.new_cache(reserve=32)
+    expected = model.prefill(prompt, whole)
+    model.prefixes.clear()
+    for piece, shared in ((1, 0), (2, 3), (7, 3), (7, 3), (22, 0), (40, 0)):
+        cache = model.new_cache(reserve=32)
+        kept_before = len(model.prefixes)
+        fill = PromptFill(model, prompt, cache, shared)
+        copied = fill.done  # a kept beginning, copied rather than computed
+        assert copied == (3 if shared and kept_before else 0)
+        pieces, last = 0, None
+        while last is None:
+            before = fill.done
+            last = fill.run(piece)
+            assert fill.done - before <= piece  # never more than it was allowed
+            pieces += 1
+        assert pieces == -(-(len(prompt) - copied) // piece)
+        assert torch.equal(last, expected), (piece, shared)
+        for name in names:
+            held = len(prompt)
+            assert torch.equal(getattr(cache, name)[:, :, :held], getattr(whole, name)[:, :, :held])
+    # the first prompt with a shared beginning kept it from its pieces; the next two copied it
+    assert (model.prefixes.misses, model.prefixes.hits) == (1, 2)
+
+
+def test_a_paused_sequence_resumes_with_the_samples_it_would_have_drawn(tiny_model_dir):
+    """A row taken back from a sequence (``Batch.pause``) and given back later (``resume``)
+    changes nothing it draws: its cache and generator wait with it."""
+    llama = LlamaModel.from_pretrained(str(tiny_model_dir / "asset/gpt"))
+    hidden = llama.config.hidden_size
+    model = Transformer(llama, "int8", "on")
+    heads = Heads(_FakeEmbed(hidden=hidden), rows=4, quantization="int8", kernels=CPP)
+    torch.manual_seed(3)
+    prompts = [torch.randn(5, hidden), torch.randn(9, hidden)]
+
+    def run(pause_at: int | None) -> list[torch.Tensor]:
+        batch = Batch(model, heads, 4)
+        sequences = [
+            Sequence(prompt, heads, CODE_SAMPLING, seed, 24, 24, eos_token=625)
+            for seed, prompt in enumerate(prompts)
+        ]
+        for sequence in sequences:
+            batch.add(sequence)
+        for step in range(30):
+            if step == pause_at:
+                batch.pause(sequences[1])
+            if pause_at is not None and step == pause_at + 5:
+                batch.resume(sequences[1])
+            batch.step()
+        return [sequence.result_tokens() for sequence in sequences]
+
+    straight, paused = run(None), run(4)
+    for one, other in zip(straight, paused, strict=True):
+        assert len(one) == 24 and torch.equal(one, other)

@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from chattts_service.inference.quantize import KernelLinear, make_linear
-from chattts_service.inference.transformer import Transformer, rounded_positions
+from chattts_service.inference.transformer import PromptFill, Transformer, rounded_positions
 from chattts_service.inference.types import Sampling
 
 NUM_VQ = 4
@@ -104,6 +104,7 @@ class Sequence:
         self.length = 0  # positions held in the KV cache
         self.cache = None  # its KV cache while it is in a batch
         self.finished = False
+        self.filling = None  # its prompt's prefill (a transformer.PromptFill) while under way
         self.shared_prefix = 0  # leading prompt positions other prompts begin with too
 
     @property
@@ -150,6 +151,10 @@ class Sequence:
     def kv_positions(self) -> int:
         """The most KV-cache positions this sequence can ever hold (with chunk rounding)."""
         return rounded_positions(self.prompt.shape[0] + self.max_steps)
+
+    def held_positions(self) -> int:
+        """The KV-cache positions it holds now (with chunk rounding): a paused sequence's."""
+        return rounded_positions(self.length)
 
 
 class TextSequence(Sequence):
@@ -295,6 +300,7 @@ class Batch:
         self.heads = heads
         self.max_rows = max_rows
         self.active: list[Sequence] = []
+        self.filling: list[Sequence] = []  # holding a row while their prompts are prefilled
         self._on_empty = on_empty  # called when the last sequence leaves (memory housekeeping)
         self._last_housekeeping = time.monotonic()
 
@@ -303,10 +309,11 @@ class Batch:
 
     @property
     def free_rows(self) -> int:
-        return self.max_rows - len(self.active)
+        return self.max_rows - len(self.active) - len(self.filling)
 
     def reserved_positions(self) -> int:
-        return sum(sequence.kv_positions() for sequence in self.active)
+        """The KV-cache positions the sequences stepping or being prefilled may come to hold."""
+        return sum(sequence.kv_positions() for sequence in (*self.active, *self.filling))
 
     def _accept(self, sequences: list[Sequence], hiddens: torch.Tensor) -> None:
         for kind in ("code", "text"):
@@ -322,15 +329,48 @@ class Batch:
     @torch.inference_mode()
     def add(self, sequence: Sequence) -> None:
         """Prefill the prompt and sample the first token; the sequence joins if not finished."""
+        self.begin(sequence)
+        self.fill(sequence)
+
+    def begin(self, sequence: Sequence) -> None:
+        """Give the sequence its KV cache and start its prefill (``fill`` runs it); it holds
+        a row from here."""
         if not self.free_rows:
             raise RuntimeError("batch is full")
         sequence.cache = self.transformer.new_cache(reserve=sequence.kv_positions())
-        hidden = self.transformer.prefill(sequence.prompt, sequence.cache, sequence.shared_prefix)
+        sequence.filling = PromptFill(
+            self.transformer, sequence.prompt, sequence.cache, sequence.shared_prefix
+        )
+        self.filling.append(sequence)
+
+    @torch.inference_mode()
+    def fill(self, sequence: Sequence, limit: int | None = None) -> int:
+        """Prefill up to ``limit`` more of the sequence's prompt positions (all when None);
+        once the whole prompt is in, sample the first token and let the sequence join (unless
+        that token ended it: ``finished``). Returns the positions prefilled."""
+        filling = sequence.filling
+        before = filling.done
+        hidden = filling.run(limit)
+        if hidden is None:
+            return filling.done - before
+        self.filling.remove(sequence)
+        sequence.filling = None
         sequence.length = sequence.prompt.shape[0]
         self._accept([sequence], hidden[None])
         self.active.append(sequence)
         if sequence.finished:
             self.remove([sequence])
+        return filling.done - before
+
+    def pause(self, sequence: Sequence) -> None:
+        """Take an active sequence out of the steps, keeping its cache and generator: ``resume``
+        puts it back where it was (its samples are as if it had never left)."""
+        self.active.remove(sequence)
+
+    def resume(self, sequence: Sequence) -> None:
+        if not self.free_rows:
+            raise RuntimeError("batch is full")
+        self.active.append(sequence)
 
     @torch.inference_mode()
     def step(self) -> list[Sequence]:
@@ -387,14 +427,19 @@ class Batch:
         return head.packing
 
     def remove(self, leaving: list[Sequence]) -> list[Sequence]:
+        """Sequences leave for good (stepping, being prefilled, or paused): their caches go."""
         for sequence in leaving:
-            self.active.remove(sequence)
-            sequence.cache = None
+            if sequence in self.active:
+                self.active.remove(sequence)
+            elif sequence in self.filling:
+                self.filling.remove(sequence)
+            sequence.cache = sequence.filling = None
         if (
             leaving
             and self._on_empty is not None
             and (
-                not self.active or time.monotonic() - self._last_housekeeping > HOUSEKEEPING_SECONDS
+                not (self.active or self.filling)
+                or time.monotonic() - self._last_housekeeping > HOUSEKEEPING_SECONDS
             )
         ):
             # when the batch empties, and at least every HOUSEKEEPING_SECONDS under steady load

@@ -382,27 +382,23 @@ class Transformer:
     @torch.inference_mode()
     def prefill(self, embeddings: torch.Tensor, cache: KVCache, shared: int = 0) -> torch.Tensor:
         """Run one sequence's prompt [length, hidden] into its empty ``cache``; return the last
-        position's hidden state. ``shared``: how many of its first positions begin other
-        prompts too; where the kernels run the layers, their keys and values are kept
-        (``prefixes``) and copied, not computed again, when a prompt begins with the same
-        embeddings: the same bits, as a position's keys and values depend on its own and the
-        earlier positions' embeddings alone."""
+        position's hidden state (``PromptFill`` run whole). ``shared``: how many of its first
+        positions begin other prompts too; where the kernels run the layers, their keys and
+        values are kept (``prefixes``) and copied, not computed again, when a prompt begins
+        with the same embeddings: the same bits, as a position's keys and values depend on its
+        own and the earlier positions' embeddings alone."""
+        return PromptFill(self, embeddings, cache, shared).run()
+
+    @property
+    def prefills_in_pieces(self) -> bool:
+        """Whether a prompt can be prefilled a few positions at a time (``PromptFill.run``
+        with a limit): where the kernels run the layers, each position attends to the cache
+        as the whole prompt's would, so pieces give the whole prompt's bits. Torch's path
+        prefills a prompt in one call."""
+        return self.decode_layers is not None
+
+    def _prefill_with_torch(self, embeddings: torch.Tensor, cache: KVCache) -> torch.Tensor:
         length = embeddings.shape[0]
-        if length > self.max_positions:
-            raise ValueError(f"prompt of {length} tokens exceeds {self.max_positions} positions")
-        cache.ensure(length)
-        if self.decode_layers is not None:
-            x = embeddings.to(torch.float32, copy=True).contiguous()
-            if not 0 < shared < length:
-                return self.norm(self.decode_layers.prompt(x, cache)[-1])
-            key = self.prefixes.key(x[:shared])
-            held = self.prefixes.get(key)
-            if held is None:  # the whole prompt in one call (one pass over the weights)
-                last = self.decode_layers.prompt(x, cache)[-1]
-                self.prefixes.put(key, cache.snapshot(shared))
-                return self.norm(last)
-            cache.restore(held)
-            return self.norm(self.decode_layers.prompt(x[shared:], cache, shared)[-1])
         cos, sin = self.cos[:length][None, None], self.sin[:length][None, None]
         x = embeddings.float()[None]
         for index, layer in enumerate(self.layers):
@@ -491,3 +487,58 @@ class Transformer:
             self._attend_per_row(index, q, k, v, caches, lengths, attended)
             x = self._finish(layer, x, attended)
         return self.norm(x[:, 0])
+
+
+class PromptFill:
+    """One prompt's prefill into its sequence's ``cache``, whole or a few positions at a time
+    (``run(limit)``), so a long prompt (a voice's recorded sample, a long segment) never holds
+    the other rows for longer than a piece takes. Where the kernels run the layers, the
+    positions ``0..done`` are in the cache before each piece, and each new position attends to
+    them and to the piece's earlier ones: the bits of the whole prompt in one call (tested).
+    A beginning other prompts share (``shared``) is copied from the transformer's kept
+    prefixes when held, and kept once computed."""
+
+    def __init__(
+        self, transformer: Transformer, embeddings: torch.Tensor, cache: KVCache, shared=0
+    ):
+        length = embeddings.shape[0]
+        if length > transformer.max_positions:
+            raise ValueError(
+                f"prompt of {length} tokens exceeds {transformer.max_positions} positions"
+            )
+        self.transformer, self.cache, self.length = transformer, cache, length
+        self.done = 0  # positions in the cache
+        self._embeddings = embeddings
+        self._prefix_key = None  # a shared beginning to keep once computed
+        self._shared = shared
+        cache.ensure(length)
+        if transformer.decode_layers is None:
+            return
+        self._x = embeddings.to(torch.float32, copy=True).contiguous()
+        if 0 < shared < length:
+            key = transformer.prefixes.key(self._x[:shared])
+            held = transformer.prefixes.get(key)
+            if held is None:
+                self._prefix_key = key
+            else:
+                cache.restore(held)
+                self.done = shared
+
+    @property
+    def remaining(self) -> int:
+        return self.length - self.done
+
+    def run(self, limit: int | None = None) -> torch.Tensor | None:
+        """Prefill up to ``limit`` more positions (all when None, or where pieces are not
+        possible); the last position's hidden state once the whole prompt is in, else None."""
+        transformer = self.transformer
+        if transformer.decode_layers is None:
+            self.done = self.length
+            return transformer._prefill_with_torch(self._embeddings, self.cache)
+        end = self.length if limit is None else min(self.length, self.done + max(1, limit))
+        out = transformer.decode_layers.prompt(self._x[self.done : end], self.cache, self.done)
+        if self._prefix_key is not None and self.done < self._shared <= end:
+            transformer.prefixes.put(self._prefix_key, self.cache.snapshot(self._shared))
+            self._prefix_key = None
+        self.done = end
+        return transformer.norm(out[-1]) if end == self.length else None
