@@ -437,13 +437,15 @@ def test_streams_benchmark_smoke(tiny_model_dir):
     )
     assert match and float(match[1]) == max(firsts), targets
     assert match[2] == ("ok" if max(firsts) <= 1 else "MISSED")
+    from chattts_service.tools.loadtest import TOLERANCE_SECONDS
+
     match = re.match(
-        r"  8 streams at once: each within 0.1 s of playback +: ([\d.]+) s behind at most  "
-        r"(ok|MISSED)$",
+        rf"  8 streams at once: each within {TOLERANCE_SECONDS:g} s of playback +: ([\d.]+) s "
+        r"behind at most  (ok|MISSED)$",
         targets[1],
     )
     assert match and float(match[1]) == pytest.approx(max(behinds), abs=1e-3), targets
-    assert match[2] == ("ok" if float(match[1]) <= 0.1 else "MISSED")
+    assert match[2] == ("ok" if float(match[1]) <= TOLERANCE_SECONDS else "MISSED")
 
 
 def test_streams_target_says_what_a_missed_first_audio_was_made_of():
@@ -452,7 +454,7 @@ def test_streams_target_says_what_a_missed_first_audio_was_made_of():
 
     parts = {"step_seconds": 0.83, "prefill_seconds": 0.38, "decode_seconds": 0.22}
     level = {"streams": 8, "first_audio_max": 1.45, "behind_max": 0.02, "first_audio_parts": parts}
-    fast = {**level, "first_audio_max": 0.9, "behind_max": 0.3}
+    fast = {**level, "first_audio_max": 0.9, "behind_max": 0.35}
     data = {"read_floor_ms": 6.5, "first_chunk_steps": 64}
     lines = target_lines([fast, level], data)
     assert lines[0] == "targets:"
@@ -461,7 +463,7 @@ def test_streams_target_says_what_a_missed_first_audio_was_made_of():
         ": 1.45 s  MISSED (its steps 0.83 s, 0.42 s at the read floor; its prefills 0.38 s; "
         "its decode rounds 0.22 s)"
     )
-    assert lines[2].endswith(": 0.300 s behind at most  MISSED")
+    assert lines[2].endswith(": 0.350 s behind at most  MISSED")
     held = target_lines([fast | {"behind_max": 0.05}], data)
     assert held[1].endswith(": 0.90 s  ok") and held[2].endswith(": 0.050 s behind at most  ok")
 

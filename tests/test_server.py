@@ -417,6 +417,44 @@ def test_bench_capacity_search_reports_the_largest_level_that_held(server):
     assert report["playback_streams"] == max(kept_up, default=0) >= report["capacity_streams"]
 
 
+def test_bench_mix_measures_streams_and_long_texts_alone_and_together(server):
+    mixed = _bench(
+        server,
+        "--mix",
+        "--bulk",
+        "2",
+        "--interactive",
+        "1",
+        "--streams",
+        "2",
+        "--interval",
+        "0.05",
+        "--bulk-text",
+        "第一句话。第二句话讲了别的。第三句话也很短。",
+        "--mark-bulk",
+        "--json",
+    )
+    assert mixed.returncode == 0, mixed.stderr
+    report = json.loads(mixed.stdout)
+    alone, bulk, mix = report["interactive_alone"], report["bulk_alone"], report["mix"]
+    assert alone["streams_ok"] == alone["streams"] == 2 and alone["first_audio_p95"] > 0
+    assert bulk["streams"] == 0 and bulk["bulk_ok"] == bulk["bulk_requests"] == 2
+    assert bulk["bulk_audio_per_wall_second"] > 0 and bulk["bulk_audio_seconds"] > 0
+    # the streamers keep sending for as long as the long texts run: at least one each
+    assert mix["bulk_ok"] == 2 and mix["streams_ok"] >= 1 and not mix["errors"]
+    assert report["first_audio_p95_ratio"] == pytest.approx(
+        mix["first_audio_p95"] / alone["first_audio_p95"]
+    )
+    assert report["bulk_throughput_ratio"] == pytest.approx(
+        mix["bulk_audio_per_wall_second"] / bulk["bulk_audio_per_wall_second"]
+    )
+    assert report["cpu"] and report["tolerance_seconds"] == 0.3
+    text = _bench(server, "--mix", "--streams", "1", "--bulk", "1", "--bulk-text", "短句。")
+    assert text.returncode == 0, text.stderr
+    assert "first audio p95 in the mix / alone" in text.stdout
+    assert "bulk throughput in the mix / alone" in text.stdout
+
+
 def test_warmup_script_against_the_server(server):
     result = subprocess.run(
         [sys.executable, "warmup.py", "--url", server.url],
