@@ -64,6 +64,9 @@ def build_state(settings: Settings, engine: Engine | None = None) -> ServiceStat
         step_observer=metrics.observe_step,
         decode_observer=metrics.observe_decode,
         prefill_observer=metrics.observe_prefill,
+        stall_observer=metrics.observe_stall,
+        admitted_observer=metrics.observe_admitted,
+        taken_back_observer=metrics.observe_taken_back,
     )
     state = ServiceState(
         settings=settings,

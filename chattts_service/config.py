@@ -304,6 +304,22 @@ class Settings:
     max_queue: int = _env_field(
         "MAX_QUEUE", 64, "requests that may wait for the model; more get 503", low=1, high=4096
     )
+    bulk_min_rows: int = _env_field(
+        "BULK_MIN_ROWS",
+        1,
+        "rows bulk work (a long text's later segments, requests marked bulk) keeps whenever it "
+        "has work, however much interactive work waits",
+        low=0,
+        high=64,
+    )
+    stall_budget_ms: int = _env_field(
+        "STALL_BUDGET_MS",
+        40,
+        "how long the running rows may wait between two steps for a prompt's prefill, which "
+        "runs a piece at a time within it",
+        low=5,
+        high=10_000,
+    )
     kv_cache_mb: int = _env_field(
         "KV_CACHE_MB", 768, "KV-cache budget; requests wait rather than exceed it", low=64
     )

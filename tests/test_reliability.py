@@ -356,11 +356,13 @@ def test_batching_can_be_tuned_on_a_running_server(keyed):
     assert requests.get(keyed.url + "/admin/config", timeout=10).status_code == 401
     shown = requests.get(keyed.url + "/admin/config", headers=auth, timeout=10).json()
     assert shown["current"]["max_batch"] == 8 and shown["limits"]["max_batch"]["max"] == 8
+    assert shown["current"]["bulk_min_rows"] == 1 and shown["current"]["stall_budget_ms"] == 40
+    assert shown["scheduling"][0].startswith("interactive") and len(shown["scheduling"]) == 4
     changed = requests.post(
         keyed.url + "/admin/config",
         headers=auth,
         timeout=10,
-        json={"max_batch": 2, "batch_wait_ms": 10, "max_queue": 5},
+        json={"max_batch": 2, "batch_wait_ms": 10, "max_queue": 5, "stall_budget_ms": 25},
     )
     assert changed.status_code == 200
     assert changed.json()["current"] == {
@@ -368,7 +370,10 @@ def test_batching_can_be_tuned_on_a_running_server(keyed):
         "batch_wait_ms": 10,
         "max_queue": 5,
         "max_wait_s": 120,
+        "bulk_min_rows": 1,
+        "stall_budget_ms": 25,
     }
+    assert metric(keyed, "chatts_config", 'setting="stall_budget_ms"') == 25
     assert metric(keyed, "chatts_config", 'setting="max_batch"') == 2
     assert metric(keyed, "chatts_config", 'setting="max_queue"') == 5
     # the new bound holds: 8 segments do not fit a queue of 5
@@ -397,7 +402,7 @@ def test_batching_can_be_tuned_on_a_running_server(keyed):
         keyed.url + "/admin/config",
         headers=auth,
         timeout=10,
-        json={"max_batch": 8, "batch_wait_ms": 0, "max_queue": 64},
+        json={"max_batch": 8, "batch_wait_ms": 0, "max_queue": 64, "stall_budget_ms": 40},
     )
 
 

@@ -54,6 +54,14 @@ class ApiKeys:
             matched |= hmac.compare_digest(presented, digest)
         return matched and scheme.lower() == "bearer"
 
+    def name(self, authorization: str | None) -> str | None:
+        """A name for the key a request presented (its digest's first 12 hex digits, never
+        the key): the scheduler shares rows per key. None with no keys configured."""
+        if not self._digests:
+            return None
+        _, _, token = (authorization or "").partition(" ")
+        return hashlib.sha256(token.strip().encode("utf-8")).hexdigest()[:12]
+
     @staticmethod
     def is_open(path: str, protect_metrics: bool) -> bool:
         if path in OPEN_PATHS or path.startswith(OPEN_PREFIXES):

@@ -43,6 +43,7 @@ from chattts_service.domain.text import (
     normalise_text,
 )
 from chattts_service.domain.voices import MAX_BLEND_PARTS, MAX_EMBEDDING_CHARS, NAME
+from chattts_service.inference.fairness import PRIORITIES
 from chattts_service.inference.types import CODE_SAMPLING
 from chattts_service.services.audio import FORMATS, STREAM_FORMATS
 from chattts_service.services.captions import CAPTION_FORMATS
@@ -58,6 +59,11 @@ MODEL_IDS = ("chattts", "tts-1", "tts-1-hd", "gpt-4o-mini-tts", "gpt-4o-mini-tts
 # OpenAI's free-text voice instructions: taken (and not applied) up to this length
 MAX_INSTRUCTIONS_CHARS = 4096
 STREAM_FORMAT_CHOICES = ("audio", "sse")  # OpenAI's: raw audio, or Server-Sent Events
+PRIORITY_DESCRIPTION = (
+    "How the box shares itself: `interactive` goes before `bulk` (a nightly batch, a long "
+    "document nobody listens to yet). Default (or the `X-Priority` header): streams and the "
+    "first segment of a whole answer interactive, a whole answer's later segments bulk."
+)
 # The voices a request may name change at run time: the document puts a reference to its
 # component of them (``voice_schema``, built when the document is) where this key stands.
 VOICE_MARK = "x-voice"
@@ -344,6 +350,9 @@ def speech_bodies(settings: Settings) -> SpeechBodies:
         stream_format: Annotated[
             Literal[STREAM_FORMAT_CHOICES] | None, Field(description=STREAM_FORMAT_DESCRIPTION)
         ] = "audio"
+        priority: Annotated[Literal[PRIORITIES] | None, Field(description=PRIORITY_DESCRIPTION)] = (
+            None
+        )
 
         # the field naming the audio format, in this body's spelling
         FORMAT_FIELD: ClassVar[str] = "format"
@@ -718,6 +727,9 @@ class Limit(Answer):
 class Tuning(Answer):
     current: dict[str, int]
     limits: dict[str, Limit] | None = None
+    scheduling: list[str] | None = Field(
+        None, description="The order in which the scheduler gives rows, rule by rule"
+    )
 
 
 class Alive(Answer):

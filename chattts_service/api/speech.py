@@ -17,9 +17,10 @@ from collections.abc import Callable
 from flask import Response, current_app, g, request
 
 from chattts_service.api import validation
-from chattts_service.api.errors import ApiError, NotReady, from_engine_error
+from chattts_service.api.errors import ApiError, BadRequest, NotReady, from_engine_error
 from chattts_service.api.models import CaptionedSpeech as CaptionedAnswer
 from chattts_service.api.models import SpeechAudioDelta, SpeechAudioDone, Usage
+from chattts_service.inference.fairness import PRIORITIES
 from chattts_service.inference.types import SAMPLE_RATE, SAMPLES_PER_STEP, EngineError
 from chattts_service.runtime.metrics import Metrics
 from chattts_service.services import captions
@@ -65,7 +66,12 @@ def speak(parse) -> Response:
         synthesis_request, output = parse(body, state.settings, state.engine.voices)
         # accepted, so not refused: ChatTTS cannot follow them, and the answer will say so
         g.instructions_ignored = bool(body.get("instructions"))
-        plan = pipeline.plan(synthesis_request, degraded=state.degraded)
+        plan = pipeline.plan(
+            synthesis_request,
+            degraded=state.degraded,
+            priority=output.priority or _header_priority(),
+            tenant=state.api_keys.name(request.headers.get("Authorization")),
+        )
         g.degraded = plan.degraded
         should_stop = client_gone(request.environ)
         try:
@@ -94,6 +100,23 @@ def speak(parse) -> Response:
     except BaseException:
         record.finish(500)
         raise
+
+
+def _header_priority() -> str | None:
+    """``X-Priority: interactive|bulk`` (for clients that cannot add a body field, such as
+    OpenAI's); the body's ``priority`` wins."""
+    asked = request.headers.get(PRIORITY_HEADER)
+    if asked is None:
+        return None
+    asked = asked.strip().lower()
+    if asked not in PRIORITIES:
+        raise BadRequest(
+            f"{PRIORITY_HEADER} must be one of {', '.join(PRIORITIES)}, not {asked[:40]!r}"
+        )
+    return asked
+
+
+PRIORITY_HEADER = "X-Priority"
 
 
 def _input_tokens(state, plan) -> int:

@@ -216,9 +216,6 @@ def _speech(
     )
     audio_format, asked = body.audio_format, body.model_fields_set
     stream_format = body.stream_format if "stream_format" in asked else None
-    # asked for: chunks from the first steps on; by default, a segment at a time (as cheap as
-    # a whole answer)
-    early = ("stream" in asked and body.stream) or stream_format is not None
     if "stream" in asked:
         stream = body.stream
     else:
@@ -226,7 +223,9 @@ def _speech(
     events = stream_format == "sse"
     # events carry the audio as it is decoded where the format streams, else the whole file
     stream = stream or (events and audio_format in STREAM_FORMATS)
-    return request, Output(format=audio_format, stream=stream, events=events, early=early)
+    return request, Output(
+        format=audio_format, stream=stream, events=events, priority=body.priority
+    )
 
 
 def synthesize_request(
@@ -255,5 +254,10 @@ def captioned_speech_request(
     request, output = _speech(parsed, parsed.input, voices, default_stream=False)
     return (
         replace(request, sentence_segments=True),
-        Output(format=output.format, stream=False, captions=parsed.caption_format),
+        Output(
+            format=output.format,
+            stream=False,
+            captions=parsed.caption_format,
+            priority=output.priority,
+        ),
     )

@@ -11,6 +11,7 @@ ChatTTS's decoder and vocoder make audio (``decoding``). No HTTP here: the API l
 
 from __future__ import annotations
 
+import itertools
 import logging
 import threading
 import time
@@ -23,6 +24,7 @@ from chattts_service.config import Settings
 from chattts_service.domain.text import Normaliser
 from chattts_service.domain.voices import SpeakerSample, VoiceStore
 from chattts_service.inference.admission import Admission
+from chattts_service.inference.fairness import segment_priority
 from chattts_service.inference.job import SynthesisJob
 from chattts_service.inference.policy import BatchingPolicy
 from chattts_service.inference.run import Run
@@ -46,18 +48,36 @@ WARMUP_MAX_STEPS = 12
 
 class Engine:
     def __init__(
-        self, settings: Settings, step_observer=None, decode_observer=None, prefill_observer=None
+        self,
+        settings: Settings,
+        step_observer=None,
+        decode_observer=None,
+        prefill_observer=None,
+        stall_observer=None,
+        admitted_observer=None,
+        taken_back_observer=None,
     ):
         """``step_observer(rows, seconds)`` is called after every GPT step,
         ``decode_observer(items, seconds)`` after every round of audio decoding,
         ``prefill_observer(positions, seconds)`` after every prompt's prefill (with its first
-        token)."""
+        token), ``stall_observer(seconds)`` for every gap between two steps of a running batch,
+        ``admitted_observer(priority, seconds)`` when a segment gets its first row after
+        waiting that long, ``taken_back_observer(priority)`` when a segment of that class takes
+        a running one's row."""
         self.settings = settings
         self._decode_observer = decode_observer
         self.decodes = None  # a decoding.DecodeQueue once loaded
         self.policy = BatchingPolicy.from_settings(settings)
         self.admission = Admission(self.policy)
-        self.scheduler = Scheduler(self.policy, on_step=step_observer, on_prefill=prefill_observer)
+        self.scheduler = Scheduler(
+            self.policy,
+            on_step=step_observer,
+            on_prefill=prefill_observer,
+            on_stall=stall_observer,
+            on_admitted=admitted_observer,
+            on_taken_back=taken_back_observer,
+        )
+        self._requests = itertools.count()  # each request's number in the scheduler's shares
         self.model = None  # a loader.LoadedModel once loaded
         self.prompts = None  # a prompts.Prompts once loaded
         self.voices: VoiceStore | None = None
@@ -199,28 +219,35 @@ class Engine:
         fixed_steps: int | None = None,
         stream: bool = False,
         step_cap: int | None = None,
-        early: bool = True,
+        priority: str | None = None,
+        tenant: str | None = None,
     ) -> Run:
         """Queue every segment of a request; they generate together, in one batch when
         there is room. Raises Overloaded when the queue cannot take them all or the estimated
         wait is longer than the policy allows. ``step_cap`` lowers the per-segment step
-        cap (degraded mode). A stream sends chunks from its first steps on when ``early``,
-        else each segment's audio once it is decoded whole."""
+        cap (degraded mode). A stream sends chunks from its first steps on. ``priority``
+        (``interactive`` or ``bulk``; None: by its shape, see ``fairness.segment_priority``)
+        and ``tenant`` (its API key's name, where keys are configured) place its segments in
+        the scheduler's shares."""
         if self.model is None:
             raise EngineError("model is not loaded")
         segments, layout = self.prompts.split(request)
         voice = request.voice if request.voice is not None else self.voices.from_seed(request.seed)
         speaker = voice.speaker
+        number = next(self._requests)
         if (
             self.settings.long_text_voice == "first_segment"
             and len(segments) > 1
             and voice.sample is None
         ):
-            speaker = self._first_segment_sample(segments[0], request, voice, fixed_steps, step_cap)
-        jobs = [
-            self._job(text, request, speaker, fixed_steps, stream, step_cap, early)
-            for text in segments
-        ]
+            speaker = self._first_segment_sample(
+                segments[0], request, voice, fixed_steps, step_cap, (priority, tenant, number)
+            )
+        jobs = []
+        for index, text in enumerate(segments):
+            job = self._job(text, request, speaker, fixed_steps, stream, step_cap)
+            job.placement = (segment_priority(priority, stream, index), tenant, number, index)
+            jobs.append(job)
         self.admission.check(self.scheduler, len(jobs))
         run = Run(jobs, self.settings.segment_pause_ms / 1000.0, layout)
         try:
@@ -231,7 +258,7 @@ class Engine:
             raise Overloaded(str(error)) from None
         return run
 
-    def _job(self, text, request, speaker, fixed_steps, stream, step_cap, early=True):
+    def _job(self, text, request, speaker, fixed_steps, stream, step_cap):
         """One segment's job, its time fed to the admission's wait estimate."""
         return SynthesisJob(
             self.prompts,
@@ -243,16 +270,19 @@ class Engine:
             stream,
             step_cap,
             on_finished=self.admission.job_finished,
-            early=early,
             lookahead=self.settings.stream_lookahead,
         )
 
-    def _first_segment_sample(self, text, request, voice, fixed_steps, step_cap) -> SpeakerSample:
+    def _first_segment_sample(
+        self, text, request, voice, fixed_steps, step_cap, placement
+    ) -> SpeakerSample:
         """Upstream's long text (``Chat.infer(split_text=True)``): the first segment alone in
         the voice, its audio encoded as a recording (``sample_audio_speaker``), and that with
         the first segment's words as the sample every segment is then spoken from, the
         embedding kept as well. Waits for that segment here, on the caller's thread."""
         reference = self._job(text, request, voice.embedding, fixed_steps, False, step_cap)
+        priority, tenant, number = placement
+        reference.placement = (segment_priority(priority, False, 0), tenant, number, 0)
         self.admission.check(self.scheduler, 1)
         run = Run([reference], 0.0)
         try:

@@ -11,8 +11,8 @@ a chunk costs its own frames rather than its window and context again.
 
 A stream's chunks follow its listener: the first as soon as it can be decoded (a little
 earlier to join a decode that runs anyway), the second as soon as as many steps wait, then the
-next when what has been sent runs low (``LOW_WATER_SECONDS`` of audio ahead of a player that
-started at the first chunk), or when a decode runs anyway and joining it pays, or when the
+next when what has been sent runs low (``low_water_seconds`` of audio ahead of a player that
+started at the first chunk: more where its steps come slower or stall), or when a decode runs anyway and joining it pays, or when the
 chunk has grown to ``MAX_CHUNK_STEPS``. A stream ahead of its listener waits for a bigger
 piece, so the fixed cost of each decode round weighs less per second of audio.
 
@@ -69,6 +69,11 @@ JOIN_CHUNK_STEPS = 16
 MAX_CHUNK_STEPS = 128
 LOW_WATER_SECONDS = 0.6
 HIGH_WATER_SECONDS = 2.0
+# On a busy box the low water rises with what the stream measures (``low_water_seconds``): the
+# time its next chunk of LOW_CHUNK_STEPS takes at its recent pace, slowed by PACE_MARGIN, plus
+# the longest gap between two of its steps lately (a stall: prefill pieces, decode rounds, its
+# row taken back), which halves every WORST_GAP_HALF_LIFE seconds, plus DRY_MARGIN_SECONDS.
+WORST_GAP_HALF_LIFE = 5.0
 # Below its low water a stream waits for its chunk's size only while its listener would still
 # hold DRY_MARGIN_SECONDS (about a decode round and a step) once the missing steps arrive at the
 # stream's own pace; otherwise it sends what waits, FIRST_CHUNK_STEPS at least. On a slow host
@@ -97,6 +102,13 @@ def catch_up_seconds(step_seconds: float, context_steps: int, lookahead: int) ->
     generated, then its own ``FIRST_CHUNK_STEPS``, then its decode."""
     steps = context_steps - lookahead + FIRST_CHUNK_STEPS
     return CATCH_UP_MARGIN * steps * step_seconds + CATCH_UP_SECONDS
+
+
+def low_water_seconds(step_seconds: float, worst_gap: float) -> float:
+    """The audio a stream keeps ahead of its listener before it asks for its next chunk: at
+    least ``LOW_WATER_SECONDS``, more where its steps come slower or a recent stall was long."""
+    needed = PACE_MARGIN * LOW_CHUNK_STEPS * step_seconds + worst_gap + DRY_MARGIN_SECONDS
+    return max(LOW_WATER_SECONDS, needed)
 
 
 def later_chunk_due(
@@ -153,7 +165,6 @@ class SynthesisJob:
         stream: bool,
         step_cap: int | None = None,
         on_finished: Callable[[float], None] | None = None,
-        early: bool = True,
         lookahead: int = 0,
     ):
         self.prompts, self.decodes = prompts, decoder
@@ -164,12 +175,14 @@ class SynthesisJob:
         self.on_finished = on_finished
         self.started: float | None = None
         self.future = JobFuture()
+        # its place in the scheduler's shares: (class, API key, request, index), set by the
+        # engine (``fairness.Share``)
+        self.placement: tuple | None = None
         self.chunks: queue.SimpleQueue | None = queue.SimpleQueue() if stream else None
-        self.early = early  # a stream: chunks as it generates, else its whole audio at the end
         self._parts: list[np.ndarray] = []
         # where the decoder's stages are between this stream's chunks (None: it decodes each
         # chunk's window with its context again)
-        self._stream = decoder.decoder.stream() if stream and early else None
+        self._stream = decoder.decoder.stream() if stream else None
         self._emitted = 0  # steps whose audio has been asked for
         self._runs_out: float | None = None  # when the listener's audio runs out
         self._asked = 0  # chunks asked for
@@ -178,6 +191,7 @@ class SynthesisJob:
         self._exact_samples = 0  # samples the stream's exact decodes have given so far
         self._last_step: float | None = None
         self._step_seconds = 0.0  # recent time between two steps of this stream (smoothed)
+        self._worst_gap = 0.0  # the longest time between two of its steps lately (decaying)
 
     def start(self):
         self.started = time.monotonic()
@@ -200,10 +214,10 @@ class SynthesisJob:
     def progress(self, sequence, joining: bool = False) -> bool:
         """After a step: ask for the next chunk if it is due (``joining``: a decode runs anyway
         this time, so a smaller chunk is worth sending); whether it did."""
-        if self.chunks is None or not self.early or sequence.kind != "code":
+        if self.chunks is None or sequence.kind != "code":
             return False
-        low_water = LOW_WATER_SECONDS
         self._time_step()
+        low_water = low_water_seconds(self._step_seconds, self._worst_gap)
         if not self._exact:
             catch_up = catch_up_seconds(self._step_seconds, self.context_steps, self.lookahead)
             if self._asked and (
@@ -242,6 +256,7 @@ class SynthesisJob:
             self._step_seconds = (
                 gap if not self._step_seconds else 0.8 * self._step_seconds + 0.2 * gap
             )
+            self._worst_gap = max(gap, self._worst_gap * 0.5 ** (gap / WORST_GAP_HALF_LIFE))
         self._last_step = now
 
     def _emit(self, sequence, until: int, final: bool, then=None) -> None:
@@ -301,7 +316,7 @@ class SynthesisJob:
             return self._code_sequence()
         if finished.steps == 0:
             raise EngineError("the model ended speech before producing any audio")
-        if self.chunks is not None and self.early:
+        if self.chunks is not None:
 
             def streamed() -> None:
                 self.chunks.put(None)
@@ -310,13 +325,13 @@ class SynthesisJob:
             self._emit(finished, finished.steps, final=True, then=streamed)
             return None
 
-        def whole(audio: np.ndarray) -> None:
-            if self.chunks is not None:  # a stream that takes its audio a segment at a time
-                self.chunks.put(audio)
-                self.chunks.put(None)
-            self._finish(finished, audio)
-
-        self.decodes.submit(finished.result_hiddens(), 0, None, whole, self._failed)
+        self.decodes.submit(
+            finished.result_hiddens(),
+            0,
+            None,
+            lambda audio: self._finish(finished, audio),
+            self._failed,
+        )
         return None
 
     def _finish(self, finished, audio: np.ndarray) -> None:

@@ -1,8 +1,10 @@
 """The batching policy: one object owns the knobs that shape batching and admission.
 
 How many requests generate together (``max_batch``), how long an idle scheduler waits for more
-(``batch_wait_ms``), how many may queue (``max_queue``) and how long an estimated wait may be
-before a request is refused at once (``max_wait_s``). The scheduler and the admission check
+(``batch_wait_ms``), how many may queue (``max_queue``), how long an estimated wait may be
+before a request is refused at once (``max_wait_s``), the rows bulk work keeps whatever waits
+(``bulk_min_rows``, see ``fairness``) and how long a prefill may hold the running rows between
+two steps (``stall_budget_ms``). The scheduler and the admission check
 read it at every decision; ``/admin/config`` reads and tunes it through ``snapshot`` and
 ``tune``. Bounds come from the settings' declarations, except ``max_batch``, which can only go
 down from its configured value (the heads are built for that many rows).
@@ -14,7 +16,14 @@ import threading
 
 from chattts_service.config import Bounds, Settings
 
-KNOBS = ("max_batch", "batch_wait_ms", "max_queue", "max_wait_s")
+KNOBS = (
+    "max_batch",
+    "batch_wait_ms",
+    "max_queue",
+    "max_wait_s",
+    "bulk_min_rows",
+    "stall_budget_ms",
+)
 
 
 class PolicyError(ValueError):
@@ -29,6 +38,8 @@ class BatchingPolicy:
         max_queue: int,
         max_wait_s: int,
         limits: dict[str, Bounds],
+        bulk_min_rows: int = 1,
+        stall_budget_ms: int = 40,
     ):
         self._lock = threading.Lock()
         self._limits = dict(limits)
@@ -37,6 +48,8 @@ class BatchingPolicy:
             "batch_wait_ms": batch_wait_ms,
             "max_queue": max_queue,
             "max_wait_s": max_wait_s,
+            "bulk_min_rows": bulk_min_rows,
+            "stall_budget_ms": stall_budget_ms,
         }
 
     @classmethod
@@ -49,6 +62,8 @@ class BatchingPolicy:
             settings.max_queue,
             settings.max_wait_s,
             limits,
+            settings.bulk_min_rows,
+            settings.stall_budget_ms,
         )
 
     @property
@@ -66,6 +81,14 @@ class BatchingPolicy:
     @property
     def max_wait_s(self) -> int:
         return self._values["max_wait_s"]
+
+    @property
+    def bulk_min_rows(self) -> int:
+        return self._values["bulk_min_rows"]
+
+    @property
+    def stall_budget_ms(self) -> int:
+        return self._values["stall_budget_ms"]
 
     def limits(self) -> dict[str, Bounds]:
         return dict(self._limits)

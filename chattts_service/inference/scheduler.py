@@ -11,6 +11,13 @@ queue bounded by the batching policy: when idle it waits up to ``batch_wait_ms``
 (continuous batching) as long as rows and the KV-cache budget allow. A job whose worst-case KV
 cache does not fit waits in the queue rather than letting memory grow past the budget.
 
+Which job gets a row, and when a waiting one takes a running one's row, is ``fairness``'s
+policy (classes, shares per key and request, the bulk floor). A sequence that gives its row up
+is paused with its KV cache and resumes where it was. Nothing holds the running rows for much
+longer than the policy's ``stall_budget_ms`` between two steps: prompts are prefilled a piece at
+a time (where the kernels run the layers), as many positions as fit the budget at the measured
+pace; the gaps between steps are timed (``on_stall``).
+
 A job is a small state machine supplied by the engine: ``start()`` gives its first sequence,
 ``advance(sequence)`` either gives the next one (text refinement, then speech) or finishes the
 job. Any failure fails that job alone; the thread never dies with a request.
@@ -18,6 +25,7 @@ job. Any failure fails that job alone; the thread never dies with a request.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import queue
 import threading
@@ -26,12 +34,19 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from typing import TYPE_CHECKING, Protocol
 
+from chattts_service.inference.fairness import INTERACTIVE, Share, next_share, victim
 from chattts_service.inference.policy import BatchingPolicy
 
 if TYPE_CHECKING:  # the batch brings torch, which the API layer does not need to import
     from chattts_service.inference.generation import Batch, Sequence
 
 log = logging.getLogger(__name__)
+
+# A prefill piece is at least this many positions (a piece reads every weight once: fewer
+# positions would cost that read for little), and the first piece assumes this pace (seconds a
+# position) until pieces have been timed.
+MIN_PIECE = 16
+FIRST_PACE_SECONDS = 0.001
 
 
 class QueueFull(Exception):
@@ -71,21 +86,37 @@ class Scheduler:
         policy: BatchingPolicy,
         on_step: Callable[[int, float], None] | None = None,
         on_prefill: Callable[[int, float], None] | None = None,
+        on_stall: Callable[[float], None] | None = None,
+        on_admitted: Callable[[str, float], None] | None = None,
+        on_taken_back: Callable[[str], None] | None = None,
     ):
         self.batch: Batch | None = None  # attached from the model thread once loaded
         self.decodes = None
         self.policy = policy
         self.kv_budget_positions = 0
-        # unbounded: ``submit`` holds it to the policy's bound, which may change at run time
-        self._queue: queue.Queue = queue.Queue()
+        # jobs not started yet, in arrival order; ``submit`` holds them to the policy's bound,
+        # which may change at run time
+        self._queued: list[Job] = []
         self._submit_lock = threading.Lock()
+        self._arrivals = itertools.count()
+        self._shares: dict[Job, Share] = {}  # every job's place in the policy, from its submit
+        self._submitted: dict[Job, float] = {}  # when each job not yet given a row came
         self._calls: queue.SimpleQueue = queue.SimpleQueue()
         self._wakeup = threading.Event()
-        self._waiting: list[tuple[Job, Sequence]] = []  # started, but no room in the batch yet
+        # started, not stepping: new (no row yet) or paused (their row taken back)
+        self._waiting: list[tuple[Job, Sequence]] = []
         self._owners: dict[Sequence, Job] = {}  # the job of every sequence waiting or generating
         self._on_step = on_step  # on_step(rows, seconds) after every step
-        # on_prefill(positions, seconds) after every prompt's prefill (every row waits for it)
+        # on_prefill(positions, seconds) after every prompt's prefill (its pieces summed)
         self._on_prefill = on_prefill
+        self._on_stall = on_stall  # on_stall(seconds): a gap between two steps of a batch
+        self._on_admitted = on_admitted  # on_admitted(priority, seconds queued): a first row
+        self._on_taken_back = on_taken_back  # on_taken_back(priority): the taker's class
+        self._prefilling: dict[Sequence, float] = {}  # seconds each prompt's pieces took so far
+        self._seconds_per_position: float | None = None  # the recent pace of prefill pieces
+        self._last_step_end: float | None = None
+        self.preempted = 0  # rows taken back so far
+        self.longest_stall = 0.0
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="scheduler", daemon=True)
 
@@ -112,12 +143,18 @@ class Scheduler:
         return future
 
     def submit(self, job: Job) -> Future:
+        """Queue a job. Its ``placement`` (class, API key, request, index in the request; see
+        ``fairness.Share``), when it has one, gives its place; else it is interactive and a
+        request of its own."""
         if self.batch is None:
             raise RuntimeError("no model attached")
+        placement = getattr(job, "placement", None) or (INTERACTIVE, None, id(job), 0)
         with self._submit_lock:
-            if self._queue.qsize() >= self.policy.max_queue:
+            if len(self._queued) >= self.policy.max_queue:
                 raise QueueFull(f"{self.policy.max_queue} requests already queued")
-            self._queue.put_nowait(job)
+            self._shares[job] = Share(*placement, arrival=next(self._arrivals))
+            self._submitted[job] = time.perf_counter()
+            self._queued.append(job)
         self._wakeup.set()
         return job.future
 
@@ -126,13 +163,14 @@ class Scheduler:
         self._wakeup.set()
 
     def free_queue_slots(self) -> int:
-        return max(0, self.policy.max_queue - self._queue.qsize())
+        return max(0, self.policy.max_queue - len(self._queued))
 
     @property
     def depth(self) -> int:
-        """Jobs queued or waiting for room, plus those generating."""
-        running = len(self.batch) if self.batch is not None else 0
-        return self._queue.qsize() + len(self._waiting) + running
+        """Jobs queued or waiting for room, plus those generating or being prefilled."""
+        batch = self.batch
+        running = len(batch) + len(batch.filling) if batch is not None else 0
+        return len(self._queued) + len(self._waiting) + running
 
     # -- the scheduler thread ------------------------------------------------------------------
 
@@ -140,15 +178,14 @@ class Scheduler:
         while not self._stop.is_set():
             try:
                 self._run_calls()
-                if self.batch is None or (not len(self.batch) and not self._waiting):
-                    if not self._gather_new_batch():
-                        continue
-                else:
-                    self._take_queued(block_until=None)
-                self._admit_waiting()
+                if self._idle() and not self._wait_for_work():
+                    continue
                 self._drop_cancelled()
+                self._admit()
                 if len(self.batch):
                     self._step()
+                else:
+                    self._last_step_end = None  # no rows wait on what comes next
                 if self.decodes is not None:
                     self.decodes.run()  # what the jobs asked for in this iteration, together
             except Exception:  # pragma: no cover - a bug: fail what is running, keep serving
@@ -168,89 +205,201 @@ class Scheduler:
             except BaseException as error:  # handed to the caller, who re-raises it
                 future.set_exception(error)
 
-    def _gather_new_batch(self) -> bool:
+    def _idle(self) -> bool:
+        batch = self.batch
+        return batch is None or not (len(batch) or batch.filling or self._waiting or self._queued)
+
+    def _wait_for_work(self) -> bool:
+        """Idle: wait for a job (or a call), then up to ``batch_wait_ms`` for more to start
+        together; whether there is work to admit."""
         # cleared before looking, so whatever arrives after the look sets it again and the wait
-        # ends at once; with work already here, no wait (a batch that emptied in one iteration,
-        # say segments of a step or two, left the rest of its request queued)
+        # ends at once
         self._wakeup.clear()
-        if self._queue.empty() and self._calls.empty() and not self._stop.is_set():
+        if not self._queued and self._calls.empty() and not self._stop.is_set():
             self._wakeup.wait(0.5)
-        if self.batch is None or self._queue.empty():
+        if self.batch is None or not self._queued:
             return False
-        first = self._queue.get_nowait()
-        self._start_job(first)
-        self._take_queued(block_until=time.monotonic() + self.policy.batch_wait_seconds)
+        until = time.monotonic() + self.policy.batch_wait_seconds
+        while len(self._queued) < self.policy.max_batch and not self._stop.is_set():
+            remaining = until - time.monotonic()
+            if remaining <= 0:
+                break
+            self._wakeup.clear()
+            self._wakeup.wait(remaining)
         return True
 
-    def _take_queued(self, block_until: float | None) -> None:
-        while len(self.batch) + len(self._waiting) < self.policy.max_batch:
-            try:
-                remaining = 0.0 if block_until is None else block_until - time.monotonic()
-                if remaining <= 0:  # what is queued already joins, however short the wait
-                    job = self._queue.get_nowait()
-                else:
-                    job = self._queue.get(timeout=remaining)
-            except queue.Empty:
+    # -- who gets a row ------------------------------------------------------------------------
+
+    def _admit(self) -> None:
+        """Give rows to waiting work in the policy's order, taking rows back where it says so,
+        and prefill within the stall budget: with no row stepping, the first prompt whole (no
+        one waits on it); else pieces until the budget is spent."""
+        batch = self.batch
+        deadline = None
+        if len(batch):
+            deadline = time.perf_counter() + self.policy.stall_budget_ms / 1000.0
+        for sequence in list(batch.filling):  # prefills under way hold their rows: go on first
+            if not self._fill(sequence, deadline):
                 return
-            self._start_job(job)
-
-    def _start_job(self, job: Job) -> None:
-        if job.future.cancelled() or not job.future.set_running_or_notify_cancel():
-            return
-        if job.future.stop_requested:
-            job.future.set_exception(JobCancelled("cancelled before it started"))
-            return
-        try:
-            sequence = job.start()
-        except Exception as error:
-            job.future.set_exception(error)
-            return
-        self._owners[sequence] = job
-        self._waiting.append((job, sequence))
-
-    def _admit_waiting(self) -> None:
-        """Prefill waiting sequences in arrival order while rows and the KV budget allow.
-
-        Strictly first come, first served: a long request that does not fit yet is not
-        overtaken by shorter ones behind it, so it cannot starve."""
-        pending, self._waiting = self._waiting, []
-        while pending:
-            job, sequence = pending[0]
-            if job.future.stop_requested:
-                pending.pop(0)
-                self._advance(sequence)
+        while True:
+            chosen = self._choose()
+            if chosen is None:
+                return
+            job, sequence = chosen
+            if not self._has_room(sequence):
+                if not self._take_row_for(job):
+                    return  # the best waiting one cannot run yet: nothing overtakes it
                 continue
-            fits = (
-                self.batch.free_rows > 0
-                and len(self.batch) < self.policy.max_batch
-                and (
-                    not len(self.batch)
-                    or self.batch.reserved_positions() + sequence.kv_positions()
-                    <= self.kv_budget_positions
-                )
-            )
-            if not fits:
-                break
-            pending.pop(0)
-            started = time.perf_counter()
+            self._waiting.remove(chosen)
+            self._admitted(job)
+            if sequence.cache is not None and sequence.filling is None:  # paused: no prefill
+                batch.resume(sequence)
+                continue
             try:
-                self.batch.add(sequence)
+                batch.begin(sequence)
             except Exception as error:
                 log.exception("prefill failed")
                 del self._owners[sequence]
                 job.future.set_exception(error)
                 continue
-            if self._on_prefill is not None:
-                self._on_prefill(sequence.prompt.shape[0], time.perf_counter() - started)
-            if sequence.finished:  # done at its first token: hand over to the job's next stage
-                self._advance(sequence)
-                pending.extend(self._waiting)
-                self._waiting = []
-        self._waiting = pending + self._waiting
+            if not self._fill(sequence, deadline):
+                return
+            if deadline is None and len(batch):
+                deadline = time.perf_counter() + self.policy.stall_budget_ms / 1000.0
+
+    def _choose(self) -> tuple[Job, Sequence] | None:
+        """The waiting work that gets the next row, started if it was only queued (its prompt
+        built: what it needs of the KV cache is known then)."""
+        while True:
+            with self._submit_lock:
+                queued = list(self._queued)
+            candidates = [(job, None) for job in queued] + list(self._waiting)
+            running = self._running_shares(self.batch.active + self.batch.filling)
+            batch = self.batch
+            free = min(batch.free_rows, self.policy.max_batch - len(batch) - len(batch.filling))
+            index = next_share(
+                [self._shares[job] for job, _ in candidates],
+                running,
+                self.policy.bulk_min_rows,
+                max(1, free),
+            )
+            if index is None:
+                return None
+            job, sequence = candidates[index]
+            if sequence is not None:
+                return job, sequence
+            with self._submit_lock:
+                self._queued.remove(job)
+            self._start_job(job)  # into ``_waiting``, or failed: choose again
+
+    def _running_shares(self, sequences) -> list[Share]:
+        return [self._shares[self._owners[sequence]] for sequence in sequences]
+
+    def _has_room(self, sequence: Sequence) -> bool:
+        batch = self.batch
+        if not batch.free_rows or len(batch) + len(batch.filling) >= self.policy.max_batch:
+            return False
+        if not (len(batch) or batch.filling):
+            return True
+        paused = sum(
+            other.held_positions()
+            for _, other in self._waiting
+            if other.cache is not None and other is not sequence
+        )
+        need = batch.reserved_positions() + paused + sequence.kv_positions()
+        return need <= self.kv_budget_positions
+
+    def _take_row_for(self, job: Job) -> bool:
+        """Pause the stepping sequence ``job`` outranks (``fairness.victim``), if any."""
+        active = self.batch.active
+        index = victim(self._shares[job], self._running_shares(active), self.policy.bulk_min_rows)
+        if index is None:
+            return False
+        sequence = active[index]
+        self.batch.pause(sequence)
+        self._waiting.append((self._owners[sequence], sequence))
+        self.preempted += 1
+        if self._on_taken_back is not None:
+            self._on_taken_back(self._shares[job].priority)
+        return True
+
+    def _admitted(self, job: Job) -> None:
+        submitted = self._submitted.pop(job, None)
+        if submitted is not None and self._on_admitted is not None:
+            self._on_admitted(self._shares[job].priority, time.perf_counter() - submitted)
+
+    def _start_job(self, job: Job) -> None:
+        if job.future.cancelled() or not job.future.set_running_or_notify_cancel():
+            self._forget(job)
+            return
+        if job.future.stop_requested:
+            job.future.set_exception(JobCancelled("cancelled before it started"))
+            self._forget(job)
+            return
+        try:
+            sequence = job.start()
+        except Exception as error:
+            job.future.set_exception(error)
+            self._forget(job)
+            return
+        self._owners[sequence] = job
+        self._waiting.append((job, sequence))
+
+    def _forget(self, job: Job) -> None:
+        self._shares.pop(job, None)
+        self._submitted.pop(job, None)
+
+    def _fill(self, sequence: Sequence, deadline: float | None) -> bool:
+        """Prefill ``sequence``'s prompt: all of it with no ``deadline``, else piece by piece
+        until it is in or the deadline passes; whether time is left for more work."""
+        while sequence.filling is not None:
+            self._fill_piece(sequence, deadline)
+            if deadline is not None and time.perf_counter() >= deadline:
+                return False
+        return True
+
+    def _fill_piece(self, sequence: Sequence, deadline: float | None) -> None:
+        """One piece: as many positions as the time left allows at the recent pace (at least
+        ``MIN_PIECE``; all of them with no ``deadline``); a failure fails its job alone."""
+        limit = None
+        if deadline is not None and self.batch.transformer.prefills_in_pieces:
+            pace = self._seconds_per_position or FIRST_PACE_SECONDS
+            limit = max(MIN_PIECE, int((deadline - time.perf_counter()) / pace))
+        started = time.perf_counter()
+        try:
+            positions = self.batch.fill(sequence, limit)
+        except Exception as error:
+            log.exception("prefill failed")
+            self.batch.remove([sequence])
+            self._prefilling.pop(sequence, None)
+            job = self._owners.pop(sequence)
+            self._forget(job)
+            job.future.set_exception(error)
+            return
+        seconds = time.perf_counter() - started
+        if positions:
+            pace = seconds / positions
+            previous = self._seconds_per_position
+            self._seconds_per_position = pace if previous is None else 0.7 * previous + 0.3 * pace
+        spent = self._prefilling.pop(sequence, 0.0) + seconds
+        if sequence.filling is not None:  # more pieces to come
+            self._prefilling[sequence] = spent
+            return
+        if self._on_prefill is not None:
+            self._on_prefill(sequence.prompt.shape[0], spent)
+        if sequence.finished:  # done at its first token: hand over to the job's next stage
+            self._advance(sequence)
+
+    # -- steps ---------------------------------------------------------------------------------
 
     def _step(self) -> None:
         rows = len(self.batch)
         started = time.perf_counter()
+        if self._last_step_end is not None:
+            stall = started - self._last_step_end
+            self.longest_stall = max(self.longest_stall, stall)
+            if self._on_stall is not None:
+                self._on_stall(stall)
         try:
             finished = self.batch.step()
         except Exception as error:
@@ -268,6 +417,7 @@ class Scheduler:
         if self.decodes is not None and len(self.decodes):  # e.g. streams' chunks worth joining
             for sequence in not_yet:
                 self._progress(sequence, joining=True)
+        self._last_step_end = time.perf_counter() if len(self.batch) else None
 
     def _progress(self, sequence: Sequence, joining: bool) -> bool:
         """The job's ``progress`` (e.g. a stream asks for its next chunk); whether it asked
@@ -286,32 +436,53 @@ class Scheduler:
             return False
 
     def _drop_cancelled(self) -> None:
-        """Sequences whose caller gave up (deadline passed, client left) stop costing steps."""
+        """Work whose caller gave up (deadline passed, client left) stops costing steps and
+        memory: stepping, being prefilled, paused or only queued."""
+        batch = self.batch
         leaving = [
             sequence
-            for sequence in self.batch.active
+            for sequence in (*batch.active, *batch.filling)
             if self._owners[sequence].future.stop_requested
         ]
-        for sequence in self.batch.remove(leaving):
+        for sequence in batch.remove(leaving):
+            self._prefilling.pop(sequence, None)
             self._advance(sequence)
+        gone = [entry for entry in self._waiting if entry[0].future.stop_requested]
+        for entry in gone:
+            self._waiting.remove(entry)
+            entry[1].cache = None
+            self._advance(entry[1])
+        with self._submit_lock:
+            dropped = [job for job in self._queued if job.future.stop_requested]
+            for job in dropped:
+                self._queued.remove(job)
+        for job in dropped:
+            self._start_job(job)  # fails it as cancelled before it started
 
     def _advance(self, sequence: Sequence) -> None:
         job = self._owners.pop(sequence)
         if job.future.stop_requested:
             if not job.future.done():
                 job.future.set_exception(JobCancelled("cancelled while generating"))
+            self._forget(job)
             return
         try:
             following = job.advance(sequence)
         except Exception as error:
             job.future.set_exception(error)
+            self._forget(job)
             return
-        if following is not None:
-            self._owners[following] = job
-            self._waiting.append((job, following))
+        if following is None:
+            self._forget(job)
+            return
+        self._owners[following] = job
+        self._waiting.append((job, following))
 
     def _fail_all(self, error: Exception) -> None:
-        for sequence in self.batch.remove(list(self.batch.active)):
+        batch = self.batch
+        for sequence in batch.remove([*batch.active, *batch.filling]):
+            self._prefilling.pop(sequence, None)
             job = self._owners.pop(sequence)
+            self._forget(job)
             if not job.future.done():
                 job.future.set_exception(error)

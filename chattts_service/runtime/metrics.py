@@ -142,8 +142,34 @@ class Metrics:
         )
         self.first_audio = Histogram(
             "chatts_first_audio_seconds",
-            "Time from a streamed request's arrival to its first audio",
+            "Time from a streamed request's arrival to its first audio, by its class",
+            ["priority"],
             buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.queue_wait = Histogram(
+            "chatts_queue_wait_seconds",
+            "Time a segment waited for its first row in the batch, by its class",
+            ["priority"],
+            buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60),
+            registry=r,
+        )
+        self.stall = Histogram(
+            "chatts_scheduler_stall_seconds",
+            "Time the running rows waited between two steps (prefill pieces, decode rounds)",
+            buckets=(0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.2, 0.5, 1),
+            registry=r,
+        )
+        self.longest_stall = Gauge(
+            "chatts_scheduler_stall_max_seconds",
+            "The longest time the running rows waited between two steps since the start",
+            registry=r,
+        )
+        self.rows_taken_back = Counter(
+            "chatts_rows_taken_back",
+            "Rows a waiting segment took from a running one it outranks (which paused), by the "
+            "taker's class",
+            ["priority"],
             registry=r,
         )
         self.stream_behind = Histogram(
@@ -246,6 +272,7 @@ class Metrics:
             "Chunks and segments decoded into audio",
             registry=r,
         )
+        self._longest_stall = 0.0
         self._cpu = CpuSampler()
         self.cpu_percent.set_function(self._cpu.percent)
         r.register(HeapCollector())
@@ -261,6 +288,18 @@ class Metrics:
     def observe_prefill(self, positions: int, seconds: float) -> None:
         self.prefill_duration.observe(seconds)
         self.prefill_positions.inc(positions)
+
+    def observe_stall(self, seconds: float) -> None:
+        self.stall.observe(seconds)
+        if seconds > self._longest_stall:
+            self._longest_stall = seconds
+            self.longest_stall.set(seconds)
+
+    def observe_admitted(self, priority: str, seconds: float) -> None:
+        self.queue_wait.labels(priority=priority).observe(seconds)
+
+    def observe_taken_back(self, priority: str) -> None:
+        self.rows_taken_back.labels(priority=priority).inc()
 
     def observe_decode(self, items: int, seconds: float) -> None:
         self.audio_decode.observe(seconds)

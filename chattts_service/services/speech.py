@@ -19,6 +19,7 @@ import numpy as np
 from chattts_service.config import Settings
 from chattts_service.domain.playback import Playback
 from chattts_service.inference.engine import Engine
+from chattts_service.inference.fairness import INTERACTIVE
 from chattts_service.inference.run import Run
 from chattts_service.inference.types import (
     SAMPLES_PER_STEP,
@@ -41,10 +42,7 @@ class Output:
     stream: bool
     events: bool = False  # Server-Sent Events (OpenAI's stream_format "sse"), else raw audio
     captions: str | None = None  # json, srt or vtt: the audio comes in JSON with its captions
-    # a stream asked for (``stream: true``, a ``stream_format``): audio in chunks from the
-    # first steps on; else (OpenAI's endpoint streams by default) each segment is decoded whole
-    # and sent as soon as it is, which costs no more than a whole answer
-    early: bool = True
+    priority: str | None = None  # as the request asked (``fairness``); None: by its shape
 
 
 @dataclass(frozen=True)
@@ -53,6 +51,10 @@ class Plan:
 
     request: SynthesisRequest
     step_cap: int | None = None
+    # its place in the scheduler's shares: ``interactive``, ``bulk`` or None (by its shape),
+    # and its API key's name (None without keys)
+    priority: str | None = None
+    tenant: str | None = None
 
     @property
     def degraded(self) -> bool:
@@ -113,12 +115,20 @@ class SpeechPipeline:
     def __init__(self, settings: Settings, engine: Engine, cache: AudioCache, metrics: Metrics):
         self.settings, self.engine, self.cache, self.metrics = settings, engine, cache, metrics
 
-    def plan(self, request: SynthesisRequest, degraded: bool) -> Plan:
+    def plan(
+        self,
+        request: SynthesisRequest,
+        degraded: bool,
+        priority: str | None = None,
+        tenant: str | None = None,
+    ) -> Plan:
         if not degraded:
-            return Plan(request)
+            return Plan(request, priority=priority, tenant=tenant)
         return Plan(
             replace(request, refine_text=False, refine_prompt=""),
             self.settings.degraded_max_new_tokens,
+            priority,
+            tenant,
         )
 
     # -- whole answers -------------------------------------------------------------------------
@@ -220,7 +230,7 @@ class SpeechPipeline:
         pcm_key = cache_key(plan.request, self.engine.identity, "pcm")
         writer = stream_writer(output.format, rate)
         cached = self.cache.get(pcm_key)
-        run = None if cached is not None else self._start(plan, stream=True, early=output.early)
+        run = None if cached is not None else self._start(plan, stream=True)
         cache_status = "HIT" if cached is not None else "MISS"
 
         def chunks() -> Iterator[bytes]:
@@ -232,7 +242,7 @@ class SpeechPipeline:
                     yield writer.encode(cached[0]) + writer.finish()
                     return
                 self._count_served("MISS", 0.0)
-                yield from self._stream_run(run, writer, parts, started, should_stop)
+                yield from self._stream_run(run, plan, writer, parts, started, should_stop)
                 seconds = sum(len(part) for part in parts) / 2 / rate
                 # a start decoded with a look-ahead is close to the whole answer, not it
                 if run.provisional:
@@ -274,6 +284,7 @@ class SpeechPipeline:
     def _stream_run(
         self,
         run: Run,
+        plan: Plan,
         writer,
         parts: list[bytes],
         started: float,
@@ -286,7 +297,9 @@ class SpeechPipeline:
                 parts.append(pcm)
                 now = time.perf_counter()
                 if playback.first is None:
-                    self.metrics.first_audio.observe(now - started)
+                    self.metrics.first_audio.labels(priority=plan.priority or INTERACTIVE).observe(
+                        now - started
+                    )
                 playback.arrived(now, len(chunk) / self.engine.sample_rate)
                 data = writer.encode(pcm)
                 if data:  # an encoder may hold a chunk until it has a whole frame
@@ -305,11 +318,15 @@ class SpeechPipeline:
 
     # -- shared --------------------------------------------------------------------------------
 
-    def _start(self, plan: Plan, stream: bool, early: bool = True) -> Run:
+    def _start(self, plan: Plan, stream: bool) -> Run:
         """Queue a request's segments; the queue depth gauge counts it until it is answered."""
         try:
             run = self.engine.start(
-                plan.request, stream=stream, step_cap=plan.step_cap, early=early
+                plan.request,
+                stream=stream,
+                step_cap=plan.step_cap,
+                priority=plan.priority,
+                tenant=plan.tenant,
             )
         except EngineError as error:
             self._count_failure(error)

@@ -15,6 +15,7 @@ from chattts_service.api import validation
 from chattts_service.api.errors import BadRequest, Forbidden, NotReady
 from chattts_service.api.models import Tuning, tuning_body
 from chattts_service.api.openapi import BODY_ERRORS, operation
+from chattts_service.inference.fairness import ORDER
 from chattts_service.inference.policy import PolicyError
 
 blueprint = Blueprint("admin", __name__)
@@ -46,12 +47,14 @@ def show():
     limits = {
         name: {"min": bounds.low, "max": bounds.high} for name, bounds in policy.limits().items()
     }
-    return jsonify(Tuning(current=policy.snapshot(), limits=limits).model_dump())
+    return jsonify(
+        Tuning(current=policy.snapshot(), limits=limits, scheduling=list(ORDER)).model_dump()
+    )
 
 
 @blueprint.post("/admin/config")
 @operation(
-    "Change max_batch, batch_wait_ms, max_queue, max_wait_s on the running server (API key)",
+    "Change the batching and sharing knobs on the running server (API key)",
     body=lambda context: _body(context.limits),
     answer=Tuning,
     described="Settings now in effect",

@@ -1,0 +1,262 @@
+"""How the box shares itself: the policy's rules, then the engine under a long text and streams
+(the tiny model; steps forced with ``fixed_steps``, so every request is as long as set)."""
+
+import threading
+import time
+
+import pytest
+import requests
+from engines import engine_on
+
+from chattts_service.inference import scheduler as scheduler_module
+from chattts_service.inference.fairness import (
+    BULK,
+    INTERACTIVE,
+    Share,
+    next_share,
+    segment_priority,
+    victim,
+)
+from chattts_service.inference.types import SynthesisRequest
+
+LONG_TEXT = "".join(f"第{i}句话讲了一件很长的事情，大家都在听。" for i in range(1, 9))
+
+
+def share(priority, request, index=0, tenant=None, arrival=0):
+    return Share(priority, tenant, request, index, arrival)
+
+
+# -- the rules -----------------------------------------------------------------------------------
+
+
+def test_a_segments_class_follows_its_request():
+    assert segment_priority(None, stream=True, index=3) == INTERACTIVE
+    assert segment_priority(None, stream=False, index=0) == INTERACTIVE
+    assert segment_priority(None, stream=False, index=1) == BULK
+    assert segment_priority(BULK, stream=True, index=0) == BULK
+    assert segment_priority(INTERACTIVE, stream=False, index=5) == INTERACTIVE
+
+
+def test_interactive_goes_first_then_the_request_holding_fewest_rows():
+    running = [share(BULK, 1, 1), share(BULK, 1, 2), share(BULK, 2, 1)]
+    waiting = [
+        share(BULK, 1, 3, arrival=0),
+        share(BULK, 2, 2, arrival=1),
+        share(INTERACTIVE, 3, 0, arrival=2),
+    ]
+    assert next_share(waiting, running, bulk_min_rows=1, free_rows=2) == 2
+    del waiting[2]
+    assert next_share(waiting, running, bulk_min_rows=1, free_rows=2) == 1  # 2 holds fewer
+    # with keys, the key holding the fewest rows goes first, whatever its requests hold
+    keyed_running = [share(BULK, 1, 1, "a"), share(BULK, 2, 1, "b"), share(BULK, 3, 1, "b")]
+    keyed_waiting = [share(BULK, 2, 2, "b", 0), share(BULK, 1, 2, "a", 1)]
+    assert next_share(keyed_waiting, keyed_running, bulk_min_rows=0, free_rows=1) == 1
+
+
+def test_the_rows_bulk_is_short_of_its_floor_are_kept_for_it():
+    waiting = [share(INTERACTIVE, 1), share(BULK, 2, 1, arrival=1)]
+    # the last free row: bulk holds none of its one
+    assert next_share(waiting, [share(INTERACTIVE, 3)], bulk_min_rows=1, free_rows=1) == 1
+    # rows to spare: interactive first
+    assert next_share(waiting, [share(INTERACTIVE, 3)], bulk_min_rows=1, free_rows=2) == 0
+    # bulk holds its floor already
+    assert next_share(waiting, [share(BULK, 2, 0)], bulk_min_rows=1, free_rows=1) == 0
+
+
+def test_a_waiting_segment_takes_back_the_row_it_outranks_and_no_other():
+    running = [share(BULK, 1, 1, arrival=0), share(BULK, 1, 2, arrival=1)]
+    # interactive over bulk: the latest segment of the request holding most rows
+    assert victim(share(INTERACTIVE, 2), running, bulk_min_rows=1) == 1
+    # never below the bulk floor
+    assert victim(share(INTERACTIVE, 2), running[:1], bulk_min_rows=1) is None
+    # bulk over bulk only where the holder has two rows more
+    assert victim(share(BULK, 2, 1), running, bulk_min_rows=0) == 1
+    assert victim(share(BULK, 2, 1), running[:1], bulk_min_rows=0) is None
+    # interactive never loses its row to bulk
+    assert victim(share(BULK, 2, 1), [share(INTERACTIVE, 1)], bulk_min_rows=5) is None
+
+
+# -- the engine ----------------------------------------------------------------------------------
+
+
+class Timeline:
+    """When each step ran and how many rows it had, from the scheduler's observer."""
+
+    def __init__(self, engine):
+        self.steps: list[tuple[float, int]] = []
+        engine.scheduler._on_step = lambda rows, seconds: self.steps.append(
+            (time.perf_counter(), rows)
+        )
+
+
+def test_a_stream_sent_while_a_long_text_runs_hears_itself_before_the_next_segment_ends(
+    tiny_endless_model_dir,
+):
+    """A long whole text's segments hold every row; a one-segment stream sent then takes a
+    row back at once and its first audio comes before any of the long text's segments
+    finishes. The paused segment resumes where it was: the long text's audio is the audio it
+    has alone."""
+    with engine_on(tiny_endless_model_dir, max_batch=2, max_segment_chars=40) as engine:
+        request = SynthesisRequest(LONG_TEXT, seed=5)
+        assert len(engine.segments(request)) >= 4
+        alone = engine.start(request, fixed_steps=120).result(120)
+
+        long_run = engine.start(request, fixed_steps=120)
+        finished_at: list[float] = []
+        for job in long_run.jobs:
+            job.future.add_done_callback(lambda _: finished_at.append(time.perf_counter()))
+        deadline = time.monotonic() + 30
+        while len(engine.scheduler.batch) < 2 and time.monotonic() < deadline:
+            time.sleep(0.005)
+        assert len(engine.scheduler.batch) == 2 and not finished_at
+        sent = time.perf_counter()
+        stream = engine.start(SynthesisRequest("你好。", seed=9), fixed_steps=80, stream=True)
+        chunks = stream.chunks(timeout=60)
+        next(chunks)
+        first_audio = time.perf_counter()
+        rest = list(chunks)
+        mixed = long_run.result(120)
+
+    assert engine.scheduler.preempted >= 1
+    assert not [at for at in finished_at if sent < at < first_audio], (
+        "a long-text segment finished before the stream's first audio"
+    )
+    assert rest is not None
+    assert mixed.audio.tobytes() == alone.audio.tobytes()
+
+
+def test_bulk_keeps_its_floor_and_finishes_under_a_steady_flow_of_streams(tiny_endless_model_dir):
+    """Streams sent back to back, two at a time, never let a long text marked bulk stop: it
+    keeps its one row and finishes while they still come."""
+    with engine_on(tiny_endless_model_dir, max_batch=2, bulk_min_rows=1) as engine:
+        rows_of: dict = {}
+        bulk = engine.start(SynthesisRequest(LONG_TEXT, seed=2), fixed_steps=60, priority=BULK)
+        for job in bulk.jobs:
+            rows_of[job] = job
+        stop = threading.Event()
+        streams_done = []
+
+        def listener(seed: int) -> None:
+            while not stop.is_set() and len(streams_done) < 200:
+                run = engine.start(
+                    SynthesisRequest("你好。", seed=seed), fixed_steps=30, stream=True
+                )
+                list(run.chunks(timeout=60))
+                streams_done.append(seed)
+
+        threads = [threading.Thread(target=listener, args=(seed,)) for seed in (1, 2)]
+        for thread in threads:
+            thread.start()
+        try:
+            result = bulk.result(120)
+            streams_while_bulk = len(streams_done)
+        finally:
+            stop.set()
+            for thread in threads:
+                thread.join(60)
+    assert result.segments == len(bulk.jobs) and result.steps == 60 * len(bulk.jobs)
+    assert streams_while_bulk >= 2, "the streams did not run beside the bulk text"
+
+
+def test_a_long_prompt_is_prefilled_in_pieces_between_steps(tiny_endless_model_dir, monkeypatch):
+    """A prompt that arrives while a row steps is prefilled a piece at a time, never more
+    positions than its piece's limit (the stall budget at the measured pace), with steps of the
+    running row between the pieces; alone, a prompt is prefilled whole."""
+    monkeypatch.setattr(scheduler_module, "MIN_PIECE", 4)
+    with engine_on(
+        tiny_endless_model_dir, max_batch=2, max_segment_chars=500, stall_budget_ms=5
+    ) as engine:
+        batch = engine.scheduler.batch
+        events: list = []
+        fill = batch.fill
+
+        def recording_fill(sequence, limit=None):
+            stepping = len(batch.active)
+            positions = fill(sequence, limit)
+            # a piece on this tiny model takes microseconds: make it take what a full-size
+            # one does (~0.5 ms a position), so the budget holds few positions
+            time.sleep(0.0005 * positions)
+            events.append(("fill", stepping, limit, positions))
+            return positions
+
+        monkeypatch.setattr(batch, "fill", recording_fill)
+        engine.scheduler._on_step = lambda rows, seconds: events.append(("step", rows))
+        running = engine.start(SynthesisRequest("你好。", seed=1), fixed_steps=400, stream=True)
+        while not any(event[0] == "step" for event in events):
+            time.sleep(0.002)
+        long = engine.start(SynthesisRequest(LONG_TEXT * 2, seed=3), fixed_steps=4)
+        assert len(long.jobs) == 1
+        long.result(60)
+        running.cancel()
+
+    alone = [event for event in events if event[0] == "fill" and event[1] == 0]
+    assert alone and all(limit is None for _, _, limit, _ in alone)
+    beside = [event for event in events if event[0] == "fill" and event[1] > 0]
+    assert len(beside) >= 3, beside
+    assert all(limit is not None and 0 < positions <= limit for _, _, limit, positions in beside)
+    first = events.index(beside[0])
+    last = events.index(beside[-1])
+    assert any(event[0] == "step" for event in events[first:last])
+
+
+@pytest.mark.parametrize("priority", [None, BULK])
+def test_queue_wait_is_observed_per_class(tiny_model_dir, priority):
+    waits: list = []
+    with engine_on(tiny_model_dir) as engine:
+        engine.scheduler._on_admitted = lambda cls, seconds: waits.append((cls, seconds))
+        engine.start(SynthesisRequest(LONG_TEXT, seed=4), fixed_steps=3, priority=priority).result(
+            60
+        )
+    classes = [cls for cls, _ in waits]
+    if priority is None:
+        assert classes[0] == INTERACTIVE and set(classes[1:]) == {BULK}
+    else:
+        assert set(classes) == {BULK}
+    assert all(seconds >= 0 for _, seconds in waits)
+
+
+# -- over HTTP -----------------------------------------------------------------------------------
+
+
+def _metric(server, line_start: str) -> float:
+    for line in requests.get(server.url + "/metrics", timeout=10).text.splitlines():
+        if line.startswith(line_start):
+            return float(line.split()[-1])
+    return 0.0
+
+
+def test_requests_mark_bulk_by_field_or_header_and_the_metrics_say_per_class(
+    start_server, tiny_endless_model_dir
+):
+    server = start_server(tiny_endless_model_dir, CHATTTS_MAX_NEW_TOKENS="300")
+    server.wait_ready()
+    speech = server.url + "/v1/audio/speech"
+    body = {"model": "tts-1", "voice": "alloy", "input": "你好。", "response_format": "pcm"}
+    # OpenAI's endpoint streams by default, and sends audio before the segment is generated:
+    # pieces arrive as they are decoded, not the segment's whole audio at its end
+    with requests.post(speech, json=body, stream=True, timeout=60) as response:
+        assert response.status_code == 200
+        pieces = [piece for piece in response.iter_content(chunk_size=None) if piece]
+    whole = requests.post(speech, json={**body, "stream": False}, timeout=60)
+    assert whole.headers["X-Cache"] == "HIT"  # the stream was whole: it filled the cache
+    assert len(pieces) >= 2 and b"".join(pieces) == whole.content
+    bulk = requests.post(speech, json={**body, "priority": "bulk", "seed": 2}, timeout=60)
+    marked = requests.post(
+        speech, json={**body, "seed": 3}, headers={"X-Priority": "bulk"}, timeout=60
+    )
+    assert bulk.status_code == marked.status_code == 200
+    assert _metric(server, 'chatts_first_audio_seconds_count{priority="bulk"}') == 2
+    assert _metric(server, 'chatts_first_audio_seconds_count{priority="interactive"}') == 1
+    assert _metric(server, 'chatts_queue_wait_seconds_count{priority="bulk"}') == 2
+    assert _metric(server, "chatts_scheduler_stall_max_seconds") >= 0
+    wrong = requests.post(speech, json={**body, "priority": "urgent"}, timeout=10)
+    assert wrong.status_code == 400 and wrong.json()["error"]["param"] == "priority"
+    header = requests.post(speech, json=body, headers={"X-Priority": "urgent"}, timeout=10)
+    assert header.status_code == 400 and "X-Priority" in header.json()["error"]["message"]
+    marked_whole = requests.post(
+        server.url + "/synthesize",
+        json={"text": "你好。", "priority": "bulk", "seed": 4},
+        timeout=60,
+    )
+    assert marked_whole.status_code == 200
+    assert marked_whole.headers["Content-Type"].startswith("audio/wav")
