@@ -312,6 +312,14 @@ class Settings:
         low=0,
         high=64,
     )
+    bulk_rows_while_starting: int = _env_field(
+        "BULK_ROWS_WHILE_STARTING",
+        2,
+        "rows bulk work may hold while a stream waits for its first audio (every row makes "
+        "each step slower); at least CHATTTS_BULK_MIN_ROWS",
+        low=0,
+        high=64,
+    )
     stall_budget_ms: int = _env_field(
         "STALL_BUDGET_MS",
         40,

@@ -357,7 +357,7 @@ def test_batching_can_be_tuned_on_a_running_server(keyed):
     shown = requests.get(keyed.url + "/admin/config", headers=auth, timeout=10).json()
     assert shown["current"]["max_batch"] == 8 and shown["limits"]["max_batch"]["max"] == 8
     assert shown["current"]["bulk_min_rows"] == 1 and shown["current"]["stall_budget_ms"] == 40
-    assert shown["scheduling"][0].startswith("interactive") and len(shown["scheduling"]) == 4
+    assert shown["scheduling"][0].startswith("interactive") and len(shown["scheduling"]) == 5
     changed = requests.post(
         keyed.url + "/admin/config",
         headers=auth,
@@ -371,6 +371,7 @@ def test_batching_can_be_tuned_on_a_running_server(keyed):
         "max_queue": 5,
         "max_wait_s": 120,
         "bulk_min_rows": 1,
+        "bulk_rows_while_starting": 2,
         "stall_budget_ms": 25,
     }
     assert metric(keyed, "chatts_config", 'setting="stall_budget_ms"') == 25

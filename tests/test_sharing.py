@@ -260,3 +260,34 @@ def test_requests_mark_bulk_by_field_or_header_and_the_metrics_say_per_class(
     )
     assert marked_whole.status_code == 200
     assert marked_whole.headers["Content-Type"].startswith("audio/wav")
+
+
+def test_bulk_gives_up_rows_while_a_stream_waits_for_its_first_audio(tiny_endless_model_dir):
+    """While a stream waits for its first audio, bulk holds at most
+    ``bulk_rows_while_starting`` rows (its steps are slower with every row); once the stream
+    has sent audio, bulk takes its rows back."""
+    with engine_on(
+        tiny_endless_model_dir, max_batch=4, max_segment_chars=40, bulk_rows_while_starting=1
+    ) as engine:
+        scheduler = engine.scheduler
+        seen: list[tuple[bool, int]] = []
+
+        def observe(rows, seconds):
+            jobs = [scheduler._owners[sequence] for sequence in scheduler.batch.active]
+            if stream_job in jobs:  # the steps the stream takes
+                bulk = sum(scheduler._shares[job].priority == BULK for job in jobs)
+                seen.append((stream_job.slack() is None, bulk))
+
+        bulk_run = engine.start(SynthesisRequest(LONG_TEXT, seed=5), fixed_steps=200, priority=BULK)
+        deadline = time.monotonic() + 30
+        while len(scheduler.batch) < 4 and time.monotonic() < deadline:
+            time.sleep(0.005)
+        stream = engine.start(SynthesisRequest("你好。", seed=9), fixed_steps=150, stream=True)
+        stream_job = stream.jobs[0]
+        scheduler._on_step = observe
+        list(stream.chunks(timeout=60))
+        bulk_run.result(120)
+    starting = [bulk for waiting, bulk in seen if waiting]
+    playing = [bulk for waiting, bulk in seen if not waiting]
+    assert starting and max(starting) == 1
+    assert playing and max(playing) == 3  # every row the stream left

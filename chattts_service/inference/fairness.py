@@ -15,7 +15,8 @@ The scheduler's policy, kept apart from its thread so it reads (and is tested) a
    its row up keeps its place (its KV cache and random generator): it is paused, not redone,
    and resumes with the same samples when it gets a row again.
 4. **The bulk floor.** Bulk keeps at least ``bulk_min_rows`` rows whenever it has work, so a
-   steady stream of interactive requests slows a long job but never stops it.
+   steady stream of interactive requests slows a long job but never stops it. (While a stream
+   waits for its first audio, the scheduler caps bulk at ``bulk_rows_while_starting`` rows.)
 """
 
 from __future__ import annotations
@@ -35,7 +36,10 @@ ORDER = (
     "earliest segment, then the earliest arrival",
     "a waiting segment takes the row of one it outranks (interactive over bulk; a key or "
     "request holding none over one holding two or more); the other is paused, not redone",
-    "bulk keeps bulk_min_rows rows whenever it has work",
+    "bulk keeps bulk_min_rows rows whenever it has work; while a stream waits for its first "
+    "audio, bulk holds at most bulk_rows_while_starting rows",
+    "a bulk segment's audio is decoded when the streams hold enough audio to ride the round "
+    "out, within 2 s anyway",
 )
 
 

@@ -12,9 +12,10 @@ a chunk costs its own frames rather than its window and context again.
 A stream's chunks follow its listener: the first as soon as it can be decoded (a little
 earlier to join a decode that runs anyway), the second as soon as as many steps wait, then the
 next when what has been sent runs low (``low_water_seconds`` of audio ahead of a player that
-started at the first chunk: more where its steps come slower or stall), or when a decode runs anyway and joining it pays, or when the
-chunk has grown to ``MAX_CHUNK_STEPS``. A stream ahead of its listener waits for a bigger
-piece, so the fixed cost of each decode round weighs less per second of audio.
+started at the first chunk: more where its steps come slower or stall), or when a decode runs
+anyway and joining it pays, or when the chunk has grown to ``MAX_CHUNK_STEPS``. A stream
+ahead of its listener waits for a bigger piece, so the fixed cost of each decode round weighs
+less per second of audio.
 
 With a look-ahead (CHATTTS_STREAM_LOOKAHEAD, opt-in) a stream starts sooner: its chunks are
 decoded as windows that end where generation is, that many steps after the chunk, instead of
@@ -36,6 +37,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from chattts_service.inference.fairness import BULK
 from chattts_service.inference.scheduler import JobFuture
 from chattts_service.inference.types import (
     SAMPLE_RATE,
@@ -211,6 +213,14 @@ class SynthesisJob:
             return 0.0
         return max(0.0, self._runs_out - (time.monotonic() if now is None else now))
 
+    def slack(self) -> float | None:
+        """A stream's audio ahead of its listener beyond its low water: the time a decode
+        round may take beyond its own chunks without the listener running dry (None before
+        its first chunk)."""
+        if self._runs_out is None:
+            return None
+        return self.ahead() - low_water_seconds(self._step_seconds, self._worst_gap)
+
     def progress(self, sequence, joining: bool = False) -> bool:
         """After a step: ask for the next chunk if it is due (``joining``: a decode runs anyway
         this time, so a smaller chunk is worth sending); whether it did."""
@@ -331,6 +341,7 @@ class SynthesisJob:
             None,
             lambda audio: self._finish(finished, audio),
             self._failed,
+            deferrable=self.placement is not None and self.placement[0] == BULK,
         )
         return None
 

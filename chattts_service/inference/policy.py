@@ -22,6 +22,7 @@ KNOBS = (
     "max_queue",
     "max_wait_s",
     "bulk_min_rows",
+    "bulk_rows_while_starting",
     "stall_budget_ms",
 )
 
@@ -40,6 +41,7 @@ class BatchingPolicy:
         limits: dict[str, Bounds],
         bulk_min_rows: int = 1,
         stall_budget_ms: int = 40,
+        bulk_rows_while_starting: int = 2,
     ):
         self._lock = threading.Lock()
         self._limits = dict(limits)
@@ -49,6 +51,7 @@ class BatchingPolicy:
             "max_queue": max_queue,
             "max_wait_s": max_wait_s,
             "bulk_min_rows": bulk_min_rows,
+            "bulk_rows_while_starting": bulk_rows_while_starting,
             "stall_budget_ms": stall_budget_ms,
         }
 
@@ -64,6 +67,7 @@ class BatchingPolicy:
             limits,
             settings.bulk_min_rows,
             settings.stall_budget_ms,
+            settings.bulk_rows_while_starting,
         )
 
     @property
@@ -85,6 +89,10 @@ class BatchingPolicy:
     @property
     def bulk_min_rows(self) -> int:
         return self._values["bulk_min_rows"]
+
+    @property
+    def bulk_rows_while_starting(self) -> int:
+        return self._values["bulk_rows_while_starting"]
 
     @property
     def stall_budget_ms(self) -> int:

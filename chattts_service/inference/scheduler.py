@@ -34,7 +34,14 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from typing import TYPE_CHECKING, Protocol
 
-from chattts_service.inference.fairness import INTERACTIVE, Share, next_share, victim
+from chattts_service.inference.fairness import (
+    BULK,
+    INTERACTIVE,
+    Holdings,
+    Share,
+    next_share,
+    victim,
+)
 from chattts_service.inference.policy import BatchingPolicy
 
 if TYPE_CHECKING:  # the batch brings torch, which the API layer does not need to import
@@ -187,7 +194,9 @@ class Scheduler:
                 else:
                     self._last_step_end = None  # no rows wait on what comes next
                 if self.decodes is not None:
-                    self.decodes.run()  # what the jobs asked for in this iteration, together
+                    # what the jobs asked for in this iteration, together; bulk segments'
+                    # audio when the streams can spare the time
+                    self.decodes.run(self._decode_slack())
             except Exception:  # pragma: no cover - a bug: fail what is running, keep serving
                 log.exception("scheduler iteration failed; failing the running jobs")
                 self._fail_all(RuntimeError("internal error in the scheduler"))
@@ -207,7 +216,28 @@ class Scheduler:
 
     def _idle(self) -> bool:
         batch = self.batch
-        return batch is None or not (len(batch) or batch.filling or self._waiting or self._queued)
+        if batch is None:
+            return True
+        decoding = self.decodes is not None and self.decodes.pending
+        return not (len(batch) or batch.filling or self._waiting or self._queued or decoding)
+
+    def _decode_slack(self) -> float | None:
+        """The seconds a decode round may take beyond what the streams ask for: the least
+        audio a stream holds beyond its low water (``job.slack``); 0 while streams wait for
+        their first audio only; None (no bound) where no stream generates."""
+        slacks = []
+        for sequence in self.batch.active:
+            job = self._owners[sequence]
+            if getattr(job, "chunks", None) is not None:  # a stream
+                slacks.append(job.slack())
+        if not slacks:
+            return None
+        playing = [slack for slack in slacks if slack is not None]
+        return max(0.0, min(playing)) if playing else 0.0
+
+    @property
+    def _stall_budget(self) -> float:
+        return self.policy.stall_budget_ms / 1000.0
 
     def _wait_for_work(self) -> bool:
         """Idle: wait for a job (or a call), then up to ``batch_wait_ms`` for more to start
@@ -235,9 +265,13 @@ class Scheduler:
         and prefill within the stall budget: with no row stepping, the first prompt whole (no
         one waits on it); else pieces until the budget is spent."""
         batch = self.batch
+        bulk_cap = self._bulk_cap()
+        if bulk_cap is not None:
+            while self._take_row_for(None, bulk_cap):
+                pass
         deadline = None
         if len(batch):
-            deadline = time.perf_counter() + self.policy.stall_budget_ms / 1000.0
+            deadline = time.perf_counter() + self._stall_budget
         for sequence in list(batch.filling):  # prefills under way hold their rows: go on first
             if not self._fill(sequence, deadline):
                 return
@@ -246,6 +280,10 @@ class Scheduler:
             if chosen is None:
                 return
             job, sequence = chosen
+            if bulk_cap is not None and self._shares[job].priority == BULK:
+                held = Holdings(self._running_shares(batch.active + batch.filling))
+                if held.by_priority[BULK] >= bulk_cap:
+                    return  # a listener waits for its first audio: bulk waits with it
             if not self._has_room(sequence):
                 if not self._take_row_for(job):
                     return  # the best waiting one cannot run yet: nothing overtakes it
@@ -265,7 +303,7 @@ class Scheduler:
             if not self._fill(sequence, deadline):
                 return
             if deadline is None and len(batch):
-                deadline = time.perf_counter() + self.policy.stall_budget_ms / 1000.0
+                deadline = time.perf_counter() + self._stall_budget
 
     def _choose(self) -> tuple[Job, Sequence] | None:
         """The waiting work that gets the next row, started if it was only queued (its prompt
@@ -309,10 +347,15 @@ class Scheduler:
         need = batch.reserved_positions() + paused + sequence.kv_positions()
         return need <= self.kv_budget_positions
 
-    def _take_row_for(self, job: Job) -> bool:
-        """Pause the stepping sequence ``job`` outranks (``fairness.victim``), if any."""
+    def _take_row_for(self, job: Job | None, bulk_floor: int | None = None) -> bool:
+        """Pause the stepping sequence ``job`` outranks (``fairness.victim``), if any; with
+        no job, a bulk row above ``bulk_floor`` (for a stream starting)."""
         active = self.batch.active
-        index = victim(self._shares[job], self._running_shares(active), self.policy.bulk_min_rows)
+        if job is None:
+            taker = Share(INTERACTIVE, None, -1, 0, -1)
+        else:
+            taker, bulk_floor = self._shares[job], self.policy.bulk_min_rows
+        index = victim(taker, self._running_shares(active), bulk_floor)
         if index is None:
             return False
         sequence = active[index]
@@ -320,8 +363,26 @@ class Scheduler:
         self._waiting.append((self._owners[sequence], sequence))
         self.preempted += 1
         if self._on_taken_back is not None:
-            self._on_taken_back(self._shares[job].priority)
+            self._on_taken_back(taker.priority)
         return True
+
+    def _bulk_cap(self) -> int | None:
+        """The rows bulk may hold now: ``bulk_rows_while_starting`` (at least its floor) while
+        an interactive stream waits for its first audio, whose steps more rows would slow;
+        else no cap (None)."""
+        batch = self.batch
+        with self._submit_lock:
+            queued = list(self._queued)
+        jobs = [*queued, *(self._owners[s] for s in (*batch.active, *batch.filling))]
+        jobs += [job for job, sequence in self._waiting if sequence.cache is None]
+        for job in jobs:
+            if (
+                getattr(job, "chunks", None) is not None
+                and self._shares[job].priority == INTERACTIVE
+                and job.slack() is None
+            ):
+                return max(self.policy.bulk_min_rows, self.policy.bulk_rows_while_starting)
+        return None
 
     def _admitted(self, job: Job) -> None:
         submitted = self._submitted.pop(job, None)
