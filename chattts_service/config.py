@@ -304,6 +304,14 @@ class Settings:
     max_queue: int = _env_field(
         "MAX_QUEUE", 64, "requests that may wait for the model; more get 503", low=1, high=4096
     )
+    default_stream: str = _env_field(
+        "DEFAULT_STREAM",
+        "early",
+        "a stream nobody asked for (OpenAI's endpoint streams unless told not to): early "
+        "(chunks as it generates, first audio as early as an asked-for stream's) or segments "
+        "(each segment's audio once decoded whole: cheaper where clients read whole bodies)",
+        choices=("early", "segments"),
+    )
     bulk_min_rows: int = _env_field(
         "BULK_MIN_ROWS",
         1,

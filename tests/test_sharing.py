@@ -291,3 +291,15 @@ def test_bulk_gives_up_rows_while_a_stream_waits_for_its_first_audio(tiny_endles
     playing = [bulk for waiting, bulk in seen if not waiting]
     assert starting and max(starting) == 1
     assert playing and max(playing) == 3  # every row the stream left
+
+
+def test_a_stream_a_segment_at_a_time_sends_each_segments_whole_audio(tiny_model_dir):
+    """``CHATTTS_DEFAULT_STREAM=segments``: a stream nobody asked for gets one piece per
+    segment, each the whole answer's segment."""
+    with engine_on(tiny_model_dir) as engine:
+        request = SynthesisRequest(LONG_TEXT, seed=8)
+        whole = engine.start(request, fixed_steps=20).result(60)
+        pieces = list(engine.start(request, fixed_steps=20, stream=True, early=False).chunks(60))
+    segments = whole.segments
+    assert len(pieces) == 2 * segments - 1  # each segment's audio, the pauses between them
+    assert b"".join(piece.tobytes() for piece in pieces) == whole.audio.tobytes()

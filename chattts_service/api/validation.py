@@ -223,8 +223,13 @@ def _speech(
     events = stream_format == "sse"
     # events carry the audio as it is decoded where the format streams, else the whole file
     stream = stream or (events and audio_format in STREAM_FORMATS)
+    asked_to_stream = ("stream" in asked and body.stream) or stream_format is not None
     return request, Output(
-        format=audio_format, stream=stream, events=events, priority=body.priority
+        format=audio_format,
+        stream=stream,
+        events=events,
+        priority=body.priority,
+        relaxed=stream and not asked_to_stream,
     )
 
 

@@ -221,11 +221,13 @@ class Engine:
         step_cap: int | None = None,
         priority: str | None = None,
         tenant: str | None = None,
+        early: bool = True,
     ) -> Run:
         """Queue every segment of a request; they generate together, in one batch when
         there is room. Raises Overloaded when the queue cannot take them all or the estimated
         wait is longer than the policy allows. ``step_cap`` lowers the per-segment step
-        cap (degraded mode). A stream sends chunks from its first steps on. ``priority``
+        cap (degraded mode). A stream sends chunks from its first steps on (unless not ``early``:
+        each segment's audio once it is decoded whole). ``priority``
         (``interactive`` or ``bulk``; None: by its shape, see ``fairness.segment_priority``)
         and ``tenant`` (its API key's name, where keys are configured) place its segments in
         the scheduler's shares."""
@@ -245,7 +247,7 @@ class Engine:
             )
         jobs = []
         for index, text in enumerate(segments):
-            job = self._job(text, request, speaker, fixed_steps, stream, step_cap)
+            job = self._job(text, request, speaker, fixed_steps, stream, step_cap, early)
             job.placement = (segment_priority(priority, stream, index), tenant, number, index)
             jobs.append(job)
         self.admission.check(self.scheduler, len(jobs))
@@ -258,7 +260,7 @@ class Engine:
             raise Overloaded(str(error)) from None
         return run
 
-    def _job(self, text, request, speaker, fixed_steps, stream, step_cap):
+    def _job(self, text, request, speaker, fixed_steps, stream, step_cap, early=True):
         """One segment's job, its time fed to the admission's wait estimate."""
         return SynthesisJob(
             self.prompts,
@@ -271,6 +273,7 @@ class Engine:
             step_cap,
             on_finished=self.admission.job_finished,
             lookahead=self.settings.stream_lookahead,
+            early=early,
         )
 
     def _first_segment_sample(

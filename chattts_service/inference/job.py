@@ -154,7 +154,8 @@ class SynthesisJob:
     ``decoder.context_steps`` is how many steps of context on each side make a chunk exact;
     ``on_finished(seconds)`` hears how long the job took from its start (the admission's wait
     estimate); ``lookahead``: a stream's steps of look-ahead while it starts (0, or as many as
-    the decoder's context: exact from the first chunk)."""
+    the decoder's context: exact from the first chunk); ``early``: a stream's audio in chunks
+    as it generates (else each segment's once it is decoded whole)."""
 
     def __init__(
         self,
@@ -168,8 +169,10 @@ class SynthesisJob:
         step_cap: int | None = None,
         on_finished: Callable[[float], None] | None = None,
         lookahead: int = 0,
+        early: bool = True,
     ):
         self.prompts, self.decodes = prompts, decoder
+        self.early = early  # a stream: chunks as it generates, else each segment's whole audio
         self.context_steps = decoder.decoder.context_steps
         self.lookahead = lookahead if 0 < lookahead < self.context_steps else None
         self.text, self.request, self.voice = text, request, voice
@@ -184,7 +187,7 @@ class SynthesisJob:
         self._parts: list[np.ndarray] = []
         # where the decoder's stages are between this stream's chunks (None: it decodes each
         # chunk's window with its context again)
-        self._stream = decoder.decoder.stream() if stream else None
+        self._stream = decoder.decoder.stream() if stream and early else None
         self._emitted = 0  # steps whose audio has been asked for
         self._runs_out: float | None = None  # when the listener's audio runs out
         self._asked = 0  # chunks asked for
@@ -224,7 +227,7 @@ class SynthesisJob:
     def progress(self, sequence, joining: bool = False) -> bool:
         """After a step: ask for the next chunk if it is due (``joining``: a decode runs anyway
         this time, so a smaller chunk is worth sending); whether it did."""
-        if self.chunks is None or sequence.kind != "code":
+        if self.chunks is None or not self.early or sequence.kind != "code":
             return False
         self._time_step()
         low_water = low_water_seconds(self._step_seconds, self._worst_gap)
@@ -326,7 +329,7 @@ class SynthesisJob:
             return self._code_sequence()
         if finished.steps == 0:
             raise EngineError("the model ended speech before producing any audio")
-        if self.chunks is not None:
+        if self.chunks is not None and self.early:
 
             def streamed() -> None:
                 self.chunks.put(None)
@@ -335,11 +338,17 @@ class SynthesisJob:
             self._emit(finished, finished.steps, final=True, then=streamed)
             return None
 
+        def whole(audio: np.ndarray) -> None:
+            if self.chunks is not None:  # a stream that takes its audio a segment at a time
+                self.chunks.put(audio)
+                self.chunks.put(None)
+            self._finish(finished, audio)
+
         self.decodes.submit(
             finished.result_hiddens(),
             0,
             None,
-            lambda audio: self._finish(finished, audio),
+            whole,
             self._failed,
             deferrable=self.placement is not None and self.placement[0] == BULK,
         )

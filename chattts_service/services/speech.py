@@ -43,6 +43,9 @@ class Output:
     events: bool = False  # Server-Sent Events (OpenAI's stream_format "sse"), else raw audio
     captions: str | None = None  # json, srt or vtt: the audio comes in JSON with its captions
     priority: str | None = None  # as the request asked (``fairness``); None: by its shape
+    # a stream nobody asked for (OpenAI's endpoint streams by default): chunks as it generates
+    # unless CHATTTS_DEFAULT_STREAM=segments (each segment's audio when it is decoded whole)
+    relaxed: bool = False
 
 
 @dataclass(frozen=True)
@@ -230,7 +233,15 @@ class SpeechPipeline:
         pcm_key = cache_key(plan.request, self.engine.identity, "pcm")
         writer = stream_writer(output.format, rate)
         cached = self.cache.get(pcm_key)
-        run = None if cached is not None else self._start(plan, stream=True)
+        run = (
+            None
+            if cached is not None
+            else self._start(
+                plan,
+                stream=True,
+                early=not (output.relaxed and self.settings.default_stream == "segments"),
+            )
+        )
         cache_status = "HIT" if cached is not None else "MISS"
 
         def chunks() -> Iterator[bytes]:
@@ -318,7 +329,7 @@ class SpeechPipeline:
 
     # -- shared --------------------------------------------------------------------------------
 
-    def _start(self, plan: Plan, stream: bool) -> Run:
+    def _start(self, plan: Plan, stream: bool, early: bool = True) -> Run:
         """Queue a request's segments; the queue depth gauge counts it until it is answered."""
         try:
             run = self.engine.start(
@@ -327,6 +338,7 @@ class SpeechPipeline:
                 step_cap=plan.step_cap,
                 priority=plan.priority,
                 tenant=plan.tenant,
+                early=early,
             )
         except EngineError as error:
             self._count_failure(error)
