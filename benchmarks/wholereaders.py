@@ -1,7 +1,7 @@
 """What streaming by default costs clients that read the whole body anyway.
 
     python benchmarks/wholereaders.py [--model-dir DIR | --tiny] [--clients 8] [--seconds 60]
-                                      [--rounds 2] [--format mp3] [--json]
+                                      [--rounds 2] [--format mp3] [--setting K=V] [--json]
 
 ``/v1/audio/speech`` streams unless a request says ``"stream": false``. Most OpenAI clients
 (Open WebUI, n8n, Home Assistant) read the whole body before they play it, so for them the
@@ -110,8 +110,16 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--format", default="mp3", choices=("mp3", "opus", "aac", "wav", "pcm"))
     parser.add_argument("--kinds", default="whole,default,asked", help="of " + ", ".join(KINDS))
+    parser.add_argument(
+        "--setting",
+        action="append",
+        default=[],
+        metavar="CHATTTS_NAME=VALUE",
+        help="a setting of the server (repeatable), e.g. CHATTTS_DEFAULT_STREAM=segments",
+    )
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
+    settings = dict(setting.split("=", 1) for setting in args.setting)
     kinds = args.kinds.split(",")
     if "whole" not in kinds or not set(kinds) <= set(KINDS):
         parser.error(f"--kinds: some of {', '.join(KINDS)}, whole among them")
@@ -122,7 +130,7 @@ def main() -> int:
             model = build(Path(scratch) / "tiny", size="tiny", seed=0)
         else:
             model = args.model_dir or default_model()
-        server = Server(model, Path(scratch) / "server.log")
+        server = Server(model, Path(scratch) / "server.log", **settings)
         try:
             server.wait_ready(timeout=600)
             phases, first = [], 0
