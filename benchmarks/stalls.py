@@ -9,8 +9,9 @@ Starts ``--streams`` streamed requests in the engine (no HTTP), one every ``--ap
 long prompt: about 21.5 positions a second of recording), each held to ``--steps`` steps. From
 the engine's step observer it takes every gap between the end of one step and the start of
 the next while rows were stepping (prefills, decode rounds, work handed to the model thread):
-the longest, the 99th percentile and how many passed 50 ms; and how far each stream fell
-behind a listener who started at its first chunk. It reads only the step observer, which
+the longest, the 99th percentile and how many passed 50 ms; the decode rounds among them (the
+engine's decode observer); and how far each stream fell behind a listener who started at its
+first chunk. It reads only the step observer, which
 every revision of the engine has, so the same script measures an older checkout copied beside
 it (run it from that checkout's ``benchmarks/``). Without ``--model-dir`` the full-size
 random-weight model whose speech never ends is used (``models/full-endless``).
@@ -67,7 +68,12 @@ def main(argv: list[str] | None = None) -> int:
     settings = Settings.from_env(
         {}, model_dir=args.model_dir, verify_model=False, max_batch=max(8, args.streams)
     )
-    engine = Engine(settings, step_observer=on_step)
+    decodes: list[float] = []
+    engine = Engine(
+        settings,
+        step_observer=on_step,
+        decode_observer=lambda items, seconds: decodes.append(seconds),
+    )
     engine.load()
     engine.warm_up()
     # a recording: 24 kHz noise shaped like speech's level; its codes are what the prompt holds
@@ -85,18 +91,21 @@ def main(argv: list[str] | None = None) -> int:
     rounds = []
     for number in range(args.rounds):
         steps.clear()
+        decodes.clear()
         arrivals: list[list[tuple[float, float]]] = [[] for _ in range(args.streams)]
 
-        def listen(index: int) -> None:
+        def listen(index: int, seed: int, heard: list) -> None:
             voice = sampled if index < args.sampled else None
-            request = SynthesisRequest("你好，欢迎收听。", seed=100 * number + index, voice=voice)
+            request = SynthesisRequest("你好，欢迎收听。", seed=seed, voice=voice)
             run = engine.start(request, fixed_steps=args.steps, stream=True)
             for chunk in run.chunks(timeout=600):
-                arrivals[index].append((time.perf_counter(), len(chunk) / 24_000))
+                heard.append((time.perf_counter(), len(chunk) / 24_000))
 
         threads = []
         for index in range(args.streams):
-            thread = threading.Thread(target=listen, args=(index,))
+            thread = threading.Thread(
+                target=listen, args=(index, 100 * number + index, arrivals[index])
+            )
             thread.start()
             threads.append(thread)
             time.sleep(args.apart)
@@ -122,6 +131,10 @@ def main(argv: list[str] | None = None) -> int:
                 "gaps_over_50ms": sum(1 for gap in gaps if gap > STALL_SECONDS),
                 "gaps": len(gaps),
                 "behind_max": max(behind),
+                "longest_decode_round": max(decodes, default=0.0),
+                "decode_rounds_over_50ms": sum(1 for seconds in decodes if seconds > STALL_SECONDS),
+                "decode_seconds": sum(decodes),
+                "wall_seconds": steps[-1][1] - steps[0][0] if steps else 0.0,
             }
         )
     engine.close()
@@ -147,7 +160,9 @@ def main(argv: list[str] | None = None) -> int:
                 f"round {index + 1}: longest gap between steps {1000 * one['longest_gap']:.1f} ms, "
                 f"p99 {1000 * one['gap_p99']:.1f} ms, median {1000 * one['gap_median']:.2f} ms; "
                 f"{one['gaps_over_50ms']} of {one['gaps']} over 50 ms; streams behind at most "
-                f"{one['behind_max']:.3f} s"
+                f"{one['behind_max']:.3f} s; decode rounds: longest "
+                f"{1000 * one['longest_decode_round']:.1f} ms, {one['decode_rounds_over_50ms']} "
+                f"over 50 ms, {one['decode_seconds']:.2f} s of {one['wall_seconds']:.2f} s"
             )
     return 0
 

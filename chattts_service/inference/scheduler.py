@@ -221,6 +221,18 @@ class Scheduler:
         decoding = self.decodes is not None and self.decodes.pending
         return not (len(batch) or batch.filling or self._waiting or self._queued or decoding)
 
+    def _someone_playing(self) -> bool:
+        """Whether a stream that has sent audio is generating: its listener could run dry
+        while the rows wait, so prefills go a piece at a time within the stall budget. Else
+        (whole answers, streams before their first audio) every prompt is prefilled whole and
+        at once: nobody hears the wait, and streams that start together share their decode
+        rounds from the first."""
+        for sequence in self.batch.active:
+            job = self._owners[sequence]
+            if getattr(job, "chunks", None) is not None and job.slack() is not None:
+                return True
+        return False
+
     def _decode_slack(self) -> float | None:
         """The seconds a decode round may take beyond what the streams ask for: the least
         audio a stream holds beyond its low water (``job.slack``); 0 while streams wait for
@@ -262,15 +274,15 @@ class Scheduler:
 
     def _admit(self) -> None:
         """Give rows to waiting work in the policy's order, taking rows back where it says so,
-        and prefill within the stall budget: with no row stepping, the first prompt whole (no
-        one waits on it); else pieces until the budget is spent."""
+        and prefill: while a stream that has sent audio generates, pieces until the stall
+        budget is spent; else every prompt whole (``_someone_playing``)."""
         batch = self.batch
         bulk_cap = self._bulk_cap()
         if bulk_cap is not None:
             while self._take_row_for(None, bulk_cap):
                 pass
         deadline = None
-        if len(batch):
+        if self._someone_playing():
             deadline = time.perf_counter() + self._stall_budget
         for sequence in list(batch.filling):  # prefills under way hold their rows: go on first
             if not self._fill(sequence, deadline):
@@ -302,8 +314,6 @@ class Scheduler:
                 continue
             if not self._fill(sequence, deadline):
                 return
-            if deadline is None and len(batch):
-                deadline = time.perf_counter() + self._stall_budget
 
     def _choose(self) -> tuple[Job, Sequence] | None:
         """The waiting work that gets the next row, started if it was only queued (its prompt
