@@ -10,7 +10,7 @@ from chattts_service.runtime.cpu import CpuSampler
 
 LATENCY_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2, 4, 8, 15, 30, 60, 120)
 # a stream's lag behind its listener: 0 for one that kept ahead, 0.1 s the load test's tolerance
-BEHIND_BUCKETS = (0, 0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30)
+BEHIND_BUCKETS = (0, 0.05, 0.1, 0.25, 0.3, 0.5, 1, 2, 5, 10, 30)
 
 
 class HeapCollector:
