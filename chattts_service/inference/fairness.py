@@ -123,14 +123,5 @@ def victim(waiter: Share, running: list[Share], bulk_min_rows: int) -> int | Non
     if not eligible:
         return None
 
-    def weight(i: int) -> tuple:
-        share = running[i]
-        return (
-            _RANK[share.priority],
-            held.by_tenant[(share.priority, share.tenant)],
-            held.by_request[share.request],
-            share.index,
-            share.arrival,
-        )
-
-    return max(eligible, key=weight)
+    # the one that would go last were it waiting
+    return max(eligible, key=lambda i: held.order(running[i]))
