@@ -123,7 +123,6 @@ class Scheduler:
         self._seconds_per_position: float | None = None  # the recent pace of prefill pieces
         self._last_step_end: float | None = None
         self.preempted = 0  # rows taken back so far
-        self.longest_stall = 0.0
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="scheduler", daemon=True)
 
@@ -221,27 +220,24 @@ class Scheduler:
         decoding = self.decodes is not None and self.decodes.pending
         return not (len(batch) or batch.filling or self._waiting or self._queued or decoding)
 
+    def _stream_slacks(self) -> list[float | None]:
+        """``job.slack()`` of every stream generating (None: before its first audio)."""
+        jobs = (self._owners[sequence] for sequence in self.batch.active)
+        return [job.slack() for job in jobs if _is_stream(job)]
+
     def _someone_playing(self) -> bool:
         """Whether a stream that has sent audio is generating: its listener could run dry
         while the rows wait, so prefills go a piece at a time within the stall budget. Else
         (whole answers, streams before their first audio) every prompt is prefilled whole and
         at once: nobody hears the wait, and streams that start together share their decode
         rounds from the first."""
-        for sequence in self.batch.active:
-            job = self._owners[sequence]
-            if getattr(job, "chunks", None) is not None and job.slack() is not None:
-                return True
-        return False
+        return any(slack is not None for slack in self._stream_slacks())
 
     def _decode_slack(self) -> float | None:
         """The seconds a decode round may take beyond what the streams ask for: the least
         audio a stream holds beyond its low water (``job.slack``); 0 while streams wait for
         their first audio only; None (no bound) where no stream generates."""
-        slacks = []
-        for sequence in self.batch.active:
-            job = self._owners[sequence]
-            if getattr(job, "chunks", None) is not None:  # a stream
-                slacks.append(job.slack())
+        slacks = self._stream_slacks()
         if not slacks:
             return None
         playing = [slack for slack in slacks if slack is not None]
@@ -387,7 +383,7 @@ class Scheduler:
         jobs += [job for job, sequence in self._waiting if sequence.cache is None]
         for job in jobs:
             if (
-                getattr(job, "chunks", None) is not None
+                _is_stream(job)
                 and self._shares[job].priority == INTERACTIVE
                 and job.slack() is None
             ):
@@ -466,11 +462,8 @@ class Scheduler:
     def _step(self) -> None:
         rows = len(self.batch)
         started = time.perf_counter()
-        if self._last_step_end is not None:
-            stall = started - self._last_step_end
-            self.longest_stall = max(self.longest_stall, stall)
-            if self._on_stall is not None:
-                self._on_stall(stall)
+        if self._last_step_end is not None and self._on_stall is not None:
+            self._on_stall(started - self._last_step_end)
         try:
             finished = self.batch.step()
         except Exception as error:
@@ -557,3 +550,8 @@ class Scheduler:
             self._forget(job)
             if not job.future.done():
                 job.future.set_exception(error)
+
+
+def _is_stream(job: Job) -> bool:
+    """A streamed job: its audio goes to a listener chunk by chunk (``SynthesisJob.chunks``)."""
+    return getattr(job, "chunks", None) is not None
