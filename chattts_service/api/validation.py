@@ -229,7 +229,7 @@ def _speech(
         stream=stream,
         events=events,
         priority=body.priority,
-        relaxed=stream and not asked_to_stream,
+        by_default=stream and not asked_to_stream,
     )
 
 

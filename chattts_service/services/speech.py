@@ -45,7 +45,7 @@ class Output:
     priority: str | None = None  # as the request asked (``fairness``); None: by its shape
     # a stream nobody asked for (OpenAI's endpoint streams by default): chunks as it generates
     # unless CHATTTS_DEFAULT_STREAM=segments (each segment's audio when it is decoded whole)
-    relaxed: bool = False
+    by_default: bool = False
 
 
 @dataclass(frozen=True)
@@ -239,7 +239,7 @@ class SpeechPipeline:
             else self._start(
                 plan,
                 stream=True,
-                early=not (output.relaxed and self.settings.default_stream == "segments"),
+                early=not (output.by_default and self.settings.default_stream == "segments"),
             )
         )
         cache_status = "HIT" if cached is not None else "MISS"
