@@ -334,8 +334,8 @@ def phase_ours(
     decoder_dtype: str = "auto",
 ) -> dict:
     from chattts_service.config import Settings
+    from chattts_service.domain.speech import SynthesisRequest
     from chattts_service.inference.engine import Engine
-    from chattts_service.inference.types import SynthesisRequest
 
     step_log: list[tuple[int, float]] = []
     decode_log: list[float] = []  # seconds of each round of audio decoding
@@ -560,12 +560,12 @@ def phase_fidelity(
     from transformers import LlamaModel
 
     from chattts_service.config import Settings
+    from chattts_service.domain.speech import SynthesisRequest
     from chattts_service.domain.voices import SpeakerSample
     from chattts_service.inference.engine import Engine
     from chattts_service.inference.generation import Batch
     from chattts_service.inference.quantize import make_linear
     from chattts_service.inference.transformer import Transformer
-    from chattts_service.inference.types import SynthesisRequest
 
     engine = Engine(  # an fp32 decoder decodes both ways (a bf16 one holds bf16 weights)
         Settings.from_env(

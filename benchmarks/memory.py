@@ -41,8 +41,8 @@ def main(argv: list[str] | None = None) -> int:
 
     heap.bound_native_caches()  # oneDNN's shape caches as the server bounds them (before torch)
     from chattts_service.config import Settings
+    from chattts_service.domain.speech import SynthesisRequest
     from chattts_service.inference.engine import Engine
-    from chattts_service.inference.types import SynthesisRequest
 
     settings = Settings.from_env(model_dir=args.model_dir, verify_model=False)
     engine = Engine(settings)

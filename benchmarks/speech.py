@@ -106,8 +106,8 @@ def phase_ours(
 ) -> dict:
     """``settings``: the engine's other settings (the int8 product, the decoder's type)."""
     from chattts_service.config import Settings
+    from chattts_service.domain.speech import Overloaded, SynthesisRequest
     from chattts_service.inference.engine import Engine
-    from chattts_service.inference.types import Overloaded, SynthesisRequest
 
     engine = Engine(
         Settings.from_env(
@@ -194,7 +194,7 @@ def fixed_costs(engine, requests: int) -> dict:
     GPT steps end to end."""
     import torch
 
-    from chattts_service.inference.types import SynthesisRequest
+    from chattts_service.domain.speech import SynthesisRequest
 
     repeats = max(5, requests)
     stages = engine.scheduler.call(lambda: _stages(engine, repeats)).result(timeout=600)
@@ -238,9 +238,9 @@ def fixed_costs(engine, requests: int) -> dict:
 def _stages(engine, repeats: int) -> dict:
     """Medians of each stage of the three-sentence request's first segment, generating the
     steps of its first streamed chunk (``FIRST_CHUNK_STEPS`` + the decoder's context)."""
+    from chattts_service.domain.speech import SAMPLE_RATE, SynthesisRequest
     from chattts_service.inference.generation import Batch
     from chattts_service.inference.job import FIRST_CHUNK_STEPS
-    from chattts_service.inference.types import SAMPLE_RATE, SynthesisRequest
     from chattts_service.services.audio import encode
 
     request = SynthesisRequest(THREE_SENTENCES, seed=5)

@@ -55,9 +55,9 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     from chattts_service.config import Settings
+    from chattts_service.domain.speech import SynthesisRequest
     from chattts_service.domain.voices import SpeakerSample, Voice
     from chattts_service.inference.engine import Engine
-    from chattts_service.inference.types import SynthesisRequest
 
     steps: list[tuple[float, float, int]] = []  # (start, end, rows)
 

@@ -129,7 +129,7 @@ def run_streams(
     """``whole``: then generate each stream's whole answer too and compare its provisional
     start (a look-ahead's) with it. With the engine's ``timeline``: what the last stream's
     first audio was made of."""
-    from chattts_service.inference.types import SynthesisRequest
+    from chattts_service.domain.speech import SynthesisRequest
 
     results: list = [None] * count
     if timeline is not None:
@@ -190,7 +190,7 @@ def _provisional_snr(engine, run, chunks, request, steps: int) -> float:
     """The SNR of a stream's provisional start against the same steps of its whole answer."""
     import numpy as np
 
-    from chattts_service.inference.types import SAMPLES_PER_STEP
+    from chattts_service.domain.speech import SAMPLES_PER_STEP
 
     whole = engine.start(request, fixed_steps=steps).result(600).audio
     samples = run.provisional * SAMPLES_PER_STEP
@@ -209,8 +209,8 @@ def lookahead_fidelity(engine, lookaheads: list[int], seeds: int = 3) -> list[di
     """A 12-step chunk decoded from a window that ends ``lookahead`` steps after it, against
     the same steps decoded with the decoder's whole context: SNR over the chunk (min over three
     places in three seeds' hidden states of the stream's text)."""
+    from chattts_service.domain.speech import SAMPLES_PER_STEP, SynthesisRequest
     from chattts_service.inference.generation import Batch
-    from chattts_service.inference.types import SAMPLES_PER_STEP, SynthesisRequest
 
     decoder = engine.model.decoder
 

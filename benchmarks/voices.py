@@ -81,8 +81,8 @@ def _batch_wall(engine, requests, steps: int) -> float:
 
 
 def measure_sample(engine, args) -> dict:
+    from chattts_service.domain.speech import SynthesisRequest
     from chattts_service.domain.voices import SpeakerSample, Voice
-    from chattts_service.inference.types import SynthesisRequest
 
     steps_for_sample = round(SAMPLE_SECONDS * 24_000 / 512)
     recording = engine.synthesize(
@@ -152,7 +152,7 @@ def measure_sample(engine, args) -> dict:
 
 
 def measure_long_text(model: Path, args) -> dict:
-    from chattts_service.inference.types import SynthesisRequest
+    from chattts_service.domain.speech import SynthesisRequest
 
     results = {}
     for mode in ("embedding", "first_segment"):

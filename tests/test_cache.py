@@ -2,8 +2,8 @@ from dataclasses import fields, replace
 
 import torch
 
+from chattts_service.domain.speech import SynthesisRequest
 from chattts_service.domain.voices import Voice
-from chattts_service.inference.types import SynthesisRequest
 from chattts_service.services.cache import AudioCache, cache_key
 
 BASE = SynthesisRequest(text="你好", seed=1, refine_text=False)

@@ -8,7 +8,7 @@ import pytest
 import torch
 from engines import engine_on, read_streams
 
-from chattts_service.inference.types import SAMPLE_RATE, NothingToSay, SynthesisRequest
+from chattts_service.domain.speech import SAMPLE_RATE, NothingToSay, SynthesisRequest
 
 
 @pytest.fixture(scope="module")
@@ -113,7 +113,7 @@ def test_warm_up_runs_the_whole_pipeline(engine):
 
 
 def test_a_full_queue_refuses_instead_of_growing(tiny_model_dir):
-    from chattts_service.inference.types import Overloaded
+    from chattts_service.domain.speech import Overloaded
 
     with engine_on(
         tiny_model_dir, max_new_tokens=200, max_batch=1, max_queue=2, batch_wait_ms=0
@@ -243,7 +243,7 @@ def test_segments_queued_together_generate_together(engine, monkeypatch):
 def test_a_request_past_its_deadline_is_dropped_and_the_batch_goes_on(engine):
     import time
 
-    from chattts_service.inference.types import DeadlineExceeded
+    from chattts_service.domain.speech import DeadlineExceeded
 
     started = time.monotonic()
     with pytest.raises(DeadlineExceeded):
@@ -260,7 +260,7 @@ def test_a_request_past_its_deadline_is_dropped_and_the_batch_goes_on(engine):
 def test_a_caller_that_goes_away_has_its_request_dropped(engine):
     import time
 
-    from chattts_service.inference.types import Cancelled
+    from chattts_service.domain.speech import Cancelled
 
     asked = time.monotonic() + 0.3
     with pytest.raises(Cancelled, match="went away"):

@@ -5,6 +5,7 @@ import torch
 from ChatTTS.model.processors import gen_logits
 from transformers import LlamaModel
 
+from chattts_service.domain.speech import CODE_SAMPLING, TEXT_SAMPLING, Sampling
 from chattts_service.inference.generation import (
     Batch,
     Heads,
@@ -15,7 +16,6 @@ from chattts_service.inference.generation import (
     shape_logits,
 )
 from chattts_service.inference.transformer import KVCache, PromptFill, Transformer
-from chattts_service.inference.types import CODE_SAMPLING, TEXT_SAMPLING, Sampling
 from chattts_service.kernels import bindings as cpp_kernels
 from chattts_service.kernels import tuning
 

@@ -14,7 +14,7 @@ import pytest
 import torch
 from engines import engine_on
 
-from chattts_service.inference.types import SynthesisRequest
+from chattts_service.domain.speech import SynthesisRequest
 
 STEPS = 24  # every segment generates exactly this many steps: the test's time is bounded
 TEXT = (

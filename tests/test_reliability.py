@@ -186,7 +186,7 @@ def test_readiness_and_its_body_always_agree(tiny_model_dir):
 def test_admission_refuses_when_the_estimated_wait_is_too_long(tiny_model_dir):
     from engines import engine_on
 
-    from chattts_service.inference.types import Overloaded, SynthesisRequest
+    from chattts_service.domain.speech import Overloaded, SynthesisRequest
 
     with engine_on(tiny_model_dir, max_wait_s=5, max_batch=2, max_segment_chars=10) as engine:
         assert engine.estimated_wait() is None  # nothing measured yet: admit

@@ -18,9 +18,9 @@ import pytest
 import torch
 from engines import engine_on
 
+from chattts_service.domain.speech import SynthesisRequest
 from chattts_service.domain.voices import SpeakerSample, Voice
 from chattts_service.inference.sample_encoder import encode_prompt
-from chattts_service.inference.types import SynthesisRequest
 
 STEPS = 40
 TRANSCRIPT = "hello, this is the recording."

@@ -8,6 +8,7 @@ import pytest
 import requests
 from engines import engine_on
 
+from chattts_service.domain.speech import SynthesisRequest
 from chattts_service.inference import scheduler as scheduler_module
 from chattts_service.inference.fairness import (
     BULK,
@@ -17,7 +18,6 @@ from chattts_service.inference.fairness import (
     segment_priority,
     victim,
 )
-from chattts_service.inference.types import SynthesisRequest
 
 LONG_TEXT = "".join(f"第{i}句话讲了一件很长的事情，大家都在听。" for i in range(1, 9))
 

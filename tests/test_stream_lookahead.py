@@ -9,8 +9,8 @@ import pytest
 import requests
 from engines import engine_on, read_streams
 
+from chattts_service.domain.speech import SynthesisRequest
 from chattts_service.inference import job
-from chattts_service.inference.types import SynthesisRequest
 
 LOOKAHEAD = 3  # the tiny model's decoders read 9 steps either side (ChatTTS's: 52)
 SAMPLES_PER_STEP = 512

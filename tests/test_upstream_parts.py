@@ -196,7 +196,7 @@ def test_a_restart_imports_neither_numba_nor_transformers(tiny_model_dir, tmp_pa
 import sys, hashlib
 from chattts_service.config import Settings
 from chattts_service.inference.engine import Engine
-from chattts_service.inference.types import SynthesisRequest
+from chattts_service.domain.speech import SynthesisRequest
 engine = Engine(Settings.from_env())
 engine.load()
 digest = hashlib.sha256()

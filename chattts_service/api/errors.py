@@ -8,6 +8,13 @@ import math
 from flask import Flask, jsonify, request
 from werkzeug.exceptions import HTTPException
 
+from chattts_service.domain.speech import (
+    Cancelled,
+    DeadlineExceeded,
+    EngineError,
+    NothingToSay,
+    Overloaded,
+)
 from chattts_service.domain.voices import (
     NotAnEmbedding,
     TooManyVoices,
@@ -15,13 +22,6 @@ from chattts_service.domain.voices import (
     UnusableBlend,
     VoiceError,
     VoiceExists,
-)
-from chattts_service.inference.types import (
-    Cancelled,
-    DeadlineExceeded,
-    EngineError,
-    NothingToSay,
-    Overloaded,
 )
 from chattts_service.services.consents import ConsentError, TooManyConsents, UnknownConsent
 

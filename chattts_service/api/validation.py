@@ -30,8 +30,8 @@ from chattts_service.api.models import (
     speech_bodies,
 )
 from chattts_service.config import Settings
+from chattts_service.domain.speech import SynthesisRequest
 from chattts_service.domain.voices import VoiceError
-from chattts_service.inference.types import SynthesisRequest
 from chattts_service.services.audio import STREAM_FORMATS
 from chattts_service.services.speech import Output
 

@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import threading
 
+from chattts_service.domain.speech import Overloaded
 from chattts_service.inference.policy import BatchingPolicy
 from chattts_service.inference.scheduler import Scheduler
-from chattts_service.inference.types import Overloaded
 
 DEFAULT_RETRY_AFTER_S = 5.0
 

@@ -21,6 +21,14 @@ from concurrent.futures import Future
 import numpy as np
 
 from chattts_service.config import Settings
+from chattts_service.domain.speech import (
+    SAMPLE_RATE,
+    EngineError,
+    NothingToSay,
+    Overloaded,
+    Synthesis,
+    SynthesisRequest,
+)
 from chattts_service.domain.text import Normaliser
 from chattts_service.domain.voices import SpeakerSample, VoiceStore
 from chattts_service.inference.admission import Admission
@@ -29,14 +37,6 @@ from chattts_service.inference.job import SynthesisJob
 from chattts_service.inference.policy import BatchingPolicy
 from chattts_service.inference.run import Run
 from chattts_service.inference.scheduler import QueueFull, Scheduler
-from chattts_service.inference.types import (
-    SAMPLE_RATE,
-    EngineError,
-    NothingToSay,
-    Overloaded,
-    Synthesis,
-    SynthesisRequest,
-)
 
 log = logging.getLogger(__name__)
 

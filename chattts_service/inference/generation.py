@@ -24,9 +24,9 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from chattts_service.domain.speech import Sampling
 from chattts_service.inference.quantize import KernelLinear, make_linear
 from chattts_service.inference.transformer import PromptFill, Transformer, rounded_positions
-from chattts_service.inference.types import Sampling
 
 NUM_VQ = 4
 REPETITION_WINDOW = 16  # ChatTTS's past_window for its repetition penalty

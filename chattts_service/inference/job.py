@@ -37,9 +37,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from chattts_service.inference.fairness import BULK
-from chattts_service.inference.scheduler import JobFuture
-from chattts_service.inference.types import (
+from chattts_service.domain.speech import (
     SAMPLE_RATE,
     SAMPLES_PER_STEP,
     EngineError,
@@ -48,6 +46,8 @@ from chattts_service.inference.types import (
     SynthesisRequest,
     speakable,
 )
+from chattts_service.inference.fairness import BULK
+from chattts_service.inference.scheduler import JobFuture
 
 if TYPE_CHECKING:  # prompts bring torch; a job is built once the model has loaded it
     from chattts_service.inference.decoding import DecodeQueue

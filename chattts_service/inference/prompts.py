@@ -10,16 +10,16 @@ from __future__ import annotations
 import torch
 
 from chattts_service.config import Settings
-from chattts_service.domain.text import Normaliser, pack, split_sentences
-from chattts_service.domain.voices import SpeakerSample
-from chattts_service.inference.generation import Heads, Sequence, TextSequence
-from chattts_service.inference.types import (
+from chattts_service.domain.speech import (
     TEXT_SAMPLING,
     EngineError,
     NothingToSay,
     SynthesisRequest,
     speakable,
 )
+from chattts_service.domain.text import Normaliser, pack, split_sentences
+from chattts_service.domain.voices import SpeakerSample
+from chattts_service.inference.generation import Heads, Sequence, TextSequence
 
 BASE_STEPS = 150  # headroom of the per-request step cap
 REFINE_MAX_STEPS = 384  # ChatTTS's default for text refinement

@@ -15,15 +15,15 @@ from concurrent.futures import TimeoutError as FutureTimeout
 
 import numpy as np
 
-from chattts_service.inference.job import SynthesisJob
-from chattts_service.inference.scheduler import JobCancelled
-from chattts_service.inference.types import (
+from chattts_service.domain.speech import (
     SAMPLE_RATE,
     Cancelled,
     DeadlineExceeded,
     EngineError,
     Synthesis,
 )
+from chattts_service.inference.job import SynthesisJob
+from chattts_service.inference.scheduler import JobCancelled
 
 STOP_POLL_SECONDS = 0.25  # how often a waiting request checks its client
 

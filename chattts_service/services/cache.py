@@ -18,7 +18,7 @@ from dataclasses import fields
 
 from lru import LRU
 
-from chattts_service.inference.types import SynthesisRequest
+from chattts_service.domain.speech import SynthesisRequest
 
 
 def cache_key(request: SynthesisRequest, model_identity: str, audio_format: str) -> str:

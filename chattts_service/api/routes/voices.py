@@ -46,8 +46,8 @@ from chattts_service.api.models import (
 )
 from chattts_service.api.openapi import BODY_ERRORS, operation
 from chattts_service.config import MAX_SEED
+from chattts_service.domain.speech import EngineError
 from chattts_service.domain.voices import SpeakerSample, VoiceError
-from chattts_service.inference.types import EngineError
 from chattts_service.services import recordings
 from chattts_service.services.consents import ConsentError, ConsentStore
 from chattts_service.services.recordings import (

@@ -1,4 +1,4 @@
-"""What the inference layer takes and gives: requests, results, errors, sampling defaults.
+"""What a speech request is and what it gives: requests, results, errors, sampling defaults.
 
 Nothing here imports torch, so the API layer can build requests and catch engine errors
 without paying for the model's imports.
