@@ -82,7 +82,7 @@ ENV PATH=/opt/venv/bin:$PATH \
 RUN PYTHONDONTWRITEBYTECODE='' sh -c '\
     python -m chattts_service.tools.testmodel /tmp/bytecode-model --size tiny >/dev/null 2>&1 \
  && python -m chattts_service.tools.warmup --model-dir /tmp/bytecode-model --no-verify \
- && python -c "import chattts_service.serve, chattts_service.app, gunicorn.workers.gthread" \
+ && python -c "import chattts_service.transport.serve, chattts_service.app, gunicorn.workers.gthread" \
  && rm -rf /tmp/bytecode-model'
 USER 10001:10001
 EXPOSE 8090

@@ -2,7 +2,7 @@
 
 import sys
 
-from chattts_service.serve import main
+from chattts_service.transport.serve import main
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -110,7 +110,7 @@ def test_docs_document_every_metric():
         for line in docs.read_text(encoding="utf-8").splitlines()
         if line.startswith("| `chatts_")
     ]
-    from chattts_service.api.intake import IntakeStats
+    from chattts_service.transport.intake import IntakeStats
 
     metrics = Metrics()
     metrics.connections.source = IntakeStats  # as the serving worker sets it

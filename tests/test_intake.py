@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import requests
 
-from chattts_service.api.intake import (
+from chattts_service.transport.intake import (
     MAX_BODY_BYTES,
     MAX_BUFFERED_BYTES,
     MAX_HEAD_BYTES,

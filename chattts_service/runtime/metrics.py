@@ -60,7 +60,7 @@ class PrefixCollector:
 
 
 class ConnectionCollector:
-    """The HTTP intake's connections (``chattts_service.api.intake``), read at each scrape
+    """The HTTP intake's connections (``chattts_service.transport.intake``), read at each scrape
     from ``source`` (a callable the serving worker sets; absent under a test client):
     ``chatts_http_connections{state}`` open ones, ``chatts_http_timeouts_total{phase}``
     connections closed by a timeout (408 for header and body), ``chatts_http_rejected_total

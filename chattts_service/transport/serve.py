@@ -11,9 +11,9 @@ import threading
 from gunicorn.app.base import BaseApplication
 
 from chattts_service.api.auth import ApiKeys
-from chattts_service.api.intake import MAX_REQUEST_LINE, IntakeLimits, IntakeWorker
 from chattts_service.config import Settings, SettingsError
 from chattts_service.runtime import heap
+from chattts_service.transport.intake import MAX_REQUEST_LINE, IntakeLimits, IntakeWorker
 
 log = logging.getLogger(__name__)
 
@@ -89,7 +89,7 @@ class _Gunicorn(BaseApplication):
         options = {
             "bind": f"{s.host}:{s.port}",
             "workers": 1,
-            "worker_class": "chattts_service.serve.DrainingWorker",
+            "worker_class": "chattts_service.transport.serve.DrainingWorker",
             "threads": s.http_threads,
             # gthread workers heartbeat from their main thread, so a long synthesis is not
             # mistaken for a hung worker; the timeout only catches a truly stuck process.

@@ -1,0 +1,1 @@
+"""How requests reach the application: the gunicorn server and its intake worker."""
