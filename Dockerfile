@@ -68,6 +68,7 @@ COPY --from=build --chown=10001:10001 /models /models
 WORKDIR /app
 COPY chattts_service ./chattts_service
 COPY server.py warmup.py bench.py ./
+COPY benchmarks ./benchmarks
 COPY docker/entrypoint.sh /usr/local/bin/chattts-entrypoint
 ENV PATH=/opt/venv/bin:$PATH \
     PYTHONUNBUFFERED=1 \

@@ -3,7 +3,7 @@ throughput, errors, and how many streams the box serves (--capacity). See README
 
 import sys
 
-from chattts_service.tools.loadtest import main
+from benchmarks.loadtest import main
 
 if __name__ == "__main__":
     sys.exit(main())

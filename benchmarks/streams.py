@@ -49,13 +49,13 @@ from benchmarks.engine import (  # noqa: E402
     default_model,
     weights_read_seconds,
 )
-from chattts_service.config import DECODER_DTYPES, KV_CACHE_DTYPES  # noqa: E402  (no torch)
-from chattts_service.domain.playback import waits  # noqa: E402
-from chattts_service.runtime.cpu import cpu_flags, cpu_model  # noqa: E402
-from chattts_service.tools.loadtest import (  # noqa: E402
+from benchmarks.loadtest import (  # noqa: E402
     MAX_FIRST_AUDIO_SECONDS,
     TOLERANCE_SECONDS,
 )
+from chattts_service.config import DECODER_DTYPES, KV_CACHE_DTYPES  # noqa: E402  (no torch)
+from chattts_service.domain.playback import waits  # noqa: E402
+from chattts_service.runtime.cpu import cpu_flags, cpu_model  # noqa: E402
 
 SAMPLE_RATE = 24_000
 # the capacity target in the engine: this many streams started at once all keep up with their

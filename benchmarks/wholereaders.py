@@ -32,10 +32,10 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from benchmarks.engine import default_model  # noqa: E402
+from benchmarks.loadtest import read_metrics  # noqa: E402
 from benchmarks.overload import TEXTS  # noqa: E402
 from benchmarks.serverproc import Server  # noqa: E402
 from chattts_service.runtime.cpu import cpu_model  # noqa: E402
-from chattts_service.tools.loadtest import read_metrics  # noqa: E402
 
 
 def audio_seconds_total(url: str) -> float:

@@ -437,7 +437,7 @@ def test_streams_benchmark_smoke(tiny_model_dir):
     )
     assert match and float(match[1]) == max(firsts), targets
     assert match[2] == ("ok" if max(firsts) <= 1 else "MISSED")
-    from chattts_service.tools.loadtest import TOLERANCE_SECONDS
+    from benchmarks.loadtest import TOLERANCE_SECONDS
 
     match = re.match(
         rf"  8 streams at once: each within {TOLERANCE_SECONDS:g} s of playback +: ([\d.]+) s "

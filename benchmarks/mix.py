@@ -23,8 +23,7 @@ from dataclasses import replace
 
 import requests
 
-from chattts_service.runtime.cpu import StealMeter, cpu_model
-from chattts_service.tools.loadtest import (
+from benchmarks.loadtest import (
     DEFAULT_TEXT,
     Load,
     Outcome,
@@ -33,6 +32,7 @@ from chattts_service.tools.loadtest import (
     percentile,
     send,
 )
+from chattts_service.runtime.cpu import StealMeter, cpu_model
 
 # a nightly batch's document: 60 sentences (27 segments at the default 100 characters)
 BULK_TEXT = "".join(

@@ -586,7 +586,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--no-progress", dest="progress", action="store_false", help="no progress lines on stderr"
     )
-    from chattts_service.tools import mix  # beside this module, which it builds on
+    from benchmarks import mix  # beside this module, which it builds on
 
     mix.add_arguments(parser)
     args = parser.parse_args(argv)
