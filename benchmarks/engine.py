@@ -189,7 +189,7 @@ def decode_multiply_adds(decoder, steps: int, hidden_size: int) -> int:
     lower bound)."""
     import torch
 
-    from chattts_service.inference.decoding import Bf16Linear, Int8Pointwise, KernelDepthwise
+    from chattts_service.inference.decoder_layers import Bf16Linear, Int8Pointwise, KernelDepthwise
 
     total = 0
 

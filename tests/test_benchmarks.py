@@ -104,7 +104,7 @@ def test_decode_multiply_adds_count_every_layer_whatever_runs_it(tiny_model_dir)
     from engines import engine_on
 
     from benchmarks.engine import decode_multiply_adds
-    from chattts_service.inference.decoding import KernelDepthwise
+    from chattts_service.inference.decoder_layers import KernelDepthwise
 
     def on_kernels(decoder) -> int:
         return sum(isinstance(m, KernelDepthwise) for m in decoder.vocos.backbone.modules())

@@ -478,13 +478,13 @@ def test_a_bf16_decoder_holds_bf16_weights_and_gives_autocasts_samples(tiny_mode
     decoder keeps them so: the same samples, whole and streamed, half the bytes; asked to
     decode in fp32 it says it cannot. Where torch has oneDNN's linear with the bias fused, the
     linear layers run on it, and the samples are still autocast's."""
-    from chattts_service.inference.decoding import (
-        Advance,
+    from chattts_service.inference.decoder_layers import (
         Bf16Linear,
         KernelDepthwise,
         _depthwise_matches,
         fused_bias_linear,
     )
+    from chattts_service.inference.decoding import Advance
 
     with engine_on(tiny_model_dir, decoder_dtype="fp32") as engine:
         decoder = engine.model.decoder
@@ -546,7 +546,7 @@ def test_a_packed_bf16_linear_gives_the_plain_weights_bits():
     gives the plain weight's bits (checked on three row counts): on row counts and shapes the
     check did not try, the same bits as the plain layer, the plain copy gone. Where this CPU's
     packing rounds otherwise, it says so and keeps the plain weight."""
-    from chattts_service.inference.decoding import Bf16Linear, fused_bias_linear
+    from chattts_service.inference.decoder_layers import Bf16Linear, fused_bias_linear
 
     if not fused_bias_linear():
         pytest.skip("this torch has no oneDNN linear with a fused bias (a build without oneDNN)")
@@ -576,12 +576,12 @@ def test_an_fp32_decoder_runs_its_depthwise_convolutions_on_the_kernels_to_the_b
     float32 where they give torch's bits (checked once per process): whole windows, batches
     and streams give, bit for bit, what the same decoder gives with torch's convolutions; asked
     for bf16 (autocast) it still gives autocast's samples."""
-    from chattts_service.inference.decoding import (
-        Advance,
+    from chattts_service.inference.decoder_layers import (
         KernelDepthwise,
         _depthwise_matches,
         on_kernel_depthwise,
     )
+    from chattts_service.inference.decoding import Advance
 
     engine = fp32_decoder_engine
     decoder, kernels = engine.model.decoder, engine.model.transformer.kernels
@@ -637,8 +637,8 @@ def test_an_int8_decoder_runs_its_pointwise_layers_on_the_kernels(
     stream what its whole answer gives, but for the fp32 layers' rounding (1e-5 of a window
     in fp32), which now and then moves a value across a quantization level; asked to decode
     in fp32 it says it cannot."""
-    from chattts_service.inference.decoding import Int8Pointwise, KernelDepthwise
-    from chattts_service.inference.decoding import _depthwise_matches as matches
+    from chattts_service.inference.decoder_layers import Int8Pointwise, KernelDepthwise
+    from chattts_service.inference.decoder_layers import _depthwise_matches as matches
     from chattts_service.kernels import bindings
 
     if not bindings.cpu_supports():
@@ -864,7 +864,7 @@ def test_without_its_mask_a_batch_would_not_decode_what_each_window_gives(engine
 
 
 def test_a_failed_decode_fails_its_own_request_only(engine):
-    from chattts_service.inference.decoding import DecodeQueue
+    from chattts_service.inference.decode_queue import DecodeQueue
 
     queue = DecodeQueue(engine.model.decoder)
     items = _windows(engine, 6)[:3]

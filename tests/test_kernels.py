@@ -512,7 +512,7 @@ def test_depthwise_conv1d_sums_its_taps_in_order_from_the_bias(
     both ends; the output channels-last too. Where this machine's torch (oneDNN) sums the
     taps in the same order, the kernel gives its convolution's bits under autocast, which is
     what the audio decoder checks before using it."""
-    from chattts_service.inference.decoding import _depthwise_matches
+    from chattts_service.inference.decoder_layers import _depthwise_matches
 
     generator = torch.Generator().manual_seed(channels + time + dilation)
     weight = (torch.randn(channels, 1, 7, generator=generator) * 0.3).bfloat16()
@@ -544,7 +544,7 @@ def test_depthwise_conv1d_in_float32_fuses_each_tap_in_order_from_the_bias(
     weights and out, each tap a fused multiply-add in tap order from the bias, every channel
     count; where this machine's torch forms them so too, its float32 convolution's bits, which
     the decoder checks before using the kernel."""
-    from chattts_service.inference.decoding import _depthwise_matches
+    from chattts_service.inference.decoder_layers import _depthwise_matches
 
     generator = torch.Generator().manual_seed(channels + time + dilation + 1)
     weight = torch.randn(channels, 1, 7, generator=generator) * 0.3

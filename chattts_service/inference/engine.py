@@ -66,7 +66,7 @@ class Engine:
         a running one's row."""
         self.settings = settings
         self._decode_observer = decode_observer
-        self.decodes = None  # a decoding.DecodeQueue once loaded
+        self.decodes = None  # a decode_queue.DecodeQueue once loaded
         self.policy = BatchingPolicy.from_settings(settings)
         self.admission = Admission(self.policy)
         self.scheduler = Scheduler(
@@ -131,7 +131,7 @@ class Engine:
             decode_sample=decode_prompt,
         )
         self.sample_encoder = SampleEncoder(model.dvae_file, model.chat.config)
-        from chattts_service.inference.decoding import DecodeQueue
+        from chattts_service.inference.decode_queue import DecodeQueue
 
         self.decodes = DecodeQueue(model.decoder, on_run=self._decode_observer)
         self.scheduler.attach(model.batch, model.kv_positions, self.decodes)

@@ -50,7 +50,7 @@ from chattts_service.inference.fairness import BULK
 from chattts_service.inference.scheduler import JobFuture
 
 if TYPE_CHECKING:  # prompts bring torch; a job is built once the model has loaded it
-    from chattts_service.inference.decoding import DecodeQueue
+    from chattts_service.inference.decode_queue import DecodeQueue
     from chattts_service.inference.prompts import Prompts
 
 log = logging.getLogger(__name__)
