@@ -12,13 +12,8 @@ import requests
 import soundfile
 import torch
 
-from chattts_service.domain.voices import (
-    MAX_BLEND_PARTS,
-    UnknownVoice,
-    UnusableBlend,
-    VoiceError,
-    VoiceStore,
-)
+from chattts_service.domain.voice_store import VoiceStore
+from chattts_service.domain.voices import MAX_BLEND_PARTS, UnknownVoice, UnusableBlend, VoiceError
 from chattts_service.services.captions import captions, srt, vtt
 
 RATE = 24_000

@@ -60,7 +60,7 @@ def _schemathesis(server, *extra: str) -> subprocess.CompletedProcess:
 def _register_voice(server, headers: dict) -> None:
     import torch
 
-    from chattts_service.domain.voices import encode_embedding
+    from chattts_service.domain.embeddings import encode_embedding
     from chattts_service.tools.testmodel import TINY
 
     dim = TINY["gpt"]["hidden_size"]
@@ -218,7 +218,8 @@ BLEND_PIECES = st.sampled_from(["alloy", "echo", "ghost", "seed:7", "(", ")", "+
 def test_the_blend_pattern_is_what_the_service_resolves(spec):
     import torch
 
-    from chattts_service.domain.voices import UnusableBlend, VoiceError, VoiceStore
+    from chattts_service.domain.voice_store import VoiceStore
+    from chattts_service.domain.voices import UnusableBlend, VoiceError
 
     store = VoiceStore(Path("/nonexistent-voices"), 4, lambda seed: torch.full((4,), float(seed)))
     try:

@@ -748,7 +748,9 @@ def test_voices_speed_and_sampling_change_the_audio_and_are_reproducible(engine)
 
 
 def test_registered_voice_round_trips_through_its_file(engine, tmp_path):
-    from chattts_service.domain.voices import VoiceError, VoiceStore, encode_embedding
+    from chattts_service.domain.embeddings import encode_embedding
+    from chattts_service.domain.voice_store import VoiceStore
+    from chattts_service.domain.voices import VoiceError
 
     store = VoiceStore(tmp_path / "voices", engine.voices.dim, engine.speaker_embedding)
     embedding = torch.randn(store.dim, generator=torch.Generator().manual_seed(3))

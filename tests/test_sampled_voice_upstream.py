@@ -118,7 +118,7 @@ def test_long_text_from_its_first_segment_is_upstreams_in_fp32(sharp_model, upst
     ``Chat.infer(split_text=True)`` does; each segment's audio is upstream's."""
     from ChatTTS import Chat
 
-    from chattts_service.domain.voices import decode_embedding, encode_embedding
+    from chattts_service.domain.embeddings import decode_embedding, encode_embedding
 
     with engine_on(
         sharp_model,

@@ -408,7 +408,7 @@ def test_every_voice_and_model_the_installed_client_names_is_accepted(api, clien
 def test_voices_listing_registration_and_use(api, client):
     import torch
 
-    from chattts_service.domain.voices import encode_embedding
+    from chattts_service.domain.embeddings import encode_embedding
     from chattts_service.tools.testmodel import TINY
 
     listing = requests.get(api.url + "/v1/audio/voices", timeout=10).json()

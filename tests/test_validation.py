@@ -93,7 +93,7 @@ def test_speed_maps_onto_chattts_levels(speed, level):
 def test_openai_request_fields(tmp_path):
     import torch
 
-    from chattts_service.domain.voices import VoiceStore
+    from chattts_service.domain.voice_store import VoiceStore
 
     voices = VoiceStore(tmp_path, 4, lambda seed: torch.full((4,), float(seed)))
     request, output = speech_request(

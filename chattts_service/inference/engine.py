@@ -30,7 +30,8 @@ from chattts_service.domain.speech import (
     SynthesisRequest,
 )
 from chattts_service.domain.text import Normaliser
-from chattts_service.domain.voices import SpeakerSample, VoiceStore
+from chattts_service.domain.voice_store import VoiceStore
+from chattts_service.domain.voices import SpeakerSample
 from chattts_service.inference.admission import Admission
 from chattts_service.inference.fairness import segment_priority
 from chattts_service.inference.job import SynthesisJob
