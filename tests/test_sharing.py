@@ -8,11 +8,9 @@ import pytest
 import requests
 from engines import engine_on
 
-from chattts_service.domain.speech import SynthesisRequest
+from chattts_service.domain.speech import BULK, INTERACTIVE, SynthesisRequest
 from chattts_service.inference import scheduler as scheduler_module
 from chattts_service.inference.fairness import (
-    BULK,
-    INTERACTIVE,
     Share,
     next_share,
     segment_priority,

@@ -34,7 +34,7 @@ from pydantic import (
 from pydantic_core import PydanticCustomError
 
 from chattts_service.config import MAX_SEED, Settings
-from chattts_service.domain.speech import CODE_SAMPLING
+from chattts_service.domain.speech import CODE_SAMPLING, PRIORITIES
 from chattts_service.domain.text import (
     INLINE_TOKENS,
     REFINE_TOKENS,
@@ -44,7 +44,6 @@ from chattts_service.domain.text import (
     normalise_text,
 )
 from chattts_service.domain.voices import MAX_BLEND_PARTS, MAX_EMBEDDING_CHARS, NAME
-from chattts_service.inference.fairness import PRIORITIES
 from chattts_service.services.audio import FORMATS, STREAM_FORMATS
 from chattts_service.services.captions import CAPTION_FORMATS
 from chattts_service.services.consents import CONSENT_ID, LANGUAGE, MAX_LABEL_CHARS, MAX_PAGE

@@ -20,8 +20,7 @@ from chattts_service.api import validation
 from chattts_service.api.errors import ApiError, BadRequest, NotReady, from_engine_error
 from chattts_service.api.models import CaptionedSpeech as CaptionedAnswer
 from chattts_service.api.models import SpeechAudioDelta, SpeechAudioDone, Usage
-from chattts_service.domain.speech import SAMPLE_RATE, SAMPLES_PER_STEP, EngineError
-from chattts_service.inference.fairness import PRIORITIES
+from chattts_service.domain.speech import PRIORITIES, SAMPLE_RATE, SAMPLES_PER_STEP, EngineError
 from chattts_service.runtime.metrics import Metrics
 from chattts_service.services import captions
 from chattts_service.services.speech import CaptionedSpeech, Output, Speech, SpeechStream

@@ -15,6 +15,11 @@ from chattts_service.domain.voices import Voice
 SAMPLE_RATE = 24_000
 SAMPLES_PER_STEP = 512  # 2 mel frames of hop 256 per GPT step
 DEFAULT_SPEED = 5  # ChatTTS's default speech prompt is [speed_5]
+# a request's class in the scheduler (``inference.fairness``): someone waits for its sound, or
+# it is a batch job that may wait behind those who do
+INTERACTIVE = "interactive"
+BULK = "bulk"
+PRIORITIES = (INTERACTIVE, BULK)
 
 
 @dataclass(frozen=True)

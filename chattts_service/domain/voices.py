@@ -64,7 +64,15 @@ class SpeakerSample:
 
 
 class VoiceError(ValueError):
-    """A voice name or embedding that cannot be used; the message says why."""
+    """A voice name or embedding that cannot be used; the message says why. ``field``: the
+    request's field that named the voice, where a request named it (a speech request's
+    ``voice``), else None (the voice's own route)."""
+
+    field: str | None = None
+
+    def named_in(self, field: str) -> VoiceError:
+        self.field = field
+        return self
 
 
 class NotAnEmbedding(VoiceError):

@@ -24,9 +24,8 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass
 
-INTERACTIVE = "interactive"
-BULK = "bulk"
-PRIORITIES = (INTERACTIVE, BULK)
+from chattts_service.domain.speech import BULK, INTERACTIVE
+
 _RANK = {INTERACTIVE: 0, BULK: 1}
 # the policy in the words /admin/config shows
 ORDER = (

@@ -38,6 +38,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from chattts_service.domain.speech import (
+    BULK,
     SAMPLE_RATE,
     SAMPLES_PER_STEP,
     EngineError,
@@ -46,7 +47,6 @@ from chattts_service.domain.speech import (
     SynthesisRequest,
     speakable,
 )
-from chattts_service.inference.fairness import BULK
 from chattts_service.inference.scheduler import JobFuture
 
 if TYPE_CHECKING:  # prompts bring torch; a job is built once the model has loaded it

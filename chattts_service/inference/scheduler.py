@@ -34,9 +34,8 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from typing import TYPE_CHECKING, Protocol
 
+from chattts_service.domain.speech import BULK, INTERACTIVE
 from chattts_service.inference.fairness import (
-    BULK,
-    INTERACTIVE,
     Holdings,
     Share,
     next_share,

@@ -12,7 +12,8 @@ import io
 
 import numpy as np
 
-SAMPLE_RATE = 24_000
+from chattts_service.domain.speech import SAMPLE_RATE
+
 MAX_UPLOAD_BYTES = 10 * 2**20  # OpenAI's limit for samples and consent recordings
 # A voice sample: enough speech for ChatTTS's speaker prompt, and no more (every request in the
 # voice carries the sample's codes, about 47 positions a second, in its prompt)

@@ -19,6 +19,7 @@ import numpy as np
 from chattts_service.config import Settings
 from chattts_service.domain.playback import Playback
 from chattts_service.domain.speech import (
+    INTERACTIVE,
     SAMPLES_PER_STEP,
     Cancelled,
     EngineError,
@@ -26,7 +27,6 @@ from chattts_service.domain.speech import (
     SynthesisRequest,
 )
 from chattts_service.inference.engine import Engine
-from chattts_service.inference.fairness import INTERACTIVE
 from chattts_service.inference.run import Run
 from chattts_service.runtime.metrics import Metrics
 from chattts_service.services.audio import content_type, encode, stream_writer, to_pcm16
