@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from flask import Flask
 
+from chattts_service.api import context
 from chattts_service.api.auth import ApiKeys
 from chattts_service.api.errors import register_error_handlers
 from chattts_service.api.hooks import log_requests, require_api_key
@@ -22,10 +23,12 @@ from chattts_service.inference.policy import KNOBS
 from chattts_service.runtime.metrics import Metrics
 from chattts_service.runtime.pressure import Pressure
 from chattts_service.services.cache import AudioCache
-from chattts_service.services.speech import SpeechPipeline
-from chattts_service.state import ServiceState
+from chattts_service.services.service import Service
 
-MAX_BODY_BYTES = 64 * 1024
+# a JSON request body: the longest valid speech body is well under it (the transport reads
+# up to its own larger bound, so multipart voice uploads arrive whole; routes taking forms
+# raise this for themselves)
+MAX_JSON_BODY_BYTES = 64 * 1024
 BLUEPRINTS = (health, synthesis, openai, voices, playground, admin, document)
 
 
@@ -40,23 +43,24 @@ def create_app(
     ``start_loading`` the model loads and warms up on a background thread."""
     settings = settings or Settings.from_env()
     app = Flask(__name__, static_folder="api/static")
-    app.config["MAX_CONTENT_LENGTH"] = MAX_BODY_BYTES
+    app.config["MAX_CONTENT_LENGTH"] = MAX_JSON_BODY_BYTES
     app.json.ensure_ascii = False
 
-    state = build_state(settings, engine)
-    app.extensions["chattts"] = state
-    require_api_key(app, state.api_keys, settings.metrics_auth, state.metrics.auth_failures.inc)
+    service = build_service(settings, engine)
+    api_keys = ApiKeys.from_settings(settings)
+    context.install(app, service, api_keys)
+    require_api_key(app, api_keys, settings.metrics_auth, service.metrics.auth_failures.inc)
     log_requests(app)
     register_error_handlers(app)
     for module in BLUEPRINTS:
         app.register_blueprint(module.blueprint)
 
     if start_loading:
-        state.start(exit_on_failure=exit_on_load_failure)
+        service.start(exit_on_failure=exit_on_load_failure)
     return app
 
 
-def build_state(settings: Settings, engine: Engine | None = None) -> ServiceState:
+def build_service(settings: Settings, engine: Engine | None = None) -> Service:
     """Everything one running service holds, wired together."""
     metrics = Metrics()
     engine = engine or Engine(
@@ -68,20 +72,18 @@ def build_state(settings: Settings, engine: Engine | None = None) -> ServiceStat
         admitted_observer=metrics.observe_admitted,
         taken_back_observer=metrics.observe_taken_back,
     )
-    state = ServiceState(
+    service = Service(
         settings=settings,
         engine=engine,
         cache=AudioCache(settings.cache_size, settings.cache_mb * 2**20),
         metrics=metrics,
-        api_keys=ApiKeys.from_settings(settings),
         pressure=Pressure(settings.degrade_cpu_percent, settings.degrade_after_s),
     )
-    state.speech = SpeechPipeline(settings, engine, state.cache, metrics)
     # gauges read when scraped
-    metrics.degraded.set_function(lambda: float(state.degraded))
+    metrics.degraded.set_function(lambda: float(service.degraded))
     for name in KNOBS:
         metrics.config.labels(setting=name).set_function(
             lambda name=name: float(engine.policy.snapshot()[name])
         )
     metrics.segments_queued.set_function(lambda: float(engine.scheduler.depth))
-    return state
+    return service

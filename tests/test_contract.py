@@ -188,13 +188,14 @@ def test_the_refine_prompt_pattern_is_what_the_service_takes(prompt):
 def test_every_route_is_in_the_document_and_none_goes_undescribed():
     from flask import Blueprint
 
+    from chattts_service.api.context import service_of
     from chattts_service.api.openapi import Context, document
     from chattts_service.app import create_app
     from chattts_service.config import Settings
 
     settings = Settings.from_env({})
     app = create_app(settings, start_loading=False)
-    context = Context(settings, ["alloy"], app.extensions["chattts"].engine.policy.limits())
+    context = Context(settings, ["alloy"], service_of(app).admin.limits())
     paths = document(app, context)["paths"]
     routes = {
         (rule.rule.replace("<", "{").replace(">", "}"), method.lower())

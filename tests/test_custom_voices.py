@@ -307,3 +307,30 @@ def test_stored_voices_and_consents_are_bounded(server, client, sample):
         client.audio.voices.delete(voice.id)
     for consent in consents:
         client.audio.voice_consents.delete(consent.id)
+
+
+def test_the_consent_bound_holds_for_requests_at_once(server, client, sample):
+    """One consent store per process, its lock around "count, then write": twelve consents
+    sent at once where there is room for fewer leave exactly the bound, the others a 409."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    room = LIMIT - len(list(client.audio.voice_consents.list(limit=100)))
+    assert room > 0
+
+    def create(index: int) -> requests.Response:
+        return requests.post(
+            server.url + "/v1/audio/voice_consents",
+            files={"recording": (f"r{index}.wav", sample, "audio/wav")},
+            data={"name": f"at once {index}", "language": "en"},
+            timeout=120,
+        )
+
+    with ThreadPoolExecutor(12) as pool:
+        answers = list(pool.map(create, range(12)))
+    statuses = sorted(answer.status_code for answer in answers)
+    assert statuses == [201] * room + [409] * (12 - room), statuses
+    kept = list(client.audio.voice_consents.list(limit=100))
+    assert len(kept) == LIMIT
+    for answer in answers:
+        if answer.status_code == 201:
+            client.audio.voice_consents.delete(answer.json()["id"])

@@ -16,10 +16,10 @@ import pytest
 import requests
 
 from chattts_service.transport.intake import (
-    MAX_BODY_BYTES,
     MAX_BUFFERED_BYTES,
     MAX_HEAD_BYTES,
     MAX_REQUEST_LINE,
+    MAX_WIRE_BODY_BYTES,
     Rejected,
     RequestBuffer,
 )
@@ -82,10 +82,10 @@ def test_oversized_requests_are_refused_with_their_status():
     cases = {
         414: [b"GET /" + b"a" * MAX_REQUEST_LINE],
         431: [b"GET / HTTP/1.1\r\n" + b"X-Big: " + b"b" * MAX_HEAD_BYTES],
-        413: [POST_HEAD + b"Content-Length: %d\r\n\r\n" % (MAX_BODY_BYTES + 1)],
+        413: [POST_HEAD + b"Content-Length: %d\r\n\r\n" % (MAX_WIRE_BODY_BYTES + 1)],
     }
     chunked = POST_HEAD + b"Transfer-Encoding: chunked\r\n\r\n"
-    cases[413 + 1000] = [chunked, b"%x\r\n" % (MAX_BODY_BYTES + 1)]
+    cases[413 + 1000] = [chunked, b"%x\r\n" % (MAX_WIRE_BODY_BYTES + 1)]
     for status, chunks in cases.items():
         with pytest.raises(Rejected) as refused:
             buffered(*chunks).examine()
@@ -238,7 +238,8 @@ def test_oversized_and_cut_off_requests_get_a_4xx_and_the_worker_lives(server):
         (b"GET /" + b"a" * (MAX_REQUEST_LINE + 10) + b" HTTP/1.1\r\n\r\n", 414),
         (b"GET /healthz HTTP/1.1\r\nX-Huge: " + b"h" * (MAX_HEAD_BYTES + 10) + b"\r\n\r\n", 431),
         (
-            b"POST /v1/audio/speech HTTP/1.1\r\nContent-Length: %d\r\n\r\n" % (MAX_BODY_BYTES * 2),
+            b"POST /v1/audio/speech HTTP/1.1\r\nContent-Length: %d\r\n\r\n"
+            % (MAX_WIRE_BODY_BYTES * 2),
             413,
         ),
     ]
@@ -382,7 +383,7 @@ def test_a_crowd_of_large_uploads_is_held_to_the_memory_budget(start_server):
     that none times out first, however slowly this machine moves the bytes)."""
     server = start_server(CHATTTS_HTTP_BODY_TIMEOUT_S="300")
     server.wait_ready()
-    size = MAX_BODY_BYTES - 1024
+    size = MAX_WIRE_BODY_BYTES - 1024
     count = MAX_BUFFERED_BYTES // size + 2
     body = b"x" * (size - 1)
     uploads = []

@@ -160,11 +160,12 @@ def test_readiness_and_its_body_always_agree(tiny_model_dir):
     """/readyz answers 200 exactly when its body says "ready", whatever the phase: the
     handler reads the phase once. A drain that begins as the phase turns "ready" (the loader
     and a SIGTERM at the same moment) reads as draining, not ready."""
+    from chattts_service.api.context import service_of
     from chattts_service.app import create_app
     from chattts_service.config import Settings
 
     app = create_app(Settings.from_env({}, model_dir=tiny_model_dir), start_loading=False)
-    state, client = app.extensions["chattts"], app.test_client()
+    state, client = service_of(app), app.test_client()
     for phase in ("starting", "downloading", "loading", "warming", "failed", "ready"):
         state.phase = phase
         answer = client.get("/readyz")

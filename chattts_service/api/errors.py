@@ -1,4 +1,9 @@
-"""Typed errors and the one place that turns them into JSON HTTP responses."""
+"""Typed errors and the one place that turns them into JSON HTTP responses.
+
+Handlers raise ``ApiError``s for what only HTTP knows (a missing form field, a wrong content
+type) and let the services' and the domain's errors through: the tables below map each to its
+status, and ``register_error_handlers`` registers them once for every route.
+"""
 
 from __future__ import annotations
 
@@ -23,7 +28,10 @@ from chattts_service.domain.voices import (
     VoiceError,
     VoiceExists,
 )
+from chattts_service.services.admin import TuningRejected
 from chattts_service.services.consents import ConsentError, TooManyConsents, UnknownConsent
+from chattts_service.services.recordings import RecordingError, WrongContentType
+from chattts_service.services.voices import NotLoaded
 
 log = logging.getLogger(__name__)
 
@@ -128,15 +136,25 @@ CONSENT_ERRORS: list[tuple[type[ConsentError], type[ApiError]]] = [
     (TooManyConsents, Conflict),
     (ConsentError, BadRequest),
 ]
+# The other services' errors: an upload that is not audio of a kind read here, a recording
+# that is not usable speech, a tuning out of bounds, a model not loaded yet.
+SERVICE_ERRORS: list[tuple[type[Exception], type[ApiError]]] = [
+    (WrongContentType, UnsupportedMediaType),
+    (RecordingError, Unprocessable),
+    (TuningRejected, BadRequest),
+]
 RETRY_AFTER_SECONDS = "5"  # what a client told "not ready yet" should wait
 RETRY_AFTER_BOUNDS = (1, 300)  # seconds an overloaded answer's Retry-After may say
 
 
-def from_voice_error(error: VoiceError, in_field: bool = False) -> ApiError:
-    """The HTTP error for a voice store's error (see ``VOICE_ERRORS``)."""
+def from_voice_error(error: VoiceError) -> ApiError:
+    """The HTTP error for a voice store's error (see ``VOICE_ERRORS``): as the field that named
+    the voice has it (``error.field``), else as the voice's own route."""
     for kind, on_route, as_field in VOICE_ERRORS:
         if isinstance(error, kind):
-            return (as_field if in_field else on_route)(str(error))
+            if error.field is None:
+                return on_route(str(error))
+            return as_field(str(error), param=error.field)
     raise TypeError(f"not a voice error: {error!r}")
 
 
@@ -155,6 +173,37 @@ def from_engine_error(error: EngineError) -> ApiError:
                 return NotReady(text, str(max(low, min(high, math.ceil(error.retry_after)))))
             return api_error(text)
     raise TypeError(f"not an engine error: {error!r}")
+
+
+# every error a service or the domain raises that has a status
+DOMAIN_ERRORS = (EngineError, VoiceError, ConsentError, NotLoaded, *(k for k, _ in SERVICE_ERRORS))
+
+
+def from_domain_error(error: Exception) -> ApiError:
+    """The HTTP error for any of ``DOMAIN_ERRORS``, through its table."""
+    if isinstance(error, EngineError):
+        return from_engine_error(error)
+    if isinstance(error, VoiceError):
+        return from_voice_error(error)
+    if isinstance(error, ConsentError):
+        return from_consent_error(error)
+    if isinstance(error, NotLoaded):
+        return NotReady(str(error))
+    for kind, api_error in SERVICE_ERRORS:
+        if isinstance(error, kind):
+            return api_error(str(error))
+    raise TypeError(f"not a domain error: {error!r}")
+
+
+def status_of(error: BaseException) -> int:
+    """The status a request that raised ``error`` is answered with."""
+    if isinstance(error, ApiError):
+        return error.status
+    if isinstance(error, DOMAIN_ERRORS):
+        return from_domain_error(error).status
+    if isinstance(error, HTTPException):
+        return error.code or 500
+    return 500
 
 
 # OpenAI's error object by status: its ``type`` and its ``code`` (a string, as the official
@@ -205,6 +254,15 @@ def register_error_handlers(app: Flask) -> None:
     @app.errorhandler(ApiError)
     def handle_api_error(error: ApiError):
         return error_response(error.message, error.status, error.headers, error.param)
+
+    def handle_domain_error(error: Exception):
+        api_error = from_domain_error(error)
+        return error_response(
+            api_error.message, api_error.status, api_error.headers, api_error.param
+        )
+
+    for kind in DOMAIN_ERRORS:
+        app.register_error_handler(kind, handle_domain_error)
 
     @app.errorhandler(HTTPException)
     def handle_http_exception(error: HTTPException):

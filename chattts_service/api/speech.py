@@ -14,10 +14,11 @@ import threading
 import time
 from collections.abc import Callable
 
-from flask import Response, current_app, g, request
+from flask import Response, g, request
 
 from chattts_service.api import validation
-from chattts_service.api.errors import ApiError, BadRequest, NotReady, from_engine_error
+from chattts_service.api.context import api_keys, service
+from chattts_service.api.errors import BadRequest, NotReady, from_engine_error, status_of
 from chattts_service.api.models import CaptionedSpeech as CaptionedAnswer
 from chattts_service.api.models import SpeechAudioDelta, SpeechAudioDone, Usage
 from chattts_service.domain.speech import PRIORITIES, SAMPLE_RATE, SAMPLES_PER_STEP, EngineError
@@ -50,8 +51,9 @@ class RequestRecord:
 
 
 def speak(parse) -> Response:
-    """Parse with ``parse(body, settings, voices)`` and answer with audio or an ApiError."""
-    state = current_app.extensions["chattts"]
+    """Parse with ``parse(body, settings, voices)`` and answer with audio, or raise an error
+    the error tables answer."""
+    state = service()
     pipeline = state.speech
     record = RequestRecord(state.metrics, state.recent)
     try:
@@ -62,42 +64,36 @@ def speak(parse) -> Response:
         if phase != "ready":
             raise NotReady(f"model is not ready ({phase})")
         body = validation.json_body(request.mimetype, request.get_data(cache=False))
-        synthesis_request, output = parse(body, state.settings, state.engine.voices)
+        synthesis_request, output = parse(body, state.settings, state.voices)
         # accepted, so not refused: ChatTTS cannot follow them, and the answer will say so
         g.instructions_ignored = bool(body.get("instructions"))
         plan = pipeline.plan(
             synthesis_request,
             degraded=state.degraded,
             priority=output.priority or _header_priority(),
-            tenant=state.api_keys.name(request.headers.get("Authorization")),
+            tenant=api_keys().name(request.headers.get("Authorization")),
         )
         g.degraded = plan.degraded
         should_stop = client_gone(request.environ)
-        try:
-            if output.stream:
+        if output.stream:
 
-                def ended(error: EngineError | None, seconds: float, cache: str) -> None:
-                    stream.status = 200 if error is None else from_engine_error(error).status
-                    record.finish(stream.status, seconds, cache)
+            def ended(error: EngineError | None, seconds: float, cache: str) -> None:
+                stream.status = 200 if error is None else from_engine_error(error).status
+                record.finish(stream.status, seconds, cache)
 
-                stream = pipeline.stream(plan, output, record.started, ended, should_stop)
-                tokens = _input_tokens(state, plan) if output.events else 0
-                return _streamed(stream, events=output.events, input_tokens=tokens)
-            if output.captions:
-                captioned = pipeline.captioned(plan, output, should_stop)
-                record.finish(200, captioned.seconds, captioned.cache)
-                return _captioned(captioned, output)
-            speech = pipeline.synthesize(plan, output, should_stop)
-        except EngineError as error:
-            raise from_engine_error(error) from None
+            stream = pipeline.stream(plan, output, record.started, ended, should_stop)
+            tokens = pipeline.input_tokens(plan) if output.events else 0
+            return _streamed(stream, events=output.events, input_tokens=tokens)
+        if output.captions:
+            captioned = pipeline.captioned(plan, output, should_stop)
+            record.finish(200, captioned.seconds, captioned.cache)
+            return _captioned(captioned, output)
+        speech = pipeline.synthesize(plan, output, should_stop)
         record.finish(200, speech.seconds, speech.cache)
-        tokens = _input_tokens(state, plan) if output.events else 0
+        tokens = pipeline.input_tokens(plan) if output.events else 0
         return _whole(speech, events=output.events, input_tokens=tokens)
-    except ApiError as error:
-        record.finish(error.status)
-        raise
-    except BaseException:
-        record.finish(500)
+    except BaseException as error:  # answered by the error tables: counted with their status
+        record.finish(status_of(error))
         raise
 
 
@@ -118,18 +114,10 @@ def _header_priority() -> str | None:
 PRIORITY_HEADER = "X-Priority"
 
 
-def _input_tokens(state, plan) -> int:
-    """The text tokens the model read for it: OpenAI's usage.input_tokens."""
-    try:
-        return state.engine.input_tokens(plan.request)
-    except EngineError:  # it was spoken, so this cannot happen; usage is no reason to fail
-        return 0
-
-
 def _headers(response: Response, cache_status: str, seconds: float | None, segments=None):
     if g.get("instructions_ignored"):
         response.headers["X-Instructions"] = "ignored"
-        current_app.extensions["chattts"].metrics.instructions_ignored.inc()
+        service().metrics.instructions_ignored.inc()
     response.headers["X-Cache"] = cache_status
     if seconds is not None:
         response.headers["X-Audio-Seconds"] = f"{seconds:.3f}"

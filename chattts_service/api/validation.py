@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 import math
 from dataclasses import replace
-from typing import Any, TypeVar, get_args
+from typing import Any, Protocol, TypeVar, get_args
 
 import annotated_types
 from pydantic import BaseModel, ValidationError
@@ -21,7 +21,6 @@ from chattts_service.api.errors import (
     BadRequest,
     PayloadTooLarge,
     UnsupportedMediaType,
-    from_voice_error,
 )
 from chattts_service.api.models import (
     TOO_LARGE,
@@ -31,7 +30,7 @@ from chattts_service.api.models import (
 )
 from chattts_service.config import Settings
 from chattts_service.domain.speech import SynthesisRequest
-from chattts_service.domain.voices import VoiceError
+from chattts_service.domain.voices import Voice
 from chattts_service.services.audio import STREAM_FORMATS
 from chattts_service.services.speech import Output
 
@@ -187,8 +186,14 @@ def speed_level(speed: float) -> int:
     return max(0, min(9, round(5 + 2 * math.log2(speed))))
 
 
+class Voices(Protocol):
+    """What resolves a request's voice (the voice service, or a store in tests)."""
+
+    def resolve(self, name: str, field: str) -> Voice: ...
+
+
 def _speech(
-    body: Body, text: str, voices, *, default_stream: bool
+    body: Body, text: str, voices: Voices | None, *, default_stream: bool
 ) -> tuple[SynthesisRequest, Output]:
     """A validated speech body -> the synthesis request and how to answer it. Without a
     ``stream`` field, a format that streams is streamed when ``default_stream``."""
@@ -196,12 +201,7 @@ def _speech(
     if body.voice is not None:
         if voices is None:
             raise BadRequest("voices are not available until the model is loaded")
-        try:
-            voice = voices.get(body.voice)
-        except VoiceError as error:
-            refusal = from_voice_error(error, in_field=True)
-            refusal.param = "voice"
-            raise refusal from None
+        voice = voices.resolve(body.voice, "voice")
     request = SynthesisRequest(
         text=text,
         seed=body.seed,
@@ -234,7 +234,7 @@ def _speech(
 
 
 def synthesize_request(
-    body: dict[str, Any], settings: Settings, voices=None
+    body: dict[str, Any], settings: Settings, voices: Voices | None = None
 ) -> tuple[SynthesisRequest, Output]:
     """POST /synthesize: WAV unless asked otherwise."""
     parsed = parse(speech_bodies(settings).synthesize, body)
@@ -242,7 +242,7 @@ def synthesize_request(
 
 
 def speech_request(
-    body: dict[str, Any], settings: Settings, voices
+    body: dict[str, Any], settings: Settings, voices: Voices | None
 ) -> tuple[SynthesisRequest, Output]:
     """POST /v1/audio/speech: OpenAI's fields (MP3 by default, streamed unless
     ``"stream": false`` or FLAC, as OpenAI's endpoint answers), plus this service's options."""
@@ -251,7 +251,7 @@ def speech_request(
 
 
 def captioned_speech_request(
-    body: dict[str, Any], settings: Settings, voices
+    body: dict[str, Any], settings: Settings, voices: Voices | None
 ) -> tuple[SynthesisRequest, Output]:
     """POST /v1/audio/captioned_speech: the /v1/audio/speech body plus ``caption_format``;
     answered whole, every sentence read as its own segment so the captions are exact."""

@@ -88,6 +88,13 @@ class VoiceStore:
             return self.blend(name)
         return self._single(name)
 
+    def resolve(self, name: str, field: str) -> Voice:
+        """``get``, for the voice a request's ``field`` names: an error names the field."""
+        try:
+            return self.get(name)
+        except VoiceError as error:
+            raise error.named_in(field) from None
+
     def blend(self, spec: str) -> Voice:
         """``a(2)+b(1)``: the embeddings' weighted mean, weights normalised. Its name is the
         canonical spelling (normalised weights) and its digest that of the blended embedding,

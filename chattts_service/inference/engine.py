@@ -207,6 +207,13 @@ class Engine:
         self.admission.check(self.scheduler, 1)
         return self.sample_encoder(samples)
 
+    def sample_prompt(self, codes) -> str:
+        """The string a stored voice keeps of a recording's codes (ChatTTS's
+        ``Speaker.encode_prompt``)."""
+        from chattts_service.inference.sample_encoder import encode_prompt
+
+        return encode_prompt(codes)
+
     def input_tokens(self, request: SynthesisRequest) -> int:
         """The request's text tokens, as OpenAI's usage counts input (see ``Prompts``)."""
         return self.prompts.input_tokens(request)

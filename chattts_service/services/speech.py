@@ -134,6 +134,13 @@ class SpeechPipeline:
             tenant,
         )
 
+    def input_tokens(self, plan: Plan) -> int:
+        """The text tokens the model read for it: OpenAI's ``usage.input_tokens``."""
+        try:
+            return self.engine.input_tokens(plan.request)
+        except EngineError:  # it was spoken, so this cannot happen; usage is no reason to fail
+            return 0
+
     # -- whole answers -------------------------------------------------------------------------
 
     def synthesize(

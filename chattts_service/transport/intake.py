@@ -39,8 +39,8 @@ MAX_REQUEST_LINE = 8190  # bytes, the request line alone (414 beyond; gunicorn's
 MAX_HEAD_BYTES = 64 * 1024  # the request line and all headers (431 beyond)
 # the largest body read into memory (413 beyond): a voice sample's 10 MiB and its multipart
 # framing; every JSON route sets its own, far lower, limit after this
-MAX_BODY_BYTES = 16 * 1024 * 1024
-TOO_LARGE_BODY = f"request body over {MAX_BODY_BYTES // (1024 * 1024)} MiB"
+MAX_WIRE_BODY_BYTES = 16 * 1024 * 1024
+TOO_LARGE_BODY = f"request body over {MAX_WIRE_BODY_BYTES // (1024 * 1024)} MiB"
 # request bytes held over all connections at once: a request arriving beyond it gets 503, so a
 # crowd of large uploads cannot take the process's memory (16 uploads of the largest body)
 MAX_BUFFERED_BYTES = 256 * 1024 * 1024
@@ -173,7 +173,7 @@ class RequestBuffer:
             body_length = None if encodings[-1] == "chunked" and not lengths else 0
         elif len(lengths) == 1 and lengths[0].isdigit():
             body_length = int(lengths[0])
-        if body_length is not None and body_length > MAX_BODY_BYTES:
+        if body_length is not None and body_length > MAX_WIRE_BODY_BYTES:
             raise Rejected(413, TOO_LARGE_BODY)
         path = target.split("?", 1)[0]
         return Head(method, path, http11, expects and http11, body_length, end + 4)
@@ -193,7 +193,7 @@ def _chunked_end(data: bytearray, start: int) -> int | None:
         except ValueError:
             return line_end + 2
         total += size
-        if total > MAX_BODY_BYTES:
+        if total > MAX_WIRE_BODY_BYTES:
             raise Rejected(413, TOO_LARGE_BODY)
         position = line_end + 2
         if size == 0:

@@ -11,6 +11,7 @@ import threading
 from gunicorn.app.base import BaseApplication
 
 from chattts_service.api.auth import ApiKeys
+from chattts_service.api.context import service_of
 from chattts_service.config import Settings, SettingsError
 from chattts_service.runtime import heap
 from chattts_service.transport.intake import MAX_REQUEST_LINE, IntakeLimits, IntakeWorker
@@ -28,20 +29,20 @@ class DrainingWorker(IntakeWorker):
 
     def run(self):
         heap.purge_in_background()
-        state = getattr(self.wsgi, "extensions", {}).get("chattts")
-        if state is not None:
-            self.limits = IntakeLimits.from_settings(state.settings)
-            state.metrics.connections.source = self.update_stats
+        service = service_of(self.wsgi)
+        if service is not None:
+            self.limits = IntakeLimits.from_settings(service.settings)
+            service.metrics.connections.source = self.update_stats
         super().run()
 
     def handle_exit(self, sig, frame):
-        state = getattr(self.wsgi, "extensions", {}).get("chattts")
-        drain = state.settings.drain_seconds if state is not None else 0
-        if state is None or state.draining or drain <= 0:
-            if state is not None:
-                state.drain()
+        service = service_of(self.wsgi)
+        drain = service.settings.drain_seconds if service is not None else 0
+        if service is None or service.draining or drain <= 0:
+            if service is not None:
+                service.drain()
             return super().handle_exit(sig, frame)
-        state.drain()
+        service.drain()
         timer = threading.Timer(drain, super().handle_exit, args=(sig, frame))
         timer.daemon = True
         timer.start()

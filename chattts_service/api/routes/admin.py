@@ -7,28 +7,22 @@ last until the process restarts; put them in the environment to keep them.
 
 from __future__ import annotations
 
-import logging
-
-from flask import Blueprint, current_app, jsonify, request
+from flask import Blueprint, jsonify, request
 
 from chattts_service.api import validation
-from chattts_service.api.errors import BadRequest, Forbidden, NotReady
+from chattts_service.api.context import api_keys, service
+from chattts_service.api.errors import BadRequest, Forbidden
 from chattts_service.api.models import Tuning, tuning_body
 from chattts_service.api.openapi import BODY_ERRORS, operation
-from chattts_service.inference.fairness import ORDER
-from chattts_service.inference.policy import PolicyError
+from chattts_service.services.admin import AdminService
 
 blueprint = Blueprint("admin", __name__)
-log = logging.getLogger(__name__)
 
 
-def _policy():
-    state = current_app.extensions["chattts"]
-    if not state.api_keys.enabled:
+def _admin() -> AdminService:
+    if not api_keys().enabled:
         raise Forbidden("the admin endpoint needs API keys (CHATTTS_API_KEYS); none are set")
-    if not state.engine.loaded:
-        raise NotReady(f"model is not ready ({state.phase})")
-    return state.engine.policy
+    return service().admin
 
 
 def _body(limits: dict):
@@ -43,13 +37,12 @@ def _body(limits: dict):
     errors=(401, 403, 503),
 )
 def show():
-    policy = _policy()
+    admin = _admin()
+    current = admin.current()
     limits = {
-        name: {"min": bounds.low, "max": bounds.high} for name, bounds in policy.limits().items()
+        name: {"min": bounds.low, "max": bounds.high} for name, bounds in admin.limits().items()
     }
-    return jsonify(
-        Tuning(current=policy.snapshot(), limits=limits, scheduling=list(ORDER)).model_dump()
-    )
+    return jsonify(Tuning(current=current, limits=limits, scheduling=admin.order()).model_dump())
 
 
 @blueprint.post("/admin/config")
@@ -61,14 +54,10 @@ def show():
     errors=(*BODY_ERRORS, 403, 503),
 )
 def change():
-    policy = _policy()
+    admin = _admin()
+    admin.current()  # 503 before the body is read while the model loads
     body = validation.json_body(request.mimetype, request.get_data(cache=False))
-    changes = validation.parse(_body(policy.limits()), body).model_dump(exclude_none=True)
+    changes = validation.parse(_body(admin.limits()), body).model_dump(exclude_none=True)
     if not changes:
-        raise BadRequest(f"send one or more of {', '.join(policy.limits())}")
-    try:
-        current = current_app.extensions["chattts"].engine.tune(**changes)
-    except PolicyError as error:
-        raise BadRequest(str(error)) from None
-    log.warning("batching tuned at run time: %s", changes)
-    return jsonify(Tuning(current=current).model_dump(exclude_none=True))
+        raise BadRequest(f"send one or more of {', '.join(admin.limits())}")
+    return jsonify(Tuning(current=admin.tune(changes)).model_dump(exclude_none=True))

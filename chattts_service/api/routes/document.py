@@ -6,8 +6,8 @@ import functools
 
 from flask import Blueprint, current_app, jsonify
 
+from chattts_service.api.context import service
 from chattts_service.api.openapi import Context, document, operation
-from chattts_service.domain.voices import DEFAULT_VOICES
 
 blueprint = Blueprint("document", __name__)
 
@@ -15,14 +15,10 @@ blueprint = Blueprint("document", __name__)
 @blueprint.get("/openapi.json")
 @operation("This document", described="OpenAPI 3.1")
 def openapi_document():
-    state = current_app.extensions["chattts"]
-    engine = state.engine
-    # the voices a request may name now: the defaults until the model (and its store) loads
-    voices = engine.voices.names() if engine.voices is not None else list(DEFAULT_VOICES)
-    limits = tuple(engine.policy.limits().items())
-    return jsonify(
-        _document(current_app._get_current_object(), state.settings, tuple(voices), limits)
-    )
+    running = service()
+    voices = tuple(running.voices.names())  # the defaults until the model loads
+    limits = tuple(running.admin.limits().items())
+    return jsonify(_document(current_app._get_current_object(), running.settings, voices, limits))
 
 
 @functools.lru_cache(maxsize=4)

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-from flask import Blueprint, Response, current_app, jsonify
+from flask import Blueprint, Response, jsonify
 
+from chattts_service.api.context import service
 from chattts_service.api.errors import RETRY_AFTER_SECONDS
 from chattts_service.api.models import Alive, Ready
 from chattts_service.api.openapi import operation
@@ -25,10 +26,10 @@ def healthz():
     others={503: (Ready, "Not ready: the phase (and the download's progress); Retry-After")},
 )
 def readyz():
-    state = current_app.extensions["chattts"]
+    state = service()
     phase = state.serving_phase  # read once: the answer and its body agree
     if phase == "ready":
-        return jsonify(status="ready", model=state.engine.model_name)
+        return jsonify(status="ready", model=state.model_name)
     body = {"status": phase, "phase": phase}
     if phase == "downloading":
         body.update(state.download.snapshot())
@@ -43,7 +44,7 @@ def readyz():
 @blueprint.get("/metrics")
 @operation("Prometheus metrics", described="Prometheus text format", errors=(401,))
 def metrics():
-    state = current_app.extensions["chattts"]
+    state = service()
     state.metrics.cache_entries.set(len(state.cache))
     state.metrics.cache_bytes.set(state.cache.bytes)
     return Response(state.metrics.render(), mimetype="text/plain; version=0.0.4")

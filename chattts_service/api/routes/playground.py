@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-import time
 from importlib import resources
 
-from flask import Blueprint, Response, current_app, jsonify
+from flask import Blueprint, Response, jsonify
 
+from chattts_service.api.context import api_keys, service
 from chattts_service.api.openapi import operation
-from chattts_service.runtime import heap
 
 blueprint = Blueprint("playground", __name__)
 
@@ -31,26 +30,4 @@ def page():
 )
 def status():
     """What the operators see, as one small JSON object (not Prometheus text)."""
-    state = current_app.extensions["chattts"]
-    engine, settings = state.engine, state.settings
-    body = {
-        "status": state.serving_phase,
-        "uptime_seconds": round(time.monotonic() - state.started_at, 1),
-        "model": engine.model_name,
-        "quantization": settings.quantize,
-        "linears": engine.gpt_linear_kernel,  # what multiplies them: vnni, avx2, fbgemm, ...
-        "kernels": engine.kernels,
-        "kernel_tuning": engine.kernel_tuning,  # the int8 product's prefetching, and why
-        "decoder": settings.resolved_decoder_dtype,
-        "allocator": heap.allocator(),  # jemalloc, or the system's (glibc)
-        "degraded": state.degraded,
-        "cpu_percent": round(state.pressure.last_percent, 1) if state.pressure else None,
-        "queue_depth": engine.scheduler.depth,
-        "max_batch": engine.policy.max_batch,
-        "cache_entries": len(state.cache),
-        "cache_megabytes": round(state.cache.bytes / 2**20, 1),
-        "auth_required": state.api_keys.enabled,
-        **state.recent.summary(),
-        **({"download": state.download.snapshot()} if state.phase == "downloading" else {}),
-    }
-    return jsonify(body)
+    return jsonify({**service().status(), "auth_required": api_keys().enabled})

@@ -12,23 +12,11 @@
 
 from __future__ import annotations
 
-import unicodedata
-
-from flask import Blueprint, current_app, jsonify, request
+from flask import Blueprint, jsonify, request
 
 from chattts_service.api import validation
-from chattts_service.api.errors import (
-    BadRequest,
-    NotFound,
-    NotReady,
-    PayloadTooLarge,
-    Unprocessable,
-    UnsupportedMediaType,
-    error_response,
-    from_consent_error,
-    from_engine_error,
-    from_voice_error,
-)
+from chattts_service.api.context import service
+from chattts_service.api.errors import BadRequest, PayloadTooLarge, UnsupportedMediaType
 from chattts_service.api.models import (
     ConsentId,
     ConsentPage,
@@ -46,16 +34,7 @@ from chattts_service.api.models import (
 )
 from chattts_service.api.openapi import BODY_ERRORS, operation
 from chattts_service.config import MAX_SEED
-from chattts_service.domain.speech import EngineError
-from chattts_service.domain.voices import SpeakerSample, VoiceError
 from chattts_service.services import recordings
-from chattts_service.services.consents import ConsentError, ConsentStore
-from chattts_service.services.recordings import (
-    MAX_CONSENT_SECONDS,
-    MAX_SAMPLE_SECONDS,
-    MIN_CONSENT_SECONDS,
-    MIN_SAMPLE_SECONDS,
-)
 
 blueprint = Blueprint("voices", __name__)
 
@@ -65,23 +44,10 @@ FORM_TYPES = ("multipart/form-data", "application/x-www-form-urlencoded")
 VOICE_ERRORS = (400, 401, 404, 503)
 
 
-def _state():
-    state = current_app.extensions["chattts"]
-    if state.engine.voices is None:
-        raise NotReady(f"model is not ready ({state.phase})")
-    return state
-
-
-def _consents() -> ConsentStore:
-    state = current_app.extensions["chattts"]
-    settings = state.settings
-    return ConsentStore(settings.voices_dir / "consents", settings.max_stored_voices)
-
-
 @blueprint.get("/v1/audio/voices")
 @operation("Named voices", answer=VoiceList, errors=(401, 503))
 def list_voices():
-    listing = _state().engine.voices.listing()
+    listing = service().voices.listing()
     answer = VoiceList(
         voices=[item["name"] for item in listing],
         details=listing,
@@ -103,23 +69,14 @@ def list_voices():
     errors=(*BODY_ERRORS, 404, 409, 422, 503),
 )
 def create_voice():
+    voices = service().voices
     if request.mimetype in FORM_TYPES:
-        return _voice_from_recording()
-    return _register_voice()
-
-
-def _register_voice():
-    """A named voice from a ChatTTS speaker embedding string, or from a voice this server
-    resolves (a blend such as ``alloy(2)+echo(1)``, ``seed:N``)."""
-    store = _state().engine.voices
-    body = validation.json_body(request.mimetype, request.get_data(cache=False))
-    asked = validation.parse(VoiceRequest, body)
-    try:
-        voice = store.register(
-            asked.name, asked.embedding, replace=asked.replace, voice=asked.voice
-        )
-    except VoiceError as error:  # a voice to copy that does not exist: as in a speech request
-        raise from_voice_error(error, in_field=True) from None
+        form, data, _ = _form(VoiceSampleRequest, "audio_sample")
+        voice = voices.from_recording(form.name, data, form.consent, form.transcript)
+    else:
+        body = validation.json_body(request.mimetype, request.get_data(cache=False))
+        asked = validation.parse(VoiceRequest, body)
+        voice = voices.register(asked.name, asked.embedding, asked.replace, asked.voice)
     response = jsonify(voice.describe())
     response.status_code = 201
     return response
@@ -133,61 +90,11 @@ def _form(model, name: str):
     upload = uploads.get(name)
     if upload is None:
         raise BadRequest(f"'{name}' is required: the recording, as a file in the form")
-    try:
-        extension = recordings.extension_for(upload.mimetype)
-    except recordings.WrongContentType as error:
-        raise UnsupportedMediaType(str(error)) from None
+    extension = recordings.extension_for(upload.mimetype)
     data = upload.stream.read(recordings.MAX_UPLOAD_BYTES + 1)
     if len(data) > recordings.MAX_UPLOAD_BYTES:
         raise PayloadTooLarge(f"'{name}' is larger than 10 MiB")
     return form, data, extension
-
-
-def _voice_from_recording():
-    """OpenAI's ``voices.create(audio_sample=..., consent=..., name=...)``: the recording ->
-    24 kHz mono -> the DVAE's codes (``Chat.sample_audio_speaker``) -> a stored voice."""
-    state = _state()
-    engine = state.engine
-    form, data, _ = _form(VoiceSampleRequest, "audio_sample")
-    if not _consents().exists(form.consent):
-        raise NotFound(
-            f"no consent {form.consent!r}: record one with POST /v1/audio/voice_consents"
-        )
-    transcript = _transcript(form.transcript)
-    store = engine.voices
-    try:
-        store.check_room()  # before the work, and again when storing
-    except VoiceError as error:
-        raise from_voice_error(error) from None
-    try:
-        samples = recordings.read(data, "audio_sample", MAX_SAMPLE_SECONDS, MIN_SAMPLE_SECONDS)
-    except recordings.RecordingError as error:  # well-formed, but not a usable recording
-        raise Unprocessable(str(error)) from None
-    try:
-        codes = engine.encode_sample(samples)
-    except EngineError as error:
-        raise from_engine_error(error) from None
-    from chattts_service.inference.sample_encoder import encode_prompt
-
-    try:
-        voice = store.create_from_sample(
-            form.name, SpeakerSample(codes, transcript), encode_prompt(codes), form.consent
-        )
-    except VoiceError as error:
-        raise from_voice_error(error) from None
-    response = jsonify(voice.describe())
-    response.status_code = 201
-    return response
-
-
-def _transcript(value: str) -> str:
-    """The words spoken in the sample, as upstream takes ``txt_smp``: as written (ChatTTS's
-    issue #648: the prompt must say what the recording says), control characters removed."""
-    text = unicodedata.normalize("NFC", value)
-    text = "".join(ch for ch in text if ch.isprintable() or ch == " ").strip()
-    if "[" in text or "]" in text:
-        raise BadRequest("'transcript' is the words spoken in the sample: no [control] tokens")
-    return text
 
 
 @blueprint.get("/v1/audio/voices/<name>")
@@ -199,11 +106,7 @@ def _transcript(value: str) -> str:
     errors=VOICE_ERRORS,
 )
 def get_voice(name: str):
-    try:
-        voice = _state().engine.voices.get(name)
-    except VoiceError as error:
-        raise from_voice_error(error) from None
-    return jsonify(Voice(voice.describe()).model_dump())
+    return jsonify(Voice(service().voices.get(name).describe()).model_dump())
 
 
 @blueprint.delete("/v1/audio/voices/<name>")
@@ -215,22 +118,12 @@ def get_voice(name: str):
     errors=VOICE_ERRORS,
 )
 def delete_voice(name: str):
-    try:
-        voice = _state().engine.voices.delete(name)
-    except VoiceError as error:
-        raise from_voice_error(error) from None
+    voice = service().voices.delete(name)
     deleted = VoiceDeleted(id=voice.id or voice.name, deleted=True, name=voice.name)
     return jsonify(deleted.model_dump())
 
 
 # -- consents ------------------------------------------------------------------------------------
-
-
-@blueprint.errorhandler(ConsentError)
-def consent_error(error: ConsentError):
-    """Every consent route's refusals, through the one table in ``errors``."""
-    api_error = from_consent_error(error)
-    return error_response(api_error.message, api_error.status)
 
 
 @blueprint.post("/v1/audio/voice_consents")
@@ -248,11 +141,7 @@ def create_consent():
             "send multipart/form-data with recording (a file), name and language"
         )
     form, data, extension = _form(VoiceConsentRequest, "recording")
-    try:
-        recordings.read(data, "recording", MAX_CONSENT_SECONDS, MIN_CONSENT_SECONDS)
-    except recordings.RecordingError as error:
-        raise Unprocessable(str(error)) from None
-    consent = _consents().create(form.name, form.language, data, extension)
+    consent = service().voices.record_consent(form.name, form.language, data, extension)
     response = jsonify(VoiceConsent(**consent).model_dump())
     response.status_code = 201
     return response
@@ -268,7 +157,8 @@ def create_consent():
 )
 def list_consents():
     page = validation.parse(ConsentPage, request.args.to_dict(), what="parameters")
-    return jsonify(VoiceConsentList(**_consents().page(page.after, page.limit)).model_dump())
+    consents = service().voices.consents
+    return jsonify(VoiceConsentList(**consents.page(page.after, page.limit)).model_dump())
 
 
 CONSENT = {"consent_id": ConsentId}
@@ -277,7 +167,7 @@ CONSENT = {"consent_id": ConsentId}
 @blueprint.get("/v1/audio/voice_consents/<consent_id>")
 @operation("One consent", answer=VoiceConsent, path=CONSENT, errors=(401, 404))
 def get_consent(consent_id: str):
-    return jsonify(VoiceConsent(**_consents().get(consent_id)).model_dump())
+    return jsonify(VoiceConsent(**service().voices.consents.get(consent_id)).model_dump())
 
 
 @blueprint.post("/v1/audio/voice_consents/<consent_id>")
@@ -291,7 +181,8 @@ def get_consent(consent_id: str):
 def rename_consent(consent_id: str):
     body = validation.json_body(request.mimetype, request.get_data(cache=False))
     name = validation.parse(VoiceConsentUpdate, body).name
-    return jsonify(VoiceConsent(**_consents().rename(consent_id, name)).model_dump())
+    consents = service().voices.consents
+    return jsonify(VoiceConsent(**consents.rename(consent_id, name)).model_dump())
 
 
 @blueprint.delete("/v1/audio/voice_consents/<consent_id>")
@@ -302,4 +193,5 @@ def rename_consent(consent_id: str):
     errors=(401, 404),
 )
 def delete_consent(consent_id: str):
-    return jsonify(VoiceConsentDeleted(**_consents().delete(consent_id)).model_dump())
+    consents = service().voices.consents
+    return jsonify(VoiceConsentDeleted(**consents.delete(consent_id)).model_dump())

@@ -1,4 +1,9 @@
-"""What one running service holds: settings, engine, cache, metrics and its readiness."""
+"""What one running service holds, and its life: settings, engine, cache, metrics, the services
+the API calls (speech, voices, admin), and loading -> warming -> ready -> draining.
+
+The API reaches the service through ``Service``'s services and lifecycle alone; the engine is
+this module's to own and hand to them, never a handler's to touch.
+"""
 
 from __future__ import annotations
 
@@ -11,15 +16,17 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
-from chattts_service.api.auth import ApiKeys
 from chattts_service.config import Settings
 from chattts_service.inference.download import DownloadFailed, DownloadProgress, ensure_model
 from chattts_service.inference.engine import Engine
 from chattts_service.inference.model_files import ModelFilesError
+from chattts_service.runtime import heap
 from chattts_service.runtime.metrics import Metrics
 from chattts_service.runtime.pressure import Pressure
+from chattts_service.services.admin import AdminService
 from chattts_service.services.cache import AudioCache
 from chattts_service.services.speech import SpeechPipeline
+from chattts_service.services.voices import VoiceService
 
 log = logging.getLogger(__name__)
 
@@ -70,20 +77,55 @@ class RecentRequests:
 
 
 @dataclass
-class ServiceState:
+class Service:
     settings: Settings
     engine: Engine
     cache: AudioCache
     metrics: Metrics
-    api_keys: ApiKeys = field(default_factory=lambda: ApiKeys([]))
     pressure: Pressure | None = None
     draining: bool = False  # SIGTERM received: refuse new work, finish what is running
     recent: RecentRequests = field(default_factory=RecentRequests)
     started_at: float = field(default_factory=time.monotonic)
     phase: str = "starting"  # starting -> loading -> warming -> ready | failed
     failure: str | None = None
-    speech: SpeechPipeline | None = None  # the pipeline both speech endpoints call
     download: DownloadProgress = field(default_factory=DownloadProgress)
+    # the services the API calls
+    speech: SpeechPipeline = field(init=False)  # both speech endpoints
+    voices: VoiceService = field(init=False)  # voices and consents
+    admin: AdminService = field(init=False)  # the knobs of the running service
+
+    def __post_init__(self) -> None:
+        self.speech = SpeechPipeline(self.settings, self.engine, self.cache, self.metrics)
+        self.voices = VoiceService(self.settings, self.engine, lambda: self.serving_phase)
+        self.admin = AdminService(self.engine, lambda: self.serving_phase)
+
+    @property
+    def model_name(self) -> str:
+        return self.engine.model_name
+
+    def status(self) -> dict:
+        """What the operators see on the status page (``/status``): the phase, the model and
+        how it computes, the queue, the cache, recent requests, degraded mode."""
+        engine, settings = self.engine, self.settings
+        return {
+            "status": self.serving_phase,
+            "uptime_seconds": round(time.monotonic() - self.started_at, 1),
+            "model": engine.model_name,
+            "quantization": settings.quantize,
+            "linears": engine.gpt_linear_kernel,  # what multiplies them: vnni, avx2, fbgemm...
+            "kernels": engine.kernels,
+            "kernel_tuning": engine.kernel_tuning,  # the int8 product's prefetching, and why
+            "decoder": settings.resolved_decoder_dtype,
+            "allocator": heap.allocator(),  # jemalloc, or the system's (glibc)
+            "degraded": self.degraded,
+            "cpu_percent": round(self.pressure.last_percent, 1) if self.pressure else None,
+            "queue_depth": engine.scheduler.depth,
+            "max_batch": engine.policy.max_batch,
+            "cache_entries": len(self.cache),
+            "cache_megabytes": round(self.cache.bytes / 2**20, 1),
+            **self.recent.summary(),
+            **({"download": self.download.snapshot()} if self.phase == "downloading" else {}),
+        }
 
     @property
     def serving_phase(self) -> str:
