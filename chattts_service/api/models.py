@@ -43,7 +43,12 @@ from chattts_service.domain.text import (
     check_tokens,
     normalise_text,
 )
-from chattts_service.domain.voices import MAX_BLEND_PARTS, MAX_EMBEDDING_CHARS, NAME
+from chattts_service.domain.voices import (
+    BLEND_WEIGHT,
+    MAX_BLEND_PARTS,
+    MAX_EMBEDDING_CHARS,
+    NAME,
+)
 from chattts_service.services.audio import FORMATS, STREAM_FORMATS
 from chattts_service.services.captions import CAPTION_FORMATS
 from chattts_service.services.consents import CONSENT_ID, LANGUAGE, MAX_LABEL_CHARS, MAX_PAGE
@@ -208,9 +213,6 @@ RefinePrompt = Annotated[
 def seed_voice_pattern(maximum: int = MAX_SEED) -> str:
     """``seed:N`` for N from 0 to ``maximum`` (leading zeros allowed, as int() takes them)."""
     return rf"^{_seed_voice(maximum)}$"
-
-
-BLEND_WEIGHT = r"(?:\d{1,4}(?:\.\d{1,6})?|\.\d{1,6})"  # 0-9999.999999, as domain/voices.py
 
 
 def blend_pattern(voices: list[str]) -> str:

@@ -48,7 +48,8 @@ DEFAULT_VOICES = {
 }
 MAX_BLEND_PARTS = 8
 # one part of a blend: a voice, then optionally its weight in parentheses (0 to 9999.999999)
-BLEND_PART = re.compile(r"^([a-z0-9][a-z0-9_:-]{0,63})(?:\((\d{1,4}(?:\.\d{1,6})?|\.\d{1,6})\))?$")
+BLEND_WEIGHT = r"(?:\d{1,4}(?:\.\d{1,6})?|\.\d{1,6})"  # 0 to 9999.999999
+BLEND_PART = re.compile(rf"^([a-z0-9][a-z0-9_:-]{{0,63}})(?:\(({BLEND_WEIGHT})\))?$")
 
 
 @dataclass(frozen=True)
