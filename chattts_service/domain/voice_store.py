@@ -112,13 +112,16 @@ class VoiceStore:
                 )
             weight = float(match.group(2)) if match.group(2) is not None else 1.0
             named.append((match.group(1), weight))
+        # every voice named must exist, weighted or not: an unknown name is the client's
+        # mistake whatever its weight (a 400, not the 422 of a blend with no weight)
+        voices = {name: self._single(name) for name, _ in named}
         total = sum(weight for _, weight in named)
         if total <= 0:
             raise UnusableBlend(f"the blend {spec!r} has no weight above 0")
         weights: dict[str, float] = {}  # a voice named twice adds up its weights
         for name, weight in named:
             weights[name] = weights.get(name, 0.0) + weight / total
-        voices = {name: self._single(name) for name in weights if weights[name] > 0}
+        voices = {name: voice for name, voice in voices.items() if weights[name] > 0}
         for name, voice in voices.items():
             if voice.sample is not None:
                 raise VoiceError(
