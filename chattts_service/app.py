@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from flask import Flask
 
 from chattts_service.api import context
@@ -44,7 +46,7 @@ def create_app(
     settings = settings or Settings.from_env()
     app = Flask(__name__, static_folder="api/static")
     app.config["MAX_CONTENT_LENGTH"] = MAX_JSON_BODY_BYTES
-    app.json.ensure_ascii = False
+    app.json.ensure_ascii = False  # type: ignore[attr-defined]  # Flask's default provider
 
     service = build_service(settings, engine)
     api_keys = ApiKeys.from_settings(settings)
@@ -81,9 +83,11 @@ def build_service(settings: Settings, engine: Engine | None = None) -> Service:
     )
     # gauges read when scraped
     metrics.degraded.set_function(lambda: float(service.degraded))
+
+    def knob(name: str) -> Callable[[], float]:
+        return lambda: float(engine.policy.snapshot()[name])
+
     for name in KNOBS:
-        metrics.config.labels(setting=name).set_function(
-            lambda name=name: float(engine.policy.snapshot()[name])
-        )
+        metrics.config.labels(setting=name).set_function(knob(name))
     metrics.segments_queued.set_function(lambda: float(engine.scheduler.depth))
     return service

@@ -444,7 +444,7 @@ class Settings:
         return Bounds(metadata["low"], metadata["high"])
 
     @classmethod
-    def documentation(cls) -> list[tuple[str, str, str]]:
+    def documentation(cls) -> list[tuple[str, str, str, str]]:
         """(variable, default, allowed values, meaning) for every setting: the README table
         is checked against it."""
         rows = []

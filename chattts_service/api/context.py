@@ -32,4 +32,4 @@ def service_of(app: object) -> Service | None:
     """The running service of ``app`` outside a request (the server's drain, tests); None
     when ``app`` is not this service's application."""
     service = getattr(app, "extensions", {}).get(_SERVICE)
-    return cast(Service, service) if isinstance(service, Service) else None
+    return service if isinstance(service, Service) else None

@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import logging
 import math
+from typing import Any
 
-from flask import Flask, jsonify, request
+from flask import Flask, Response, jsonify, request
 from werkzeug.exceptions import HTTPException
 
 from chattts_service.domain.speech import (
@@ -43,7 +44,7 @@ class ApiError(Exception):
         self,
         message: str,
         status: int | None = None,
-        headers: dict | None = None,
+        headers: dict[str, Any] | None = None,
         param: str | None = None,
     ):
         super().__init__(message)
@@ -176,7 +177,13 @@ def from_engine_error(error: EngineError) -> ApiError:
 
 
 # every error a service or the domain raises that has a status
-DOMAIN_ERRORS = (EngineError, VoiceError, ConsentError, NotLoaded, *(k for k, _ in SERVICE_ERRORS))
+DOMAIN_ERRORS: tuple[type[Exception], ...] = (
+    EngineError,
+    VoiceError,
+    ConsentError,
+    NotLoaded,
+    *(kind for kind, _ in SERVICE_ERRORS),
+)
 
 
 def from_domain_error(error: Exception) -> ApiError:
@@ -199,7 +206,7 @@ def status_of(error: BaseException) -> int:
     """The status a request that raised ``error`` is answered with."""
     if isinstance(error, ApiError):
         return error.status
-    if isinstance(error, DOMAIN_ERRORS):
+    if isinstance(error, Exception) and isinstance(error, DOMAIN_ERRORS):
         return from_domain_error(error).status
     if isinstance(error, HTTPException):
         return error.code or 500
@@ -227,7 +234,7 @@ OPENAI_ERRORS = {
 }
 
 
-def error_body(message: str, status: int, path: str, param: str | None = None) -> dict:
+def error_body(message: str, status: int, path: str, param: str | None = None) -> dict[str, Any]:
     """``{"error": "..."}``, or OpenAI's error object on the /v1/ paths."""
     if path.startswith("/v1/"):
         return {
@@ -242,8 +249,8 @@ def error_body(message: str, status: int, path: str, param: str | None = None) -
 
 
 def error_response(
-    message: str, status: int, headers: dict | None = None, param: str | None = None
-):
+    message: str, status: int, headers: dict[str, Any] | None = None, param: str | None = None
+) -> Response:
     response = jsonify(error_body(message, status, request.path, param))
     response.status_code = status
     response.headers.update(headers or {})
@@ -252,10 +259,10 @@ def error_response(
 
 def register_error_handlers(app: Flask) -> None:
     @app.errorhandler(ApiError)
-    def handle_api_error(error: ApiError):
+    def handle_api_error(error: ApiError) -> Response:
         return error_response(error.message, error.status, error.headers, error.param)
 
-    def handle_domain_error(error: Exception):
+    def handle_domain_error(error: Exception) -> Response:
         api_error = from_domain_error(error)
         return error_response(
             api_error.message, api_error.status, api_error.headers, api_error.param
@@ -265,12 +272,12 @@ def register_error_handlers(app: Flask) -> None:
         app.register_error_handler(kind, handle_domain_error)
 
     @app.errorhandler(HTTPException)
-    def handle_http_exception(error: HTTPException):
+    def handle_http_exception(error: HTTPException) -> Response:
         # keep what the exception says in headers (405's Allow, RFC 9110), not its HTML body
         headers = {k: v for k, v in error.get_headers() if k.lower() != "content-type"}
         return error_response(error.description or error.name, error.code or 500, headers)
 
     @app.errorhandler(Exception)
-    def handle_unexpected(error: Exception):
+    def handle_unexpected(error: Exception) -> Response:
         log.exception("unhandled error")
         return error_response("internal error; the details are in the server log", 500)

@@ -17,7 +17,8 @@ import functools
 import math
 import re
 import unicodedata
-from typing import Annotated, Any, ClassVar, Literal, NamedTuple, get_args
+from collections.abc import Callable
+from typing import Annotated, Any, ClassVar, Literal, NamedTuple, Protocol, Self, get_args
 
 from pydantic import (
     AfterValidator,
@@ -81,10 +82,10 @@ def refuse(message: str, kind: str = "invalid") -> PydanticCustomError:
     return PydanticCustomError(kind, "{message}", {"message": message})
 
 
-def _domain(check):
+def _domain(check: Callable[[Any], Any]) -> Callable[[Any], Any]:
     """A domain check (raising TextError) as a field validator."""
 
-    def validate(value):
+    def validate(value: Any) -> Any:
         try:
             return check(value)
         except TextError as error:
@@ -93,7 +94,7 @@ def _domain(check):
     return validate
 
 
-def integral(value):
+def integral(value: Any) -> Any:
     """An integral JSON number as an int (4.0 -> 4), as JSON Schema counts it an integer;
     anything else unchanged, for the type check to refuse."""
     if isinstance(value, float) and math.isfinite(value) and value.is_integer():
@@ -101,17 +102,17 @@ def integral(value):
     return value
 
 
-def Integer(low: int, high: int | None, description: str | None = None):  # noqa: N802
+def Integer(low: int, high: int | None, description: str | None = None) -> Any:  # noqa: N802
     return Annotated[
         int, Field(ge=low, le=high, description=description), BeforeValidator(integral)
     ]
 
 
-def Number(low: float, high: float, description: str | None = None):  # noqa: N802
+def Number(low: float, high: float, description: str | None = None) -> Any:  # noqa: N802
     return Annotated[float, Field(ge=low, le=high, allow_inf_nan=False, description=description)]
 
 
-def choices(annotation) -> tuple:
+def choices(annotation: Any) -> tuple[Any, ...]:
     """The values a ``Literal`` (possibly ``| None``) allows."""
     found = []
     for arg in get_args(annotation):
@@ -159,7 +160,7 @@ def text_patterns() -> tuple[str, str]:
     return rf"^[^\[]*(?:{segment})*$", visible
 
 
-def _text_type(settings: Settings):
+def _text_type(settings: Settings) -> Any:
     """The text to speak: at most ``max_chars`` code points as sent (413 beyond), only the
     inline control tokens, something to say; normalised (``normalise_text``)."""
 
@@ -238,7 +239,7 @@ def _seed_voice(maximum: int) -> str:
     return r"seed:0*(?:" + "|".join(alternatives) + r")"
 
 
-def voice_schema(voices: list[str]) -> dict:
+def voice_schema(voices: list[str]) -> dict[str, Any]:
     """A voice a request may name now, as a string or as OpenAI's voice object
     ``{"id": "..."}``."""
     names = [
@@ -308,6 +309,40 @@ def _answered_whole(value: Any, info: ValidationInfo) -> Any:
     return value
 
 
+class SpeechFields(Protocol):
+    """What a parsed speech body holds, as the models ``speech_bodies`` builds have it (they
+    are built per deployment at run time, so a type checker cannot see their fields)."""
+
+    voice: str | None
+    seed: int
+    refine_text: bool
+    speed: float
+    temperature: float
+    top_p: float
+    top_k: int
+    normalize: bool
+    refine_prompt: str
+    stream_format: str | None
+    stream: bool
+    priority: str | None
+    model_fields_set: set[str]
+
+    @property
+    def audio_format(self) -> str: ...
+
+
+class SynthesizeFields(SpeechFields, Protocol):
+    text: str
+
+
+class OpenAISpeechFields(SpeechFields, Protocol):
+    input: str
+
+
+class CaptionedSpeechFields(OpenAISpeechFields, Protocol):
+    caption_format: str | None
+
+
 class SpeechBodies(NamedTuple):
     synthesize: type[Body]
     speech: type[Body]
@@ -360,10 +395,10 @@ def speech_bodies(settings: Settings) -> SpeechBodies:
 
         @property
         def audio_format(self) -> str:
-            return getattr(self, self.FORMAT_FIELD)
+            return str(getattr(self, self.FORMAT_FIELD))
 
         @model_validator(mode="after")
-        def _consistent(self):
+        def _consistent(self) -> Self:
             asked_to_stream = "stream" in self.model_fields_set and self.stream
             if asked_to_stream and self.audio_format not in STREAM_FORMATS:
                 raise refuse(
@@ -385,9 +420,9 @@ def speech_bodies(settings: Settings) -> SpeechBodies:
         else {"properties": {"refine_text": {"const": True}}, "required": ["refine_text"]}
     )
 
-    def rules(format_field: str, needs_format: bool) -> dict:
+    def rules(format_field: str, needs_format: bool) -> dict[str, Any]:
         """What the model validator checks across fields, as JSON Schema's if/then."""
-        then = {"properties": {format_field: {"enum": list(STREAM_FORMATS)}}}
+        then: dict[str, Any] = {"properties": {format_field: {"enum": list(STREAM_FORMATS)}}}
         if needs_format:
             then["required"] = [format_field]
         return {
@@ -438,7 +473,7 @@ def speech_bodies(settings: Settings) -> SpeechBodies:
     return SpeechBodies(SynthesizeRequest, SpeechRequest, CaptionedSpeechRequest)
 
 
-def _instructions_type(settings: Settings):
+def _instructions_type(settings: Settings) -> Any:
     refused = settings.instructions == "refuse"
 
     def check(value: str) -> str:
@@ -573,7 +608,7 @@ class TuningBody(Body):
 @functools.cache
 def tuning_body(limits: tuple[tuple[str, int, int | None], ...]) -> type[Body]:
     """``POST /admin/config``'s body for these knobs (name, low, high)."""
-    fields = {name: (Integer(low, high), None) for name, low, high in limits}
+    fields: dict[str, Any] = {name: (Integer(low, high), None) for name, low, high in limits}
     return create_model(
         "TuningRequest",
         __base__=TuningBody,

@@ -8,16 +8,16 @@ own (``models.py``), so a field is never checked otherwise than it is documented
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 from flask import Flask
 from pydantic import BaseModel, TypeAdapter
-from pydantic.json_schema import GenerateJsonSchema, models_json_schema
+from pydantic.json_schema import GenerateJsonSchema, JsonSchemaMode, models_json_schema
 
 from chattts_service.api import models
-from chattts_service.config import Settings
+from chattts_service.config import Bounds, Settings
 from chattts_service.services.audio import FORMATS
 
 COMPONENTS = "#/components/schemas/"
@@ -52,10 +52,13 @@ class Context:
 
     settings: Settings
     voices: list[str]  # the names a request may use now
-    limits: dict  # the batching policy's bounds
+    limits: dict[str, Bounds]  # the batching policy's bounds
 
 
 Model = type[BaseModel] | Callable[[Context], type[BaseModel]]
+# a model's place in the components, by the model and whether it is read or written
+Refs = Mapping[tuple[Any, JsonSchemaMode], Any]
+Ref = Callable[[type[BaseModel], JsonSchemaMode], dict[str, Any]]
 
 
 @dataclass(frozen=True)
@@ -72,11 +75,14 @@ class Operation:
     others: dict[int, tuple[type[BaseModel], str]] = field(default_factory=dict)  # not errors
 
 
-def operation(summary: str, **details) -> Callable:
+View = TypeVar("View", bound=Callable[..., Any])
+
+
+def operation(summary: str, **details: Any) -> Callable[[View], View]:
     """Describe the view in the document (put it under the route's decorator)."""
 
-    def describe(view):
-        view.operation = Operation(summary, **details)
+    def describe(view: View) -> View:
+        setattr(view, "operation", Operation(summary, **details))  # noqa: B010
         return view
 
     return describe
@@ -85,7 +91,7 @@ def operation(summary: str, **details) -> Callable:
 class _Schemas(GenerateJsonSchema):
     """Models' schemas without the titles pydantic makes up for every field."""
 
-    def field_title_should_be_set(self, schema) -> bool:
+    def field_title_should_be_set(self, schema: Any) -> bool:
         return False
 
 
@@ -95,9 +101,9 @@ def _model(model: Model | None, context: Context) -> type[BaseModel] | None:
     return model(context)
 
 
-def document(app: Flask, context: Context) -> dict:
-    paths: dict[str, dict] = {}
-    wanted: dict[tuple[type[BaseModel], str], None] = {}  # in order, each once
+def document(app: Flask, context: Context) -> dict[str, Any]:
+    paths: dict[str, dict[str, Any]] = {}
+    wanted: dict[tuple[type[BaseModel], JsonSchemaMode], None] = {}  # in order, each once
     operations = []
     for rule in app.url_map.iter_rules():
         if rule.endpoint == "static":
@@ -106,7 +112,7 @@ def document(app: Flask, context: Context) -> dict:
         if described is None:
             raise TypeError(f"{rule.rule} has no @operation: say what it does and answers")
         path = rule.rule.replace("<", "{").replace(">", "}")
-        for method in sorted(rule.methods - {"HEAD", "OPTIONS"}):
+        for method in sorted((rule.methods or set()) - {"HEAD", "OPTIONS"}):
             operations.append((path, method.lower(), described))
             for model, mode in _models_of(described, context):
                 wanted[(model, mode)] = None
@@ -130,7 +136,9 @@ def document(app: Flask, context: Context) -> dict:
     }
 
 
-def _models_of(described: Operation, context: Context):
+def _models_of(
+    described: Operation, context: Context
+) -> Iterator[tuple[type[BaseModel], JsonSchemaMode]]:
     for model in (_model(described.body, context), described.form):
         if model is not None:
             yield model, "validation"
@@ -146,9 +154,9 @@ def _models_of(described: Operation, context: Context):
     yield models.OpenAIError, "serialization"
 
 
-def _operation(described: Operation, context: Context, refs: dict, openai: bool) -> dict:
-    def ref(model, mode) -> dict:
-        return refs[(model, mode)]
+def _operation(described: Operation, context: Context, refs: Refs, openai: bool) -> dict[str, Any]:
+    def ref(model: type[BaseModel], mode: JsonSchemaMode) -> dict[str, Any]:
+        return dict(refs[(model, mode)])
 
     result: dict[str, Any] = {"summary": described.summary}
     parameters = [
@@ -203,11 +211,13 @@ def _operation(described: Operation, context: Context, refs: dict, openai: bool)
 
 def _files(described: Operation) -> list[str]:
     """The form's file fields: those typed ``models.Upload``."""
+    if described.form is None:
+        return []
     schema = described.form.model_json_schema(schema_generator=_Schemas)
     return [name for name, item in schema["properties"].items() if item.get("format") == "binary"]
 
 
-def _answer(described: Operation, ref) -> dict:
+def _answer(described: Operation, ref: Ref) -> dict[str, Any]:
     if described.answer is AUDIO:
         audio = {"schema": {"type": "string", "format": "binary"}}
         content = {FORMATS[name][0]: audio for name in FORMATS if name != "pcm"}
@@ -227,7 +237,7 @@ def _answer(described: Operation, ref) -> dict:
     }
 
 
-def _speech_event(ref) -> dict:
+def _speech_event(ref: Ref) -> dict[str, Any]:
     """A Server-Sent Event of the speech stream: its data is a delta or the end."""
     return {
         "type": "object",
@@ -248,7 +258,7 @@ def _speech_event(ref) -> dict:
     }
 
 
-def _mark_voices(schema):
+def _mark_voices(schema: Any) -> Any:
     """Put the reference to the voices component where a model marked a voice."""
     if isinstance(schema, dict):
         result = {key: _mark_voices(value) for key, value in schema.items()}

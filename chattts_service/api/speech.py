@@ -12,7 +12,8 @@ import select
 import socket
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any
 
 from flask import Response, g, request
 
@@ -21,10 +22,22 @@ from chattts_service.api.context import api_keys, service
 from chattts_service.api.errors import BadRequest, NotReady, from_engine_error, status_of
 from chattts_service.api.models import CaptionedSpeech as CaptionedAnswer
 from chattts_service.api.models import SpeechAudioDelta, SpeechAudioDone, Usage
-from chattts_service.domain.speech import PRIORITIES, SAMPLE_RATE, SAMPLES_PER_STEP, EngineError
+from chattts_service.api.validation import Voices
+from chattts_service.config import Settings
+from chattts_service.domain.speech import (
+    PRIORITIES,
+    SAMPLE_RATE,
+    SAMPLES_PER_STEP,
+    EngineError,
+    SynthesisRequest,
+)
 from chattts_service.runtime.metrics import Metrics
 from chattts_service.services import captions
+from chattts_service.services.service import RecentRequests
 from chattts_service.services.speech import CaptionedSpeech, Output, Speech, SpeechStream
+
+# an endpoint's parser: (JSON body, settings, voices) -> the request and how to answer it
+Parser = Callable[[dict[str, Any], Settings, Voices | None], tuple[SynthesisRequest, Output]]
 
 
 class RequestRecord:
@@ -32,7 +45,7 @@ class RequestRecord:
     arrives, finished exactly once with its HTTP status, however and wherever it ends (a
     stream: when the pipeline reports its end, mapped by the one table in ``errors``)."""
 
-    def __init__(self, metrics: Metrics, recent):
+    def __init__(self, metrics: Metrics, recent: RecentRequests):
         self._metrics, self._recent = metrics, recent
         self.started = time.perf_counter()
         self._finished = False
@@ -50,7 +63,7 @@ class RequestRecord:
         self._recent.end(elapsed, audio_seconds, cache if status == 200 else None)
 
 
-def speak(parse) -> Response:
+def speak(parse: Parser) -> Response:
     """Parse with ``parse(body, settings, voices)`` and answer with audio, or raise an error
     the error tables answer."""
     state = service()
@@ -114,7 +127,9 @@ def _header_priority() -> str | None:
 PRIORITY_HEADER = "X-Priority"
 
 
-def _headers(response: Response, cache_status: str, seconds: float | None, segments=None):
+def _headers(
+    response: Response, cache_status: str, seconds: float | None, segments: int | None = None
+) -> None:
     if g.get("instructions_ignored"):
         response.headers["X-Instructions"] = "ignored"
         service().metrics.instructions_ignored.inc()
@@ -161,17 +176,17 @@ def _streamed(stream: SpeechStream, events: bool = False, input_tokens: int = 0)
     g.cache, g.stream = stream.cache, stream  # the access log waits for its end
     began = []  # set once the server starts sending the body
 
-    def body():
+    def body() -> Iterator[bytes]:
         began.append(True)
         # a broken stream raises: the connection ends without its final chunk (or, with
         # events, without speech.audio.done), so the client sees a broken stream, not a
         # complete but short one
         if events:
-            yield from _events(stream.chunks, lambda: stream.seconds, input_tokens)
+            yield from _events(stream.chunks, lambda: stream.seconds or 0.0, input_tokens)
         else:
             yield from stream.chunks
 
-    def never_sent():
+    def never_sent() -> None:
         # the connection closed before the body was started: the stream's clean-up never ran
         if not began:
             stream.close_unsent()
@@ -189,7 +204,9 @@ def _streamed(stream: SpeechStream, events: bool = False, input_tokens: int = 0)
 EVENT_STREAM = "text/event-stream"
 
 
-def _events(chunks, seconds: Callable[[], float], input_tokens: int):
+def _events(
+    chunks: Iterable[bytes], seconds: Callable[[], float], input_tokens: int
+) -> Iterator[bytes]:
     """Audio as OpenAI's speech events: ``speech.audio.delta`` with base64 audio, then
     ``speech.audio.done`` with usage: ``input_tokens`` the text tokens the model read,
     ``output_tokens`` the GPT steps' worth of audio (512 samples each). ``seconds()`` is
@@ -203,7 +220,7 @@ def _events(chunks, seconds: Callable[[], float], input_tokens: int):
     yield f"data: {SpeechAudioDone(usage=usage).model_dump_json()}\n\n".encode()
 
 
-def client_gone(environ) -> Callable[[], bool] | None:
+def client_gone(environ: dict[str, Any]) -> Callable[[], bool] | None:
     """A check that the client closed its connection, so its request can be dropped."""
     connection = environ.get("gunicorn.socket")
     if connection is None:
@@ -217,7 +234,8 @@ def client_gone(environ) -> Callable[[], bool] | None:
             poller.register(connection, select.POLLIN)
             if not poller.poll(0):
                 return False
-            return connection.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) == b""
+            peeked: bytes = connection.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT)
+            return peeked == b""
         except (BlockingIOError, InterruptedError):
             return False
         except (OSError, ValueError):

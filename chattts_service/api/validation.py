@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 import math
 from dataclasses import replace
-from typing import Any, Protocol, TypeVar, get_args
+from typing import Any, Protocol, TypeVar, cast, get_args
 
 import annotated_types
 from pydantic import BaseModel, ValidationError
@@ -24,7 +24,10 @@ from chattts_service.api.errors import (
 )
 from chattts_service.api.models import (
     TOO_LARGE,
-    Body,
+    CaptionedSpeechFields,
+    OpenAISpeechFields,
+    SpeechFields,
+    SynthesizeFields,
     choices,
     speech_bodies,
 )
@@ -91,10 +94,11 @@ def parse(model: type[M], data: Any, what: str = "fields") -> M:
     try:
         return model.model_validate(data)
     except ValidationError as error:
-        raise _refusal(model, error.errors(include_url=False), what) from None
+        details = [dict(detail) for detail in error.errors(include_url=False)]
+        raise _refusal(model, details, what) from None
 
 
-def _refusal(model: type[BaseModel], errors: list[dict], what: str):
+def _refusal(model: type[BaseModel], errors: list[dict[str, Any]], what: str) -> ApiError:
     unknown = [str(e["loc"][0]) for e in errors if e["type"] == "extra_forbidden"]
     if unknown:
         accepted = ", ".join(sorted(model.model_fields))
@@ -112,7 +116,7 @@ def _refusal(model: type[BaseModel], errors: list[dict], what: str):
     return refusal
 
 
-def _say(model: type[BaseModel], error: dict) -> ApiError:
+def _say(model: type[BaseModel], error: dict[str, Any]) -> ApiError:
     kind, context = error["type"], error.get("ctx") or {}
     name = str(error["loc"][0]) if error["loc"] else None
     field = model.model_fields.get(name) if name else None
@@ -141,6 +145,8 @@ def _say(model: type[BaseModel], error: dict) -> ApiError:
         return BadRequest(f"'{name}' must be a number")
     if kind in ("greater_than_equal", "less_than_equal", "finite_number"):
         low, high = _bounds(field)
+        if low is None:
+            return BadRequest(error["msg"])
         if high is None:
             return BadRequest(f"'{name}' must be at least {number_text(low)}")
         return BadRequest(f"'{name}' must be between {number_text(low)} and {number_text(high)}")
@@ -150,15 +156,15 @@ def _say(model: type[BaseModel], error: dict) -> ApiError:
     return BadRequest(error["msg"])  # ours (models.refuse), word for word
 
 
-def _bounds(field) -> tuple[float | None, float | None]:
+def _bounds(field: FieldInfo) -> tuple[float | None, float | None]:
     """A numeric field's ``ge`` and ``le``, wherever ``Annotated`` and ``| None`` put them."""
-    found = {}
+    found: dict[str, float] = {}
 
-    def visit(item) -> None:
+    def visit(item: Any) -> None:
         if isinstance(item, annotated_types.Ge):
-            found.setdefault("ge", item.ge)
+            found.setdefault("ge", cast(float, item.ge))
         elif isinstance(item, annotated_types.Le):
-            found.setdefault("le", item.le)
+            found.setdefault("le", cast(float, item.le))
         elif isinstance(item, FieldInfo):
             for constraint in item.metadata:
                 visit(constraint)
@@ -171,7 +177,7 @@ def _bounds(field) -> tuple[float | None, float | None]:
     return found.get("ge"), found.get("le")
 
 
-def _json(value) -> str:
+def _json(value: Any) -> str:
     return json.dumps(value) if isinstance(value, bool) else str(value)
 
 
@@ -193,7 +199,7 @@ class Voices(Protocol):
 
 
 def _speech(
-    body: Body, text: str, voices: Voices | None, *, default_stream: bool
+    body: SpeechFields, text: str, voices: Voices | None, *, default_stream: bool
 ) -> tuple[SynthesisRequest, Output]:
     """A validated speech body -> the synthesis request and how to answer it. Without a
     ``stream`` field, a format that streams is streamed when ``default_stream``."""
@@ -237,7 +243,7 @@ def synthesize_request(
     body: dict[str, Any], settings: Settings, voices: Voices | None = None
 ) -> tuple[SynthesisRequest, Output]:
     """POST /synthesize: WAV unless asked otherwise."""
-    parsed = parse(speech_bodies(settings).synthesize, body)
+    parsed = cast(SynthesizeFields, parse(speech_bodies(settings).synthesize, body))
     return _speech(parsed, parsed.text, voices, default_stream=False)
 
 
@@ -246,7 +252,7 @@ def speech_request(
 ) -> tuple[SynthesisRequest, Output]:
     """POST /v1/audio/speech: OpenAI's fields (MP3 by default, streamed unless
     ``"stream": false`` or FLAC, as OpenAI's endpoint answers), plus this service's options."""
-    parsed = parse(speech_bodies(settings).speech, body)
+    parsed = cast(OpenAISpeechFields, parse(speech_bodies(settings).speech, body))
     return _speech(parsed, parsed.input, voices, default_stream=True)
 
 
@@ -255,7 +261,7 @@ def captioned_speech_request(
 ) -> tuple[SynthesisRequest, Output]:
     """POST /v1/audio/captioned_speech: the /v1/audio/speech body plus ``caption_format``;
     answered whole, every sentence read as its own segment so the captions are exact."""
-    parsed = parse(speech_bodies(settings).captioned, body)
+    parsed = cast(CaptionedSpeechFields, parse(speech_bodies(settings).captioned, body))
     request, output = _speech(parsed, parsed.input, voices, default_stream=False)
     return (
         replace(request, sentence_segments=True),

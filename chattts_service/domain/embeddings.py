@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import hashlib
 import lzma
+from typing import Any
 
 import numpy as np
 
@@ -16,7 +17,7 @@ from chattts_service.domain.voices import (
 )
 
 
-def decode_embedding(text: str, dim: int):
+def decode_embedding(text: str, dim: int) -> Any:
     """A ChatTTS speaker embedding string -> float32 tensor [dim], or VoiceError."""
     import pybase16384 as b14
     import torch
@@ -43,7 +44,7 @@ def decode_embedding(text: str, dim: int):
     return torch.from_numpy(values.copy())
 
 
-def encode_embedding(embedding) -> str:
+def encode_embedding(embedding: Any) -> str:
     """The inverse of ``decode_embedding`` (ChatTTS's own string format)."""
     import pybase16384 as b14
 
@@ -53,10 +54,10 @@ def encode_embedding(embedding) -> str:
         format=lzma.FORMAT_RAW,
         filters=[{"id": lzma.FILTER_LZMA2, "preset": 9 | lzma.PRESET_EXTREME}],
     )
-    return b14.encode_to_string(packed)
+    return str(b14.encode_to_string(packed))
 
 
-def digest(embedding) -> str:
+def digest(embedding: Any) -> str:
     return hashlib.sha256(embedding.numpy().astype("<f4").tobytes()).hexdigest()[:32]
 
 

@@ -16,6 +16,7 @@ import logging
 import re
 import threading
 import unicodedata
+from typing import Any
 
 log = logging.getLogger(__name__)
 
@@ -142,8 +143,8 @@ class Normaliser:
 
     The FSTs load on first use (~0.2 s); ``warm_up`` does that before the service is ready."""
 
-    def __init__(self):
-        self._normalizer = None
+    def __init__(self) -> None:
+        self._normalizer: Any = None  # wetext's Normalizer (untyped), loaded on first use
         self._lock = threading.Lock()  # wetext's FST objects are not documented as thread-safe
 
     def warm_up(self) -> None:

@@ -7,7 +7,9 @@ from __future__ import annotations
 import json
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from chattts_service.config import MAX_SEED
 from chattts_service.domain.embeddings import (
@@ -41,10 +43,10 @@ class VoiceStore:
         self,
         directory: Path,
         dim: int,
-        sampler,
+        sampler: Callable[[int], Any],
         limit: int | None = None,
-        decode_sample=None,
-    ):
+        decode_sample: Callable[[str], Any] | None = None,
+    ) -> None:
         """``decode_sample(text)``: a recording's codes from the string a voice file keeps
         (ChatTTS's ``Speaker.decode_prompt``; given by the engine that loaded ChatTTS)."""
         self.directory = Path(directory)
@@ -61,10 +63,13 @@ class VoiceStore:
             stored = {path.stem for path in self.directory.glob("*.json") if NAME.match(path.stem)}
         return sorted(stored | set(DEFAULT_VOICES))
 
-    def listing(self) -> list[dict]:
+    def listing(self) -> list[dict[str, Any]]:
         items = []
         for name in self.names():
-            item = {"name": name, "source": "file" if self._path(name).is_file() else "default"}
+            item: dict[str, Any] = {
+                "name": name,
+                "source": "file" if self._path(name).is_file() else "default",
+            }
             if item["source"] == "file":
                 try:
                     voice = self._single(name)
@@ -179,7 +184,11 @@ class VoiceStore:
         return Voice(f"seed:{seed}", embedding, "")  # the seed alone defines it for this model
 
     def register(
-        self, name: str, embedding_text: str | None = None, replace: bool = False, voice=None
+        self,
+        name: str,
+        embedding_text: str | None = None,
+        replace: bool = False,
+        voice: str | None = None,
     ) -> Voice:
         """Store a voice under ``name``: from an embedding string, or from ``voice``, any
         voice this store resolves (a blend, ``seed:N``, another name)."""
@@ -198,7 +207,7 @@ class VoiceStore:
                     f"refer to it by its name or its id, {source.id}"
                 )
             embedding = source.embedding
-        else:
+        elif embedding_text is not None:
             embedding = decode_embedding(embedding_text, self.dim)
         if VOICE_ID.match(name):
             raise VoiceError("names of the form voice_<24 hex digits> are voice ids")
@@ -215,7 +224,9 @@ class VoiceStore:
             self._memo.pop(name, None)
         return self.get(name)
 
-    def create_from_sample(self, name, sample: SpeakerSample, prompt: str, consent: str) -> Voice:
+    def create_from_sample(
+        self, name: str, sample: SpeakerSample, prompt: str, consent: str
+    ) -> Voice:
         """Store a voice made from a recording: ``prompt`` is ChatTTS's string of the sample's
         codes (``Speaker.encode_prompt``), ``consent`` the consent it was made under."""
         from secrets import token_hex
@@ -233,8 +244,9 @@ class VoiceStore:
             if path.exists():
                 raise VoiceExists(f"voice {name!r} exists; delete it or choose another name")
             self.check_room()
+            voice_id = f"voice_{token_hex(12)}"
             record = {
-                "id": f"voice_{token_hex(12)}",
+                "id": voice_id,
                 "object": "audio.voice",
                 "name": name,
                 "type": "audio_sample",
@@ -249,7 +261,7 @@ class VoiceStore:
             replace_atomically(path, lambda out: json.dump(record, out), binary=False, shared=False)
             try:
                 replace_atomically(
-                    ids / record["id"], lambda out: out.write(name), binary=False, shared=False
+                    ids / voice_id, lambda out: out.write(name), binary=False, shared=False
                 )
             except BaseException:
                 path.unlink(missing_ok=True)
@@ -302,7 +314,7 @@ class VoiceStore:
         if isinstance(record, dict) and VOICE_ID.match(str(record.get("id", ""))):
             (self.directory / "ids" / record["id"]).unlink(missing_ok=True)
 
-    def _sampled(self, name: str, record: dict) -> Voice:
+    def _sampled(self, name: str, record: dict[str, Any]) -> Voice:
         if self._decode_sample is None:
             raise VoiceError(f"voice {name!r} is made from a recording; none can be read here")
         codes = self._decode_sample(record["sample"])

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
+from typing import Any
 
 NAME = re.compile(r"^[a-z0-9][a-z0-9_-]{0,63}$")
 SEED_VOICE = re.compile(r"^seed:(\d+)$")
@@ -58,10 +59,10 @@ class SpeakerSample:
     of the recording ``[num_vq, frames]``, and the words spoken in it (``txt_smp``; "" when
     not given). The prompt puts the transcript before the text and the codes after it."""
 
-    codes: object = field(repr=False)  # int32 torch tensor
+    codes: Any = field(repr=False)  # int32 torch tensor (the domain does not import torch)
     transcript: str = ""
     # upstream's long-text mode speaks with both: the voice's embedding and its first segment
-    embedding: object = field(default=None, repr=False)
+    embedding: Any = field(default=None, repr=False)
 
 
 class VoiceError(ValueError):
@@ -99,18 +100,18 @@ class TooManyVoices(VoiceError):
 @dataclass(frozen=True)
 class Voice:
     name: str
-    embedding: object = field(compare=False, repr=False)  # float32 torch tensor [hidden]
+    embedding: Any = field(compare=False, repr=False)  # float32 torch tensor [hidden]
     digest: str = ""  # sha256 of the embedding (or of the sample): part of the cache key
     sample: SpeakerSample | None = field(default=None, compare=False, repr=False)
     id: str = ""  # a voice made from a recording: its OpenAI id
     created_at: int = 0
 
     @property
-    def speaker(self):
+    def speaker(self) -> Any:
         """What a prompt carries: the speaker prompt of a recording, else the embedding."""
         return self.sample if self.sample is not None else self.embedding
 
-    def describe(self) -> dict:
+    def describe(self) -> dict[str, Any]:
         if self.sample is None:
             return {"name": self.name, "digest": self.digest}
         return {

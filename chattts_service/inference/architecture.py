@@ -59,10 +59,10 @@ def config_from_architecture(architecture: dict[str, Any] | None):
     unknown = set(architecture) - set(_SECTIONS) - {"spk_stat", "name", "seed"}
     if unknown:
         raise ValueError(f"unknown architecture sections: {sorted(unknown)}")
-    for section, allowed in _SECTIONS.items():
-        extra = set(architecture.get(section, {})) - allowed
+    for name, allowed in _SECTIONS.items():
+        extra = set(architecture.get(name, {})) - allowed
         if extra:
-            raise ValueError(f"unknown keys in architecture section {section!r}: {sorted(extra)}")
+            raise ValueError(f"unknown keys in architecture section {name!r}: {sorted(extra)}")
 
     def section(name: str) -> dict[str, Any]:
         return dict(architecture.get(name, {}))

@@ -121,13 +121,13 @@ def norm_module():
         if norm is None:
             upstream.install()
             stand_in = types.ModuleType("numba")
-            stand_in.jit = _jit_stand_in
+            setattr(stand_in, "jit", _jit_stand_in)  # noqa: B010
             norm = upstream.import_standing_in("ChatTTS.norm", "numba", stand_in)
         if getattr(norm, "_chattts_service_ports", False):
             return norm
         for name in NUMBA_FUNCTIONS:
             setattr(norm, name, PORTS[name])
-        norm._chattts_service_ports = True
+        setattr(norm, "_chattts_service_ports", True)  # noqa: B010
         return norm
 
 

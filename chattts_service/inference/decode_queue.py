@@ -4,10 +4,14 @@ together on the model's thread, with bulk segments' windows decoded in the strea
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 
 import numpy as np
 
 from chattts_service.inference.decoding import Advance, AudioDecoder, Span
+
+# what to decode (a window's span, or a stream's ``Advance``), then done(samples), failed(error)
+Item = tuple[Span | Advance, Callable[[np.ndarray], None], Callable[[Exception], None]]
 
 
 class DecodeQueue:
@@ -27,8 +31,8 @@ class DecodeQueue:
     def __init__(self, decoder: AudioDecoder, on_run=None):
         self.decoder = decoder
         self.on_run = on_run  # on_run(items, seconds): the time spent decoding
-        self._items: list[tuple[Span, object, object]] = []
-        self._deferred: list[tuple[float, tuple]] = []  # (since, item): bulk windows waiting
+        self._items: list[Item] = []
+        self._deferred: list[tuple[float, Item]] = []  # (since, item): bulk windows waiting
         self._seconds_per_step = FIRST_DECODE_PACE_SECONDS  # recent pace of a round, a step
 
     def __len__(self) -> int:
@@ -99,7 +103,7 @@ class DecodeQueue:
         results in the order of ``work``."""
         chunks = [index for index, item in enumerate(work) if isinstance(item, Advance)]
         windows = [index for index, item in enumerate(work) if not isinstance(item, Advance)]
-        results: list[np.ndarray | None] = [None] * len(work)
+        results: list[np.ndarray] = [np.empty(0, dtype=np.float32)] * len(work)  # all set
         for indices, decode in (
             (windows, self.decoder.decode_many),
             (chunks, self.decoder.advance_many),

@@ -22,10 +22,12 @@ class Int8Pointwise(torch.nn.Module):
     ``AudioDecoder.hold_in_int8``): ``x @ W.T + bias`` for x [..., in_features], each row
     quantized on its own."""
 
+    bias: torch.Tensor | None  # a buffer
+
     def __init__(self, linear: torch.nn.Linear, kernels):
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
-        self.product = KernelLinear.int8(linear.weight, kernels)
+        self.product: KernelLinear = KernelLinear.int8(linear.weight, kernels)
         bias = None if linear.bias is None else linear.bias.detach().float().clone()
         self.register_buffer("bias", bias)
 
@@ -42,15 +44,13 @@ class Bf16Linear(torch.nn.Module):
     _linear_pointwise``), where ``F.linear`` first copies the bias into every output row and
     then adds the product to it (another pass over the output): the same bits, checked once
     per process by ``fused_bias_linear``. The input is rounded to bf16 first, as autocast
-    rounds it for ``F.linear``. On the decoder's shapes (8 windows of 320 frames) 0.73-0.93
-    of ``F.linear``'s time (docs/benchmarks.md).
+    rounds it for ``F.linear``. Faster than ``F.linear`` on the decoder's shapes.
 
     ``pack`` then holds the weight in oneDNN's own blocked layout (``mkldnn::
     _reorder_linear_weight``, as torch's compiler packs it) in place of the plain one: a plain
-    weight is reordered into that layout on every call. Side by side on a Zen 4 (AMD EPYC,
-    family 25 model 17), caches evicted before each decode as a step evicts them: a round of
-    streamed chunks 0.90-0.975 of the time, 8 whole windows 0.93 (docs/benchmarks.md). Not
-    on a CPU with AMX (``packs_linear_weights``)."""
+    weight is reordered into that layout on every call, so packed decodes are faster (caches
+    evicted before each, as a step evicts them). Not on a CPU with AMX
+    (``packs_linear_weights``)."""
 
     def __init__(self, linear: torch.nn.Linear):
         super().__init__()
@@ -222,8 +222,7 @@ def fused_bias_linear() -> bool:
 
 def packs_linear_weights() -> bool:
     """Whether a bf16 decoder holds its linear weights packed (``Bf16Linear.pack``): not on a
-    CPU with AMX. On an Intel Xeon with AMX (family 6 model 167) packed weights made the
-    products faster but every small copy around them about ten times slower: a round of 8
-    streams' 32-step chunks 178-185 ms against 114-121 ms (docs/benchmarks.md); on a Zen 4
-    (AVX512-BF16, no AMX) packing took 0.90-0.975 of a round's time."""
+    CPU with AMX. On an Intel Xeon with AMX packed weights made the products faster but every
+    small copy around them much slower, so a decode round was slower; on a CPU with
+    AVX512-BF16 and no AMX packing made it faster."""
     return "amx_bf16" not in cpu_flags()

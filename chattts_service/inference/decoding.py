@@ -25,7 +25,7 @@ from chattts_service.inference.decoder_layers import (
 
 class AudioDecoder:
     """The decoder and the vocoder's ConvNeXt backbone may run in bf16 (on CPUs with native
-    bf16 dot products; the waveform difference is in docs/benchmarks.md), or with their
+    bf16 dot products; ``benchmarks/engine.py`` prints the waveform difference), or with their
     pointwise layers on the C++ kernels' int8 product (``hold_in_int8``); the vocoder's head
     (its complex inverse STFT) stays in fp32."""
 
@@ -43,14 +43,21 @@ class AudioDecoder:
         self._hop = vocos.head.istft.hop_length
         self.held = "fp32"  # the type its convolutions' and linears' weights are kept in
 
+    def _context_reach(self) -> int:
+        """Frames either side of a kept one that can change it: known where the decoder is
+        split into stages (every way of decoding a window but the whole answer's)."""
+        if self._reach is None:
+            raise RuntimeError("this decoder was not split into stages")
+        return self._reach
+
     def hold_in_bf16(self, kernels=None) -> None:
         """Keep the weights of the decoder's and the backbone's convolutions and linear layers
         in bf16, as autocast casts them on every call anyway: the same samples, half those
-        weights' memory (156 -> 78 MB on ChatTTS's), and no casts on every decode (a fifth of a
-        round of streamed chunks). The decoder then decodes in bf16 only. Its linear layers
-        run on oneDNN's product with the bias fused and the weight packed (``Bf16Linear``),
-        where those give the same bits. With ``kernels``, the ConvNeXt blocks' depthwise
-        convolutions run on them (``KernelDepthwise``), where they give this torch's bits."""
+        weights' memory, and no casts on every decode. The decoder then decodes in bf16 only.
+        Its linear layers run on oneDNN's product with the bias fused and the weight packed
+        (``Bf16Linear``), where those give the same bits. With ``kernels``, the ConvNeXt
+        blocks' depthwise convolutions run on them (``KernelDepthwise``), where they give this
+        torch's bits."""
         if self.dtype != "bf16":
             raise ValueError("only a bf16 decoder holds its weights in bf16")
         on_kernel_depthwise((self.decoder, self.vocos.backbone), None)  # plain convolutions
@@ -156,7 +163,7 @@ class AudioDecoder:
                 x = _frames(hiddens.T[None].contiguous())
                 total = x.shape[-1]
                 keep_lo, keep_hi = 2 * first, total if last is None else 2 * last
-                reach = self._reach
+                reach = self._context_reach()
                 offset = 0  # the frame x starts at
                 for stage, radius in self._stages:
                     lo, hi = max(0, keep_lo - reach), min(total, keep_hi + reach)
@@ -177,13 +184,12 @@ class AudioDecoder:
         still hold, so every row reads what it would read alone (as a convolution pads). The
         canvas is as wide as a width from a short list (``bucket``) and narrows, stage by
         stage, only by ``CROP_FRAMES`` at a time: oneDNN prepares a kernel for every new shape
-        (tens of ms in bf16) and the service keeps only 256 of them (``runtime/heap.py``), so a
-        decode must use few shapes, and the same ones call after call. Fewer, larger
-        convolutions: about half the time of one call per window in bf16. (In bf16 a batch of
-        one and a batch of several round differently: 0.8% of the waveform, each 1% from fp32;
-        docs/benchmarks.md.)"""
+        and the service keeps only 256 of them (``runtime/heap.py``), so a decode must use few
+        shapes, and the same ones call after call. Fewer, larger convolutions take much less
+        time than one call per window in bf16. (In bf16 a batch of one and a batch of several
+        round differently, each about as far from fp32 as the other: a test bounds it.)"""
         rows = [_Row(hiddens, first, last) for hiddens, first, last in items]
-        reach = self._reach
+        reach = self._context_reach()
         anchor = max(row.left(reach) for row in rows)  # canvas column of a row's keep_lo
         width = bucket(anchor + max(row.right(reach) for row in rows))
         with torch.inference_mode():
@@ -255,7 +261,8 @@ class AudioDecoder:
 
     def _advance_stage(self, items, pending, index: int, stage, radius: int) -> list:
         """One stage of ``advance_many``: each item's new outputs (None: none yet)."""
-        windows, outputs = [], [None] * len(items)
+        windows: list[tuple] = []
+        outputs: list[torch.Tensor | None] = [None] * len(items)
         for position, (item, new) in enumerate(zip(items, pending, strict=True)):
             state = item.state
             parts = state.parts(index, new)
@@ -333,14 +340,14 @@ class AudioDecoder:
         """Each item's ``span`` (a whole window: ``self(hiddens)``). In bf16 through
         ``spans``, windows of similar widths as one batch; in fp32 and int8 one by one
         (upstream's computation in fp32), as batching saves little there and costs as much on
-        long windows (docs/benchmarks.md)."""
+        long windows."""
         if self.dtype != "bf16" or self._stages is None:
             return [
                 self(hiddens) if first == 0 and last is None else self.span(hiddens, first, last)
                 for hiddens, first, last in items
             ]
-        results: list[np.ndarray | None] = [None] * len(items)
-        for group in _groups([_Row(*item).width(self._reach) for item in items]):
+        results: list[np.ndarray] = [_NOTHING] * len(items)
+        for group in _groups([_Row(*item).width(self._context_reach()) for item in items]):
             decoded = self.spans([items[index] for index in group])
             for index, samples in zip(group, decoded, strict=True):
                 results[index] = samples
@@ -348,6 +355,9 @@ class AudioDecoder:
 
 
 CROP_FRAMES = 64  # a stage narrows the canvas only by this much at least
+
+
+_NOTHING = np.empty(0, dtype=np.float32)  # a place each decoded window's samples take
 
 
 class StreamState:
@@ -390,7 +400,8 @@ class StreamState:
 
     def keep(self, index: int, start: int) -> None:
         """Drop stage ``index``'s inputs before frame ``start``: nothing later reads them."""
-        self.hold(index, [self.inputs[index]], start)
+        kept = self.inputs[index]
+        self.hold(index, [] if kept is None else [kept], start)
 
 
 class Advance:

@@ -58,7 +58,10 @@ class DownloadProgress:
 
     def snapshot(self) -> dict:
         with self._lock:
-            body = {"bytes_done": self.bytes_done, "bytes_total": self.bytes_total}
+            body: dict[str, object] = {
+                "bytes_done": self.bytes_done,
+                "bytes_total": self.bytes_total,
+            }
             if self.error:
                 body["error"] = self.error
             if self.retry_at is not None:
@@ -149,13 +152,15 @@ def _forget(model_dir: Path, relative: str) -> None:
 def _fetch(model_dir: Path, progress: DownloadProgress, hub: str) -> None:
     """Fetch every model file that is not in place, one after the other."""
     from huggingface_hub import HfApi
+    from huggingface_hub.hf_api import RepoFile
 
     try:
         tree = HfApi(endpoint=hub).list_repo_tree(model_files.HUB_REPO_ID, recursive=True)
         sizes = {
             entry.path: entry.size
             for entry in tree
-            if getattr(entry, "size", None) is not None
+            if isinstance(entry, RepoFile)
+            and entry.size is not None
             and (entry.path in MODEL_FILES or entry.path in model_files.EXTRA_FILES)
         }
         missing = [relative for relative in MODEL_FILES if relative not in sizes]

@@ -17,6 +17,7 @@ import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -38,6 +39,12 @@ from chattts_service.inference.job import SynthesisJob
 from chattts_service.inference.policy import BatchingPolicy
 from chattts_service.inference.run import Run
 from chattts_service.inference.scheduler import QueueFull, Scheduler
+
+if TYPE_CHECKING:  # imported when the model loads (torch), not when the app is built
+    from chattts_service.inference.decode_queue import DecodeQueue
+    from chattts_service.inference.loader import LoadedModel
+    from chattts_service.inference.prompts import Prompts
+    from chattts_service.inference.sample_encoder import SampleEncoder
 
 log = logging.getLogger(__name__)
 
@@ -67,7 +74,7 @@ class Engine:
         a running one's row."""
         self.settings = settings
         self._decode_observer = decode_observer
-        self.decodes = None  # a decode_queue.DecodeQueue once loaded
+        self.decodes: DecodeQueue | None = None  # once loaded
         self.policy = BatchingPolicy.from_settings(settings)
         self.admission = Admission(self.policy)
         self.scheduler = Scheduler(
@@ -79,10 +86,11 @@ class Engine:
             on_taken_back=taken_back_observer,
         )
         self._requests = itertools.count()  # each request's number in the scheduler's shares
-        self.model = None  # a loader.LoadedModel once loaded
-        self.prompts = None  # a prompts.Prompts once loaded
+        # once loaded: the model and what is built on it
+        self.model: LoadedModel | None = None
+        self.prompts: Prompts | None = None
         self.voices: VoiceStore | None = None
-        self.sample_encoder = None  # a sample_encoder.SampleEncoder once loaded
+        self.sample_encoder: SampleEncoder | None = None
         self.sample_rate = SAMPLE_RATE
         self.text_normaliser = Normaliser()
         self._normaliser_ready: threading.Thread | None = None
@@ -92,6 +100,14 @@ class Engine:
     @property
     def loaded(self) -> bool:
         return self.model is not None
+
+    def _parts(self) -> tuple[LoadedModel, Prompts, SampleEncoder, DecodeQueue, VoiceStore]:
+        """What the loaded model brings, or EngineError before it has loaded."""
+        model, prompts, encoder = self.model, self.prompts, self.sample_encoder
+        decodes, voices = self.decodes, self.voices
+        if model is None or prompts is None or encoder is None or decodes is None or voices is None:
+            raise EngineError("model is not loaded")
+        return model, prompts, encoder, decodes, voices
 
     def load(self) -> None:
         """Verify (unless disabled) and load the model files; raise ModelFilesError when bad.
@@ -192,20 +208,19 @@ class Engine:
     # -- requests ------------------------------------------------------------------------------
 
     def speaker_embedding(self, seed: int):
-        return self.prompts.speaker_embedding(seed)
+        return self._parts()[1].speaker_embedding(seed)
 
     def segments(self, request: SynthesisRequest) -> list[str]:
         """The request's text as the model will read it (see ``Prompts.segments``)."""
-        return self.prompts.segments(request)
+        return self._parts()[1].segments(request)
 
     def encode_sample(self, samples: np.ndarray):
         """A recording (float32 mono, 24 kHz) -> ChatTTS's speaker prompt codes. Runs on the
         calling thread, one recording at a time, beside generation (which it slows, never
         stops); refused like a request when the queue is full or the wait too long."""
-        if self.model is None:
-            raise EngineError("model is not loaded")
+        encoder = self._parts()[2]
         self.admission.check(self.scheduler, 1)
-        return self.sample_encoder(samples)
+        return encoder(samples)
 
     def sample_prompt(self, codes) -> str:
         """The string a stored voice keeps of a recording's codes (ChatTTS's
@@ -216,7 +231,7 @@ class Engine:
 
     def input_tokens(self, request: SynthesisRequest) -> int:
         """The request's text tokens, as OpenAI's usage counts input (see ``Prompts``)."""
-        return self.prompts.input_tokens(request)
+        return self._parts()[1].input_tokens(request)
 
     def estimated_wait(self, segments: int = 1) -> float | None:
         return self.admission.estimated_wait(self.scheduler, segments)
@@ -239,10 +254,9 @@ class Engine:
         (``interactive`` or ``bulk``; None: by its shape, see ``fairness.segment_priority``)
         and ``tenant`` (its API key's name, where keys are configured) place its segments in
         the scheduler's shares."""
-        if self.model is None:
-            raise EngineError("model is not loaded")
-        segments, layout = self.prompts.split(request)
-        voice = request.voice if request.voice is not None else self.voices.from_seed(request.seed)
+        _, prompts, _, _, voices = self._parts()
+        segments, layout = prompts.split(request)
+        voice = request.voice if request.voice is not None else voices.from_seed(request.seed)
         speaker = voice.speaker
         number = next(self._requests)
         if (
@@ -271,8 +285,8 @@ class Engine:
     def _job(self, text, request, speaker, fixed_steps, stream, step_cap, early=True):
         """One segment's job, its time fed to the admission's wait estimate."""
         return SynthesisJob(
-            self.prompts,
-            self.decodes,
+            self._parts()[1],
+            self._parts()[3],
             text,
             request,
             speaker,
@@ -301,7 +315,7 @@ class Engine:
         except QueueFull as error:
             raise Overloaded(str(error)) from None
         first = run.result(self.settings.request_timeout_s)
-        codes = self.sample_encoder(first.audio)
+        codes = self._parts()[2](first.audio)
         return SpeakerSample(codes, first.spoken_text, embedding=voice.embedding)
 
     def submit(self, request: SynthesisRequest, fixed_steps: int | None = None) -> Future:
@@ -326,7 +340,7 @@ class Engine:
 
     def decode(self, hiddens, decoder_dtype: str | None = None) -> np.ndarray:
         """GPT hidden states [steps, hidden] -> waveform (see ``decoding.AudioDecoder``)."""
-        return self.model.decoder(hiddens, decoder_dtype)
+        return self._parts()[0].decoder(hiddens, decoder_dtype)
 
     def warm_up(self, texts=WARMUP_TEXTS, max_steps: int = WARMUP_MAX_STEPS) -> float:
         """Run short texts through the whole pipeline (normalisers, allocator, kernels)."""

@@ -90,7 +90,7 @@ def next_share(
     if not waiting:
         return None
     held = Holdings(running)
-    candidates = range(len(waiting))
+    candidates = list(range(len(waiting)))
     if free_rows <= bulk_min_rows - held.by_priority[BULK]:
         bulk = [i for i in candidates if waiting[i].priority == BULK]
         if bulk:

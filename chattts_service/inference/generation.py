@@ -26,7 +26,12 @@ import torch.nn.functional as F
 
 from chattts_service.domain.speech import Sampling
 from chattts_service.inference.quantize import KernelLinear, make_linear
-from chattts_service.inference.transformer import PromptFill, Transformer, rounded_positions
+from chattts_service.inference.transformer import (
+    KVCache,
+    PromptFill,
+    Transformer,
+    rounded_positions,
+)
 
 NUM_VQ = 4
 REPETITION_WINDOW = 16  # ChatTTS's past_window for its repetition penalty
@@ -102,9 +107,9 @@ class Sequence:
         self.hiddens = torch.empty(max_steps, heads.hidden_size) if self.kind == "code" else None
         self.steps = 0  # tokens accepted (end-of-sequence excluded)
         self.length = 0  # positions held in the KV cache
-        self.cache = None  # its KV cache while it is in a batch
+        self.cache: KVCache | None = None  # its KV cache while it is in a batch
         self.finished = False
-        self.filling = None  # its prompt's prefill (a transformer.PromptFill) while under way
+        self.filling: PromptFill | None = None  # its prompt's prefill while under way
         self.shared_prefix = 0  # leading prompt positions other prompts begin with too
 
     @property
@@ -146,6 +151,8 @@ class Sequence:
         return self.tokens[: self.steps]
 
     def result_hiddens(self) -> torch.Tensor:
+        if self.hiddens is None:
+            raise ValueError("a text sequence keeps no hidden states")
         return self.hiddens[: self.steps]
 
     def kv_positions(self) -> int:
@@ -337,9 +344,10 @@ class Batch:
         a row from here."""
         if not self.free_rows:
             raise RuntimeError("batch is full")
-        sequence.cache = self.transformer.new_cache(reserve=sequence.kv_positions())
+        cache = self.transformer.new_cache(reserve=sequence.kv_positions())
+        sequence.cache = cache
         sequence.filling = PromptFill(
-            self.transformer, sequence.prompt, sequence.cache, sequence.shared_prefix
+            self.transformer, sequence.prompt, cache, sequence.shared_prefix
         )
         self.filling.append(sequence)
 
@@ -349,6 +357,8 @@ class Batch:
         once the whole prompt is in, sample the first token and let the sequence join (unless
         that token ended it: ``finished``). Returns the positions prefilled."""
         filling = sequence.filling
+        if filling is None:
+            raise RuntimeError("fill: the sequence's prefill has not begun")
         before = filling.done
         hidden = filling.run(limit)
         if hidden is None:
@@ -378,7 +388,7 @@ class Batch:
         if not self.active:
             return []
         embeddings = self._next_embeddings()
-        caches, lengths = [s.cache for s in self.active], [s.length for s in self.active]
+        caches, lengths = [_cache(s) for s in self.active], [s.length for s in self.active]
         head = self._one_call_head()
         if head is None:
             hiddens = self.transformer.step(embeddings, caches, lengths)
@@ -447,3 +457,10 @@ class Batch:
             self._last_housekeeping = time.monotonic()
             self._on_empty()
         return leaving
+
+
+def _cache(sequence: Sequence) -> KVCache:
+    """The KV cache of a sequence in the batch (it has one from ``begin`` on)."""
+    if sequence.cache is None:
+        raise RuntimeError("a sequence in the batch has no KV cache")
+    return sequence.cache

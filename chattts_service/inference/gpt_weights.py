@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -96,7 +97,7 @@ class GptWeights:
         self.config = GptConfig.read(directory / "config.json")
         path = directory / "model.safetensors"
         try:
-            self._file = safe_open(str(path), framework="pt")
+            self._file: Any = safe_open(str(path), framework="pt")  # or a _StateFile
         except Exception as error:  # safetensors raises its own error types
             raise GptFilesError(f"cannot open {path}: {error}") from None
         self._names = set(self._file.keys())

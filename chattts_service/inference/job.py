@@ -63,7 +63,7 @@ log = logging.getLogger(__name__)
 # waited (FIRST_CHUNK_STEPS for the second chunk too, then doubling, capped at LOW_CHUNK_STEPS,
 # or JOIN_CHUNK_STEPS to join); any chunk once MAX_CHUNK_STEPS wait. The second is no bigger
 # than the first: its listener holds only the first's 256 ms while the other streams' first
-# chunks are decoded too. (Tuned on 2 vCPUs of a Xeon with AMX, docs/benchmarks.md.)
+# chunks are decoded too. (Tuned with ``bench.py --capacity`` on 2 vCPUs.)
 FIRST_CHUNK_STEPS = 12
 JOIN_FIRST_STEPS = 10
 LOW_CHUNK_STEPS = 32
@@ -78,9 +78,8 @@ HIGH_WATER_SECONDS = 2.0
 WORST_GAP_HALF_LIFE = 5.0
 # Below its low water a stream waits for its chunk's size only while its listener would still
 # hold DRY_MARGIN_SECONDS (about a decode round and a step) once the missing steps arrive at the
-# stream's own pace; otherwise it sends what waits, FIRST_CHUNK_STEPS at least. On a slow host
-# (16 ms a step: a 24-step third chunk takes 0.38 s) the sizes above ran a lone listener dry
-# for ~0.07 s (docs/benchmarks.md).
+# stream's own pace; otherwise it sends what waits, FIRST_CHUNK_STEPS at least: on a slow host
+# the sizes above alone ran a lone listener dry.
 DRY_MARGIN_SECONDS = 0.15
 # A stream with a look-ahead turns to exact chunks once its listener holds the audio of the
 # steps that must be generated before the first exact chunk can be decoded, times this margin
@@ -90,8 +89,8 @@ DRY_MARGIN_SECONDS = 0.15
 # to build that much audio ahead cannot afford it for long. A stream whose pace (measured over
 # the steps before its first chunk, then slowed by PACE_MARGIN: streams that join later slow
 # every step) could not build it within PROVISIONAL_MAX_STEPS starts exact instead: turning
-# exact later would leave its listener waiting. (It starts with the look-ahead where steps
-# take up to ~8.5 ms; docs/benchmarks.md.)
+# exact later would leave its listener waiting (``look_ahead_step_limit``: the slowest step at
+# which it starts with the look-ahead).
 CATCH_UP_MARGIN = 1.5
 CATCH_UP_SECONDS = 0.2
 PROVISIONAL_MAX_STEPS = 64
@@ -231,8 +230,9 @@ class SynthesisJob:
             return False
         self._time_step()
         low_water = low_water_seconds(self._step_seconds, self._worst_gap)
-        if not self._exact:
-            catch_up = catch_up_seconds(self._step_seconds, self.context_steps, self.lookahead)
+        lookahead = self.lookahead  # None: exact from the start
+        if not self._exact and lookahead is not None:
+            catch_up = catch_up_seconds(self._step_seconds, self.context_steps, lookahead)
             if self._asked and (
                 self.ahead() >= catch_up or self._provisional >= PROVISIONAL_MAX_STEPS
             ):
@@ -253,7 +253,8 @@ class SynthesisJob:
             due
             and not self._asked
             and not self._exact
-            and self._step_seconds > look_ahead_step_limit(self.context_steps, self.lookahead)
+            and lookahead is not None
+            and self._step_seconds > look_ahead_step_limit(self.context_steps, lookahead)
         ):
             self._exact = True  # too busy a box to turn exact later: start as exact streams do
             return False
@@ -275,14 +276,18 @@ class SynthesisJob:
     def _emit(self, sequence, until: int, final: bool, then=None) -> None:
         start = max(0, self._emitted - self.context_steps)
 
+        chunks = self.chunks
+        assert chunks is not None  # only streams emit
+
         def sent(chunk: np.ndarray) -> None:
             if len(chunk):
                 now = time.monotonic()
-                if self._runs_out is None or self._runs_out < now:  # (re)starts playing now
-                    self._runs_out = now
-                self._runs_out += len(chunk) / SAMPLE_RATE
+                runs_out = self._runs_out
+                if runs_out is None or runs_out < now:  # (re)starts playing now
+                    runs_out = now
+                self._runs_out = runs_out + len(chunk) / SAMPLE_RATE
                 self._parts.append(chunk)
-                self.chunks.put(chunk)
+                chunks.put(chunk)
             if then is not None:
                 then()
 
@@ -329,10 +334,11 @@ class SynthesisJob:
             return self._code_sequence()
         if finished.steps == 0:
             raise EngineError("the model ended speech before producing any audio")
-        if self.chunks is not None and self.early:
+        chunks = self.chunks
+        if chunks is not None and self.early:
 
             def streamed() -> None:
-                self.chunks.put(None)
+                chunks.put(None)
                 self._finish(finished, np.concatenate(self._parts))
 
             self._emit(finished, finished.steps, final=True, then=streamed)
@@ -361,7 +367,7 @@ class SynthesisJob:
                 "a segment reached its step cap (%d steps) before ending its speech",
                 finished.max_steps,
             )
-        if self.on_finished is not None:
+        if self.on_finished is not None and self.started is not None:
             self.on_finished(time.monotonic() - self.started)
         if not self.future.done():
             self.future.set_result(

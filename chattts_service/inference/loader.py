@@ -13,6 +13,7 @@ import logging
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -36,7 +37,7 @@ log = logging.getLogger(__name__)
 
 @dataclass
 class LoadedModel:
-    chat: object  # ChatTTS's Chat, holding its normaliser, tokenizer, speaker...
+    chat: Any  # ChatTTS's parts (untyped): its normaliser, tokenizer, speaker...
     heads: Heads
     transformer: Transformer
     batch: Batch
@@ -44,7 +45,7 @@ class LoadedModel:
     kv_positions: int  # KV-cache budget in positions
     name: str
     seconds: float
-    dvae_file: Path | None = None  # the DVAE's encoder (voices from a recording) is built from it
+    dvae_file: Path  # the DVAE's encoder (voices from a recording) is built from it
 
     @property
     def kernels(self) -> str:
@@ -92,13 +93,14 @@ class ChatParts:
     """The pieces of ChatTTS's ``Chat`` the service uses, built without ``Chat`` (whose import
     brings model code the service never runs; see ``upstream``)."""
 
-    config: object
-    normalizer: object
-    tokenizer: object = None
-    speaker: object = None
-    embed: object = None
-    decoder: object = None
-    vocos: object = None
+    # ChatTTS's own classes, untyped
+    config: Any
+    normalizer: Any
+    tokenizer: Any = None
+    speaker: Any = None
+    embed: Any = None
+    decoder: Any = None
+    vocos: Any = None
 
 
 def _load_modules(settings: Settings, paths: model_files.ModelPaths, architecture) -> LoadedModel:

@@ -81,14 +81,12 @@ class PackedCache:
             if stored.get("key") != self.key or len(stored["layers"]) != config.num_hidden_layers:
                 raise ValueError("it was made for another model")
             eps = config.rms_norm_eps
-            layers = [
-                Layer(
-                    *(self._linear(layer[name], kernels) for name in LINEARS),
-                    RMSNorm(layer["attention_norm"], eps),
-                    RMSNorm(layer["mlp_norm"], eps),
-                )
-                for layer in stored["layers"]
-            ]
+            layers = []
+            for layer in stored["layers"]:
+                qkv, out, gate_up, down = (self._linear(layer[name], kernels) for name in LINEARS)
+                attention_norm = RMSNorm(layer["attention_norm"], eps)
+                mlp_norm = RMSNorm(layer["mlp_norm"], eps)
+                layers.append(Layer(qkv, out, gate_up, down, attention_norm, mlp_norm))
             if layers[0].qkv.in_features != config.hidden_size:
                 raise ValueError("its shapes are not the model's")
             return layers, RMSNorm(stored["norm"], eps)
@@ -100,7 +98,7 @@ class PackedCache:
         if parts.get("format", "int8") != self.quantization:
             raise ValueError(f"it holds {parts.get('format', 'int8')} layers")
         if self.quantization == "int4":
-            packing = Int4Packing.from_parts(
+            packed = Int4Packing.from_parts(
                 parts["packed"],
                 parts["scales"],
                 parts["scale"],
@@ -108,7 +106,7 @@ class PackedCache:
                 parts["in_features"],
                 parts["group"],
             )
-            return KernelLinear(packing, kernels)
+            return KernelLinear(packed, kernels)
         if parts["instructions"] != kernels.int8_instructions:
             raise ValueError(f"it holds the {parts['instructions']} packing")
         packing = Int8Packing.from_parts(

@@ -31,6 +31,14 @@ class PolicyError(ValueError):
     """A tuning request names an unknown knob or a value out of its bounds."""
 
 
+def _bounds(name: str) -> Bounds:
+    """A knob's declared range (every knob is an integer setting with one)."""
+    bounds = Settings.bounds(name)
+    if bounds is None:
+        raise ValueError(f"{name} declares no bounds")
+    return bounds
+
+
 class BatchingPolicy:
     def __init__(
         self,
@@ -57,7 +65,7 @@ class BatchingPolicy:
 
     @classmethod
     def from_settings(cls, settings: Settings) -> BatchingPolicy:
-        limits = {name: Settings.bounds(name) for name in KNOBS}
+        limits = {name: _bounds(name) for name in KNOBS}
         limits["max_batch"] = Bounds(1, settings.max_batch)
         return cls(
             settings.max_batch,

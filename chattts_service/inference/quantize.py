@@ -10,7 +10,7 @@ fp32 ones too, is a ``Linear``):
 
 - ``KernelLinear`` (x86 with the C++ ``kernels``, which need AVX2): the kernels' own
   product, with the RMSNorm, the activations' quantization, SwiGLU and the residual in the
-  same call, faster than fbgemm at every row count measured (docs/benchmarks.md). With
+  same call, faster than fbgemm at every row count measured. With
   AVX512-VNNI it takes 8-bit activations; on AVX2 alone 7-bit ones, as fbgemm does there.
   One copy of the weights.
 - ``PackedInt8Linear`` (x86 without the kernels): fbgemm, with the weights packed once at load.
@@ -28,6 +28,7 @@ holds them to it).
 from __future__ import annotations
 
 import warnings
+from collections.abc import Callable
 from functools import partial
 from typing import Protocol
 
@@ -151,6 +152,8 @@ class KernelLinear:
     def __init__(self, packing: Int8Packing | int4.Int4Packing, kernels):
         self.packing, self.kernels = packing, kernels
         self.out_features, self.in_features = packing.out_features, packing.in_features
+        # the product for this packing: (x, packing, ...) -> out
+        self._product: Callable[..., torch.Tensor]
         if isinstance(packing, int4.Int4Packing):
             self.kernel = "int4"
             self._product = partial(int4.int4_linear, kernels)

@@ -95,9 +95,12 @@ class Run:
             for index, job in enumerate(self.jobs):
                 if index:
                     yield self.pause
+                chunks = job.chunks
+                if chunks is None:
+                    raise ValueError("chunks: the run was not started as a stream")
                 while True:
                     try:
-                        chunk = job.chunks.get(timeout=_poll(deadline))
+                        chunk = chunks.get(timeout=_poll(deadline))
                     except queue.Empty:
                         # a finished job's chunks, end marker included, are already queued
                         self._check(job, deadline, timeout, should_stop)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import threading
 from dataclasses import asdict
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -21,7 +22,7 @@ import torch
 class SampleEncoder:
     def __init__(self, dvae_file: Path, config):
         self.dvae_file, self.config = Path(dvae_file), config
-        self._dvae = None
+        self._dvae: Any = None  # ChatTTS's DVAE (untyped), built on first use
         self._lock = threading.Lock()  # one encoding at a time; the first one builds the module
 
     @property

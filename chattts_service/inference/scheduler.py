@@ -32,7 +32,7 @@ import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Protocol, TypeGuard
 
 from chattts_service.domain.speech import BULK, INTERACTIVE
 from chattts_service.inference.fairness import (
@@ -44,6 +44,7 @@ from chattts_service.inference.fairness import (
 from chattts_service.inference.policy import BatchingPolicy
 
 if TYPE_CHECKING:  # the batch brings torch, which the API layer does not need to import
+    from chattts_service.inference.decode_queue import DecodeQueue
     from chattts_service.inference.generation import Batch, Sequence
 
 log = logging.getLogger(__name__)
@@ -86,6 +87,14 @@ class Job(Protocol):
     # takes, and says whether it asked for audio to be decoded (``joining``: a decode runs anyway)
 
 
+class StreamJob(Job, Protocol):
+    """A streamed job: its audio goes to a listener chunk by chunk."""
+
+    chunks: object
+
+    def slack(self) -> float | None: ...
+
+
 class Scheduler:
     def __init__(
         self,
@@ -97,7 +106,7 @@ class Scheduler:
         on_taken_back: Callable[[str], None] | None = None,
     ):
         self.batch: Batch | None = None  # attached from the model thread once loaded
-        self.decodes = None
+        self.decodes: DecodeQueue | None = None
         self.policy = policy
         self.kv_budget_positions = 0
         # jobs not started yet, in arrival order; ``submit`` holds them to the policy's bound,
@@ -134,11 +143,21 @@ class Scheduler:
         if self._thread.is_alive():
             self._thread.join(timeout)
 
-    def attach(self, batch: Batch, kv_budget_positions: int, decodes=None) -> None:
+    def attach(
+        self, batch: Batch, kv_budget_positions: int, decodes: DecodeQueue | None = None
+    ) -> None:
         """``decodes``: the ``DecodeQueue`` jobs hand their audio to, run once per iteration."""
         self.batch = batch
         self.kv_budget_positions = kv_budget_positions
         self.decodes = decodes
+
+    @property
+    def _batch(self) -> Batch:
+        """The attached batch: the scheduler's thread works on it only once attached."""
+        batch = self.batch
+        if batch is None:
+            raise RuntimeError("no model attached")
+        return batch
 
     def call(self, function: Callable[[], object]) -> Future:
         """Run ``function`` on the scheduler thread between two steps."""
@@ -153,11 +172,17 @@ class Scheduler:
         request of its own."""
         if self.batch is None:
             raise RuntimeError("no model attached")
-        placement = getattr(job, "placement", None) or (INTERACTIVE, None, id(job), 0)
+        placement: tuple[str, str | None, int, int] = getattr(job, "placement", None) or (
+            INTERACTIVE,
+            None,
+            id(job),
+            0,
+        )
         with self._submit_lock:
             if len(self._queued) >= self.policy.max_queue:
                 raise QueueFull(f"{self.policy.max_queue} requests already queued")
-            self._shares[job] = Share(*placement, arrival=next(self._arrivals))
+            priority, tenant, request, index = placement
+            self._shares[job] = Share(priority, tenant, request, index, next(self._arrivals))
             self._submitted[job] = time.perf_counter()
             self._queued.append(job)
         self._wakeup.set()
@@ -187,7 +212,7 @@ class Scheduler:
                     continue
                 self._drop_cancelled()
                 self._admit()
-                if len(self.batch):
+                if len(self._batch):
                     self._step()
                 else:
                     self._last_step_end = None  # no rows wait on what comes next
@@ -221,7 +246,7 @@ class Scheduler:
 
     def _stream_slacks(self) -> list[float | None]:
         """``job.slack()`` of every stream generating (None: before its first audio)."""
-        jobs = (self._owners[sequence] for sequence in self.batch.active)
+        jobs = (self._owners[sequence] for sequence in self._batch.active)
         return [job.slack() for job in jobs if _is_stream(job)]
 
     def _someone_playing(self) -> bool:
@@ -271,7 +296,7 @@ class Scheduler:
         """Give rows to waiting work in the policy's order, taking rows back where it says so,
         and prefill: while a stream that has sent audio generates, pieces until the stall
         budget is spent; else every prompt whole (``_someone_playing``)."""
-        batch = self.batch
+        batch = self._batch
         bulk_cap = self._bulk_cap()
         if bulk_cap is not None:
             while self._take_row_for(None, bulk_cap):
@@ -317,8 +342,8 @@ class Scheduler:
             with self._submit_lock:
                 queued = list(self._queued)
             candidates = [(job, None) for job in queued] + list(self._waiting)
-            running = self._running_shares(self.batch.active + self.batch.filling)
-            batch = self.batch
+            running = self._running_shares(self._batch.active + self._batch.filling)
+            batch = self._batch
             free = min(batch.free_rows, self.policy.max_batch - len(batch) - len(batch.filling))
             index = next_share(
                 [self._shares[job] for job, _ in candidates],
@@ -339,7 +364,7 @@ class Scheduler:
         return [self._shares[self._owners[sequence]] for sequence in sequences]
 
     def _has_room(self, sequence: Sequence) -> bool:
-        batch = self.batch
+        batch = self._batch
         if not batch.free_rows or len(batch) + len(batch.filling) >= self.policy.max_batch:
             return False
         if not (len(batch) or batch.filling):
@@ -355,16 +380,17 @@ class Scheduler:
     def _take_row_for(self, job: Job | None, bulk_floor: int | None = None) -> bool:
         """Pause the stepping sequence ``job`` outranks (``fairness.victim``), if any; with
         no job, a bulk row above ``bulk_floor`` (for a stream starting)."""
-        active = self.batch.active
+        active = self._batch.active
+        floor = self.policy.bulk_min_rows if bulk_floor is None else bulk_floor
         if job is None:
             taker = Share(INTERACTIVE, None, -1, 0, -1)
         else:
-            taker, bulk_floor = self._shares[job], self.policy.bulk_min_rows
-        index = victim(taker, self._running_shares(active), bulk_floor)
+            taker, floor = self._shares[job], self.policy.bulk_min_rows
+        index = victim(taker, self._running_shares(active), floor)
         if index is None:
             return False
         sequence = active[index]
-        self.batch.pause(sequence)
+        self._batch.pause(sequence)
         self._waiting.append((self._owners[sequence], sequence))
         self.preempted += 1
         if self._on_taken_back is not None:
@@ -375,7 +401,7 @@ class Scheduler:
         """The rows bulk may hold now: ``bulk_rows_while_starting`` (at least its floor) while
         an interactive stream waits for its first audio, whose steps more rows would slow;
         else no cap (None)."""
-        batch = self.batch
+        batch = self._batch
         with self._submit_lock:
             queued = list(self._queued)
         jobs = [*queued, *(self._owners[s] for s in (*batch.active, *batch.filling))]
@@ -428,15 +454,15 @@ class Scheduler:
         """One piece: as many positions as the time left allows at the recent pace (at least
         ``MIN_PIECE``; all of them with no ``deadline``); a failure fails its job alone."""
         limit = None
-        if deadline is not None and self.batch.transformer.prefills_in_pieces:
+        if deadline is not None and self._batch.transformer.prefills_in_pieces:
             pace = self._seconds_per_position or FIRST_PACE_SECONDS
             limit = max(MIN_PIECE, int((deadline - time.perf_counter()) / pace))
         started = time.perf_counter()
         try:
-            positions = self.batch.fill(sequence, limit)
+            positions = self._batch.fill(sequence, limit)
         except Exception as error:
             log.exception("prefill failed")
-            self.batch.remove([sequence])
+            self._batch.remove([sequence])
             self._prefilling.pop(sequence, None)
             job = self._owners.pop(sequence)
             self._forget(job)
@@ -459,12 +485,12 @@ class Scheduler:
     # -- steps ---------------------------------------------------------------------------------
 
     def _step(self) -> None:
-        rows = len(self.batch)
+        rows = len(self._batch)
         started = time.perf_counter()
         if self._last_step_end is not None and self._on_stall is not None:
             self._on_stall(started - self._last_step_end)
         try:
-            finished = self.batch.step()
+            finished = self._batch.step()
         except Exception as error:
             log.exception("decode step failed")
             self._fail_all(error)
@@ -474,13 +500,13 @@ class Scheduler:
         for sequence in finished:
             self._advance(sequence)
         not_yet = []
-        for sequence in self.batch.active:
+        for sequence in self._batch.active:
             if not self._progress(sequence, joining=False):
                 not_yet.append(sequence)
         if self.decodes is not None and len(self.decodes):  # e.g. streams' chunks worth joining
             for sequence in not_yet:
                 self._progress(sequence, joining=True)
-        self._last_step_end = time.perf_counter() if len(self.batch) else None
+        self._last_step_end = time.perf_counter() if len(self._batch) else None
 
     def _progress(self, sequence: Sequence, joining: bool) -> bool:
         """The job's ``progress`` (e.g. a stream asks for its next chunk); whether it asked
@@ -501,7 +527,7 @@ class Scheduler:
     def _drop_cancelled(self) -> None:
         """Work whose caller gave up (deadline passed, client left) stops costing steps and
         memory: stepping, being prefilled, paused or only queued."""
-        batch = self.batch
+        batch = self._batch
         leaving = [
             sequence
             for sequence in (*batch.active, *batch.filling)
@@ -543,6 +569,8 @@ class Scheduler:
 
     def _fail_all(self, error: Exception) -> None:
         batch = self.batch
+        if batch is None:  # nothing attached: nothing runs
+            return
         for sequence in batch.remove([*batch.active, *batch.filling]):
             self._prefilling.pop(sequence, None)
             job = self._owners.pop(sequence)
@@ -551,6 +579,6 @@ class Scheduler:
                 job.future.set_exception(error)
 
 
-def _is_stream(job: Job) -> bool:
+def _is_stream(job: Job) -> TypeGuard[StreamJob]:
     """A streamed job: its audio goes to a listener chunk by chunk (``SynthesisJob.chunks``)."""
     return getattr(job, "chunks", None) is not None

@@ -24,6 +24,7 @@ from chattts_service.config import KV_CACHE_DTYPES
 from chattts_service.inference.gpt_weights import GptWeights, rotary_table
 from chattts_service.inference.quantize import KernelLinear, Linear, make_linear
 from chattts_service.kernels import bindings as cpp_kernels
+from chattts_service.kernels import tuning
 from chattts_service.kernels.layers import DecodeLayers
 
 CAPACITY_CHUNK = 256
@@ -121,7 +122,8 @@ class KVCache:
         self.keys = _position_major(self.shape, dtype)
         self.values = _position_major(self.shape, dtype)
         # int8: each (layer, head, position)'s key and value has its own scale
-        self.key_scales = self.value_scales = None
+        self.key_scales: torch.Tensor | None = None
+        self.value_scales: torch.Tensor | None = None
         if dtype == torch.int8:
             self.key_scales = _position_major(self.shape[:3], torch.float32)
             self.value_scales = _position_major(self.shape[:3], torch.float32)
@@ -148,13 +150,15 @@ class KVCache:
             return larger
 
         self.keys, self.values = grown(self.keys), grown(self.values)
-        if self.key_scales is not None:
+        if self.key_scales is not None and self.value_scales is not None:
             self.key_scales, self.value_scales = grown(self.key_scales), grown(self.value_scales)
         # per-layer views, made once rather than on every step
         self.layer_keys, self.layer_values = self.keys.unbind(0), self.values.unbind(0)
 
     def _tensors(self) -> list[torch.Tensor]:
-        scales = [] if self.key_scales is None else [self.key_scales, self.value_scales]
+        scales: list[torch.Tensor] = []
+        if self.key_scales is not None and self.value_scales is not None:
+            scales = [self.key_scales, self.value_scales]
         return [self.keys, self.values, *scales]
 
     @torch.inference_mode()
@@ -175,7 +179,7 @@ class KVCache:
         of ``layer``: as they are, rounded to the cache's float type, or quantized per (head,
         position) as the C++ kernel quantizes the positions it writes itself."""
         end = start + keys.shape[1]
-        if self.key_scales is None:
+        if self.key_scales is None or self.value_scales is None:
             self.keys[layer, :, start:end].copy_(keys)
             self.values[layer, :, start:end].copy_(values)
             return
@@ -288,7 +292,8 @@ class Transformer:
         self.decode_layers = self._gather_layers()
         if self.decode_layers is not None:
             self.norm = KernelRMSNorm(self.norm, self.kernels)
-        self.tuning = None  # how the products prefetch and pair blocks, once chosen (tuning.py)
+        # how the products prefetch and pair blocks, once chosen (tuning.py)
+        self.tuning: tuning.Choice | None = None
         self.prefixes = PrefixStore()
 
     def kernel_packings(self) -> list:
@@ -387,7 +392,9 @@ class Transformer:
         values are kept (``prefixes``) and copied, not computed again, when a prompt begins
         with the same embeddings: the same bits, as a position's keys and values depend on its
         own and the earlier positions' embeddings alone."""
-        return PromptFill(self, embeddings, cache, shared).run()
+        hidden = PromptFill(self, embeddings, cache, shared).run()
+        assert hidden is not None  # run whole: the prompt is in
+        return hidden
 
     @property
     def prefills_in_pieces(self) -> bool:
@@ -425,6 +432,8 @@ class Transformer:
         called one after the other. Only where ``decode_layers`` is."""
         self._make_room(caches, lengths)
         x = embeddings.to(torch.float32, copy=True).contiguous()
+        if self.decode_layers is None:
+            raise RuntimeError("step_and_draw needs the C++ layers")
         return self.decode_layers.step_and_draw(
             x, cpp_kernels.StepRows(caches, lengths), head, sampling
         )

@@ -105,7 +105,7 @@ def install() -> bool:
             packages.append(_LazyPackage(spec, exports))
         for package in packages:
             sys.modules[package.__name__] = package
-        sys.modules["ChatTTS"].model = sys.modules["ChatTTS.model"]
+        setattr(sys.modules["ChatTTS"], "model", sys.modules["ChatTTS.model"])  # noqa: B010
         _import_deferring("ChatTTS.model.dvae", "vector_quantize_pytorch")
         _import_deferring("ChatTTS.model.tokenizer", "transformers")
         return True

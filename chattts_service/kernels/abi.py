@@ -304,21 +304,21 @@ def _declare(library: ctypes.CDLL) -> None:
             f"the kernel library has ABI version {version}, these bindings "
             f"{ABI_VERSION}: rebuild it (python -m chattts_service.kernels.build)"
         )
-    for kind, struct in STRUCTS.items():
+    for kind, declared in STRUCTS.items():
         size = library.chatts_args_size(kind)
-        if size != ctypes.sizeof(struct):
+        if size != ctypes.sizeof(declared):
             raise AbiMismatch(
-                f"{struct.__name__} is {size} bytes in the kernel library and "
-                f"{ctypes.sizeof(struct)} in the bindings"
+                f"{declared.__name__} is {size} bytes in the kernel library and "
+                f"{ctypes.sizeof(declared)} in the bindings"
             )
         theirs = (library.chatts_args_layout(kind) or b"").decode().split(",")
-        ours = layout(struct)
+        ours = layout(declared)
         for index in range(max(len(theirs), len(ours))):
             library_field = theirs[index] if index < len(theirs) else "nothing"
             binding_field = ours[index] if index < len(ours) else "nothing"
             if library_field != binding_field:
                 raise AbiMismatch(
-                    f"{struct.__name__}'s field {index} is {library_field} (name:offset:type) "
+                    f"{declared.__name__}'s field {index} is {library_field} (name:offset:type) "
                     f"in the kernel library and {binding_field} in the bindings: rebuild the "
                     "library from these sources (python -m chattts_service.kernels.build)"
                 )

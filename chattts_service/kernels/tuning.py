@@ -52,8 +52,8 @@ HINTS = {"nta": 0, "t0": 1}
 MODES = ("measure", "table", "default")
 ROWS = (1, 8)  # a step alone, and a full batch
 PAIRING_ROWS = ROWS  # pairs from 1 row or 2 differ at one row, pairs or not at 8
-BETTER_BY = 0.05  # a candidate replaces the default only when this much faster: runs
-# on a shared 2-core machine differ by 3-5% between candidates that are the same
+BETTER_BY = 0.05  # a candidate replaces the default only when this much faster: runs on a
+# shared 2-core machine differ by a few percent between candidates that are the same
 PAIRING_BETTER_BY = 0.03  # timed at one row count, twice the rounds: less noise
 PAIRING_ROUNDS = 9
 SINGLE_BLOCKS = 9  # pair_blocks_from: pairs only past a step's 8 rows
@@ -66,9 +66,9 @@ NO_QUADS = 0
 OCT_ROWS = (1, 2)  # VNNI: eight blocks at a time or not at each (at most 2 rows)
 OCTS_BETTER_BY = 0.03  # octs up to the most rows up to which they win by this at every count
 NO_OCTS = 0
-# no software prefetch or not at each (at most 4 rows). On an AMD EPYC (Zen 4) the candidate
-# without prefetch had the fastest one-row pass in each of seven measurements (2-15% faster
-# than 16/nta) and at 8 rows was 15-36% slower, so one distance for both lost the one-row gain
+# no software prefetch or not at each (at most 4 rows): on some CPUs the candidate without
+# prefetch has the fastest one-row pass and a much slower 8-row one, so one distance for both
+# would lose the one-row gain
 BARE_ROWS = (1, 2, 4)
 BARE_BETTER_BY = 0.03  # no prefetch up to the most rows up to which it wins by this at every count
 NO_BARE = 0
@@ -234,7 +234,9 @@ def _time(kernels, packings, candidates, rows_counts, rounds: int) -> dict:
         rows: {width: torch.randn(rows, width, generator=generator) for width in widths}
         for rows in rows_counts
     }
-    times = {candidate: {rows: [] for rows in rows_counts} for candidate in candidates}
+    times: dict[KernelTuning, dict[int, list[float]]] = {
+        candidate: {rows: [] for rows in rows_counts} for candidate in candidates
+    }
     for rows in rows_counts:  # once untimed: page the weights in, start the threads
         _pass_seconds(kernels, packings, inputs[rows], candidates[0])
     for _ in range(rounds):
@@ -252,7 +254,7 @@ def _time(kernels, packings, candidates, rows_counts, rounds: int) -> dict:
 def _fastest(medians: dict, baseline: KernelTuning, better_by: float) -> KernelTuning:
     """The candidate of the least summed median, if ``better_by`` faster than ``baseline``."""
     scores = {candidate: sum(by_rows.values()) for candidate, by_rows in medians.items()}
-    best = min(scores, key=scores.get)
+    best = min(scores, key=lambda candidate: scores[candidate])
     return baseline if scores[best] > scores[baseline] * (1 - better_by) else best
 
 

@@ -8,11 +8,11 @@ import os
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
-from typing import IO
+from typing import IO, Any
 
 
 def replace_atomically(
-    path: Path, write: Callable[[IO], None], binary: bool = True, shared: bool = True
+    path: Path, write: Callable[[IO[Any]], object], binary: bool = True, shared: bool = True
 ) -> None:
     """Write ``path`` through ``write(out)`` into a temporary file beside it, renamed over it
     when whole: a killed process never leaves half a file under the real name. ``shared``

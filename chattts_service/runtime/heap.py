@@ -17,6 +17,7 @@ import ctypes.util
 import logging
 import os
 import sys
+from typing import Any
 
 log = logging.getLogger(__name__)
 
@@ -73,7 +74,7 @@ _MALLINFO2 = getattr(_LIBC, "mallinfo2", None)  # glibc 2.33+
 if _MALLINFO2 is not None:
     _MALLINFO2.restype = _MallInfo2
 # jemalloc's control interface, where it was preloaded into this process
-_MALLCTL = getattr(ctypes.CDLL(None), "mallctl", None)
+_MALLCTL: Any = getattr(ctypes.CDLL(None), "mallctl", None)
 
 
 def allocator() -> str:

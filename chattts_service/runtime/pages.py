@@ -39,7 +39,8 @@ def mappings_of(path: Path, smaps: Path = Path("/proc/self/smaps")) -> list[tupl
     """This process's mappings of ``path``: each one's header fields (address range,
     permissions, ...) and its counters in kB (``FilePmdMapped``, ``Anonymous``, ...); none where
     smaps cannot be read."""
-    target, found, counters = str(Path(path).resolve()), [], None
+    target, found = str(Path(path).resolve()), []
+    counters: dict[str, int] | None = None
     try:
         lines = smaps.read_text().splitlines()
     except OSError:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import io
 import struct
+from typing import Any, cast
 
 import numpy as np
 
@@ -36,12 +37,14 @@ OPEN_ENDED = 0xFFFFFFFF  # RIFF/data size of a WAV whose length is not known yet
 def content_type(audio_format: str, sample_rate: int) -> str:
     if audio_format == "pcm":
         return f"audio/L16; rate={sample_rate}; channels=1"
-    return FORMATS[audio_format][0]
+    kind = FORMATS[audio_format][0]
+    assert kind is not None  # every format but pcm names its type
+    return kind
 
 
 def to_pcm16(audio: np.ndarray) -> bytes:
     """Samples outside [-1, 1] are clipped, not wrapped."""
-    return (np.clip(audio, -1.0, 1.0) * 32767.0).round().astype("<i2").tobytes()
+    return bytes((np.clip(audio, -1.0, 1.0) * 32767.0).round().astype("<i2").tobytes())
 
 
 def wav_header(sample_rate: int, data_bytes: int | None) -> bytes:
@@ -96,10 +99,10 @@ def encode(audio: np.ndarray, sample_rate: int, audio_format: str) -> bytes:
 class _Sink:
     """Where the muxer writes: not seekable, so it never goes back over bytes already sent."""
 
-    def __init__(self):
+    def __init__(self) -> None:
         self.pending = bytearray()
 
-    def write(self, data) -> int:
+    def write(self, data: bytes) -> int:
         self.pending += data
         return len(data)
 
@@ -125,7 +128,9 @@ class StreamEncoder:
         # Ogg holds pages back for a second by default: flush one every 100 ms instead
         options = {"page_duration": "100000"} if muxer == "ogg" else {}
         self._container = av.open(self._sink, mode="w", format=muxer, options=options)
-        self._stream = self._container.add_stream(codec, rate=sample_rate, layout="mono")
+        # PyAV's audio stream (typed as any of its stream kinds)
+        stream = self._container.add_stream(codec, rate=sample_rate, layout="mono")
+        self._stream: Any = cast(Any, stream)
         self._stream.bit_rate = bit_rate
         self._rate = sample_rate
         self._fifo = av.AudioFifo()
@@ -151,7 +156,7 @@ class StreamEncoder:
         # encoders take frames of a fixed size (1152 samples for MP3, 1024 AAC, 480 Opus)
         size = self._stream.codec_context.frame_size or 1024
         while self._fifo.samples >= size or (final and self._fifo.samples):
-            frame = self._fifo.read(min(size, self._fifo.samples))
+            frame: Any = self._fifo.read(min(size, self._fifo.samples))
             frame.pts = self._pts
             self._pts += frame.samples
             for packet in self._stream.encode(frame):
@@ -182,7 +187,11 @@ class _RawWriter:
         return header + bytes(padding)
 
 
-def stream_writer(audio_format: str, sample_rate: int):
+# what turns a stream's PCM chunks into the bytes of its format
+StreamWriter = _RawWriter | StreamEncoder
+
+
+def stream_writer(audio_format: str, sample_rate: int) -> StreamWriter:
     """What turns a stream's 16-bit PCM chunks into the bytes of ``audio_format``:
     ``encode(pcm)`` per chunk, ``finish()`` once at the end."""
     if audio_format not in STREAM_FORMATS:

@@ -15,6 +15,7 @@ import hashlib
 import json
 import threading
 from dataclasses import fields
+from typing import Any
 
 from lru import LRU
 
@@ -34,6 +35,10 @@ def cache_key(request: SynthesisRequest, model_identity: str, audio_format: str)
     return hashlib.sha256(text.encode("utf-8")).hexdigest()
 
 
+# a cached answer: its bytes first, then what describes them (seconds, captions...)
+Entry = tuple[Any, ...]
+
+
 class AudioCache:
     """A thread-safe LRU of ``key -> (bytes, audio seconds)``; size 0 disables it."""
 
@@ -44,16 +49,16 @@ class AudioCache:
         self._entries = LRU(size, callback=self._evicted) if size > 0 else None
         self._lock = threading.Lock()
 
-    def _evicted(self, key, value) -> None:
+    def _evicted(self, key: str, value: Entry) -> None:
         self.bytes -= len(value[0])
 
-    def get(self, key: str):
+    def get(self, key: str) -> Entry | None:
         if self._entries is None:
             return None
         with self._lock:
             return self._entries.get(key)
 
-    def put(self, key: str, value) -> None:
+    def put(self, key: str, value: Entry) -> None:
         if self._entries is None or (self.max_bytes and len(value[0]) > self.max_bytes):
             return
         with self._lock:

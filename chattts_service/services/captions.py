@@ -11,6 +11,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
+from typing import Any
 
 CAPTION_FORMATS = ("json", "srt", "vtt")
 
@@ -31,7 +32,7 @@ class Caption:
     def end(self) -> float:
         return round(self.end_sample / self.sample_rate, 6)
 
-    def describe(self) -> dict:
+    def describe(self) -> dict[str, Any]:
         return {
             "start": self.start,
             "end": self.end,

@@ -17,6 +17,7 @@ import secrets
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 from chattts_service.runtime.files import replace_atomically
 
@@ -39,7 +40,7 @@ class TooManyConsents(ConsentError):
     pass
 
 
-def check_label(name) -> str:
+def check_label(name: object) -> str:
     if not isinstance(name, str) or not name.strip():
         raise ConsentError("'name' must be a non-empty string")
     if len(name) > MAX_LABEL_CHARS:
@@ -55,7 +56,9 @@ class ConsentStore:
         self.limit = limit
         self._lock = threading.Lock()
 
-    def create(self, name, language, recording: bytes, extension: str) -> dict:
+    def create(
+        self, name: object, language: object, recording: bytes, extension: str
+    ) -> dict[str, Any]:
         name = check_label(name)
         if not isinstance(language, str) or not LANGUAGE.match(language):
             raise ConsentError("'language' must be a BCP 47 tag such as en-US or zh-CN")
@@ -86,17 +89,17 @@ class ConsentStore:
             self._write(record)
         return public(record)
 
-    def get(self, consent_id) -> dict:
+    def get(self, consent_id: object) -> dict[str, Any]:
         return public(self._record(consent_id))
 
-    def exists(self, consent_id) -> bool:
+    def exists(self, consent_id: object) -> bool:
         try:
             self._record(consent_id)
         except UnknownConsent:
             return False
         return True
 
-    def rename(self, consent_id, name) -> dict:
+    def rename(self, consent_id: object, name: object) -> dict[str, Any]:
         name = check_label(name)
         with self._lock:
             record = self._record(consent_id)
@@ -104,14 +107,14 @@ class ConsentStore:
             self._write(record)
         return public(record)
 
-    def delete(self, consent_id) -> dict:
+    def delete(self, consent_id: object) -> dict[str, Any]:
         with self._lock:
             record = self._record(consent_id)
             (self.directory / f"{record['id']}.json").unlink()  # the record first: then gone
             (self.directory / record["recording"]["file"]).unlink(missing_ok=True)
         return {"id": record["id"], "object": "audio.voice_consent", "deleted": True}
 
-    def page(self, after: str | None, limit: int) -> dict:
+    def page(self, after: str | None, limit: int) -> dict[str, Any]:
         """Newest first; ``after`` an id from the previous page (OpenAI's cursor paging)."""
         records = sorted(self._records(), key=lambda r: (r["created_at"], r["id"]), reverse=True)
         start = 0
@@ -134,7 +137,7 @@ class ConsentStore:
             return 0
         return sum(1 for path in self.directory.glob("cons_*.json") if CONSENT_ID.match(path.stem))
 
-    def _records(self) -> list[dict]:
+    def _records(self) -> list[dict[str, Any]]:
         if not self.directory.is_dir():
             return []
         records = []
@@ -146,17 +149,20 @@ class ConsentStore:
                     continue  # deleted while listing, or not ours
         return records
 
-    def _record(self, consent_id) -> dict:
+    def _record(self, consent_id: object) -> dict[str, Any]:
         if not isinstance(consent_id, str) or not CONSENT_ID.match(consent_id):
             raise UnknownConsent(
                 f"no consent {consent_id!r}; ids look like cons_ and 24 hex digits"
             )
         try:
-            return json.loads((self.directory / f"{consent_id}.json").read_text(encoding="utf-8"))
+            record: dict[str, Any] = json.loads(
+                (self.directory / f"{consent_id}.json").read_text(encoding="utf-8")
+            )
+            return record
         except FileNotFoundError:
             raise UnknownConsent(f"no consent {consent_id!r}") from None
 
-    def _write(self, record: dict) -> None:
+    def _write(self, record: dict[str, Any]) -> None:
         replace_atomically(
             self.directory / f"{record['id']}.json",
             lambda out: json.dump(record, out, ensure_ascii=False),
@@ -165,6 +171,6 @@ class ConsentStore:
         )
 
 
-def public(record: dict) -> dict:
+def public(record: dict[str, Any]) -> dict[str, Any]:
     """The VoiceConsent object a client sees (the recording's file stays the operator's)."""
     return {key: record[key] for key in ("id", "object", "name", "language", "created_at")}

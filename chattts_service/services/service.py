@@ -15,6 +15,7 @@ import threading
 import time
 from collections import deque
 from dataclasses import dataclass, field
+from typing import Any
 
 from chattts_service.config import Settings
 from chattts_service.inference.download import DownloadFailed, DownloadProgress, ensure_model
@@ -42,7 +43,7 @@ class RecentRequests:
     """The last answered speech requests, for the status page: latency, audio, cache."""
 
     def __init__(self, size: int = 60):
-        self._items: deque = deque(maxlen=size)
+        self._items: deque[tuple[float, float, str]] = deque(maxlen=size)
         self._lock = threading.Lock()
         self.hits = 0
         self.misses = 0
@@ -63,7 +64,7 @@ class RecentRequests:
             else:
                 self.misses += 1
 
-    def summary(self) -> dict:
+    def summary(self) -> dict[str, Any]:
         with self._lock:
             items = list(self._items)
             hits, misses, in_flight = self.hits, self.misses, self.in_flight
@@ -103,7 +104,7 @@ class Service:
     def model_name(self) -> str:
         return self.engine.model_name
 
-    def status(self) -> dict:
+    def status(self) -> dict[str, Any]:
         """What the operators see on the status page (``/status``): the phase, the model and
         how it computes, the queue, the cache, recent requests, degraded mode."""
         engine, settings = self.engine, self.settings
@@ -188,7 +189,9 @@ class Service:
             self._fetch_model()
             self.phase = "loading"
             self.engine.load()
-            self.metrics.prompt_prefixes.store = self.engine.model.transformer.prefixes
+            model = self.engine.model
+            assert model is not None  # loaded just above
+            self.metrics.prompt_prefixes.store = model.transformer.prefixes
             if self.settings.warmup:
                 self.phase = "warming"
                 self.engine.warm_up()

@@ -24,12 +24,19 @@ from chattts_service.domain.speech import (
     Cancelled,
     EngineError,
     Overloaded,
+    Synthesis,
     SynthesisRequest,
 )
 from chattts_service.inference.engine import Engine
 from chattts_service.inference.run import Run
 from chattts_service.runtime.metrics import Metrics
-from chattts_service.services.audio import content_type, encode, stream_writer, to_pcm16
+from chattts_service.services.audio import (
+    StreamWriter,
+    content_type,
+    encode,
+    stream_writer,
+    to_pcm16,
+)
 from chattts_service.services.cache import AudioCache, cache_key
 from chattts_service.services.captions import Caption, captions
 
@@ -205,10 +212,10 @@ class SpeechPipeline:
             body, content_type(output.format, rate), cache_status, seconds, items, segments
         )
 
-    def _infer(self, plan: Plan, should_stop):
+    def _infer(self, plan: Plan, should_stop: Callable[[], bool] | None) -> Synthesis:
         return self._finish(self._start(plan, stream=False), should_stop)
 
-    def _finish(self, run: Run, should_stop):
+    def _finish(self, run: Run, should_stop: Callable[[], bool] | None) -> Synthesis:
         started = time.perf_counter()
         try:
             result = run.result(self.settings.request_timeout_s, should_stop)
@@ -252,7 +259,9 @@ class SpeechPipeline:
         cache_status = "HIT" if cached is not None else "MISS"
 
         def chunks() -> Iterator[bytes]:
-            outcome, parts, seconds = None, [], 0.0
+            outcome: EngineError | None = None
+            parts: list[bytes] = []
+            seconds = 0.0
             try:
                 if cached is not None:
                     seconds = cached[1]
@@ -260,6 +269,7 @@ class SpeechPipeline:
                     yield writer.encode(cached[0]) + writer.finish()
                     return
                 self._count_served("MISS", 0.0)
+                assert run is not None  # started: nothing was cached
                 yield from self._stream_run(run, plan, writer, parts, started, should_stop)
                 seconds = sum(len(part) for part in parts) / 2 / rate
                 # a start decoded with a look-ahead is close to the whole answer, not it
@@ -303,7 +313,7 @@ class SpeechPipeline:
         self,
         run: Run,
         plan: Plan,
-        writer,
+        writer: StreamWriter,
         parts: list[bytes],
         started: float,
         should_stop: Callable[[], bool] | None,

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import unicodedata
 from collections.abc import Callable
+from typing import Any
 
 from chattts_service.config import Settings
 from chattts_service.domain.voice_store import VoiceStore
@@ -61,7 +62,7 @@ class VoiceService:
         store = self._engine.voices
         return store.names() if store is not None else list(DEFAULT_VOICES)
 
-    def listing(self) -> list[dict]:
+    def listing(self) -> list[dict[str, Any]]:
         return self._store().listing()
 
     def get(self, name: str) -> Voice:
@@ -103,7 +104,9 @@ class VoiceService:
 
     # -- consents ------------------------------------------------------------------------------
 
-    def record_consent(self, name: str, language: str, recording: bytes, extension: str) -> dict:
+    def record_consent(
+        self, name: str, language: str, recording: bytes, extension: str
+    ) -> dict[str, Any]:
         """A speaker's consent, its recording kept for audit once it reads as speech of a
         consent's length."""
         recordings.read(recording, "recording", MAX_CONSENT_SECONDS, MIN_CONSENT_SECONDS)

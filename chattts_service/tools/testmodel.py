@@ -20,6 +20,7 @@ import shutil
 import sys
 from dataclasses import asdict
 from pathlib import Path
+from typing import Any
 
 from chattts_service.inference.architecture import ARCHITECTURE_FILE_NAME, config_from_architecture
 
@@ -76,7 +77,7 @@ TINY = {
 }
 FULL = {"name": "full-random"}  # ChatTTS's default shapes are the real ones
 
-SIZES = {"tiny": TINY, "full": FULL}
+SIZES: dict[str, dict[str, Any]] = {"tiny": TINY, "full": FULL}
 # Gain applied to the end-of-speech row of each code head (measured to give sentence-like
 # lengths: a few seconds of audio for a short sentence).
 EOS_GAIN = {"tiny": 1.3, "full": 1.2}
@@ -100,7 +101,7 @@ def _base_vocabulary() -> list[str]:
 def build_tokenizer(out_dir: Path) -> int:
     """Write a BERT-style tokenizer with ChatTTS's special tokens; return its length."""
     from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers
-    from transformers import BertTokenizerFast
+    from transformers import BertTokenizerFast  # type: ignore[attr-defined]  # a lazy export
 
     vocabulary = {token: index for index, token in enumerate(_base_vocabulary())}
     backend = Tokenizer(models.WordPiece(vocabulary, unk_token="[UNK]"))

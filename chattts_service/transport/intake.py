@@ -157,7 +157,9 @@ class RequestBuffer:
         method = request_line[0]
         target = request_line[1] if len(request_line) > 1 else ""
         http11 = len(request_line) > 2 and request_line[2] == "HTTP/1.1"
-        lengths, encodings, expects = [], [], False
+        lengths: list[str] = []
+        encodings: list[str] = []
+        expects = False
         for line in bytes(data[line_end + 2 : end]).decode("latin-1").split("\r\n"):
             name, _, value = line.partition(":")
             name, value = name.strip().lower(), value.strip()
@@ -337,7 +339,7 @@ class IntakeWorker(ThreadWorker):
             self._reject(conn, error.status, error.message)
             return
         head = conn.buffer.head
-        if end is not None:
+        if end is not None and head is not None:
             self._forget(conn)
             conn.request = conn.buffer.take(end)
             self.buffered -= end
@@ -359,6 +361,7 @@ class IntakeWorker(ThreadWorker):
     def enqueue_req(self, conn):
         self.stats.in_threads += 1
         pool = self.probe_pool if conn.probe else self.tpool
+        assert pool is not None  # made in init_process, before any connection
         done = pool.submit(self.handle, conn)
         done.add_done_callback(
             lambda result: self.method_queue.defer(self.finish_request, conn, result)
@@ -512,8 +515,9 @@ class IntakeWorker(ThreadWorker):
             self.notify()
             self.wait_for_and_dispatch_events(timeout=0.5)
             self._expire(time.monotonic())
-        self.tpool.shutdown(wait=False)
-        self.probe_pool.shutdown(wait=False)
+        for pool in (self.tpool, self.probe_pool):
+            if pool is not None:
+                pool.shutdown(wait=False)
         self.poller.close()
         self.method_queue.close()
         for listener in self.sockets:

@@ -7,12 +7,14 @@ last until the process restarts; put them in the environment to keep them.
 
 from __future__ import annotations
 
-from flask import Blueprint, jsonify, request
+from typing import Any
+
+from flask import Blueprint, Response, jsonify, request
 
 from chattts_service.api import validation
 from chattts_service.api.context import api_keys, service
 from chattts_service.api.errors import BadRequest, Forbidden
-from chattts_service.api.models import Tuning, tuning_body
+from chattts_service.api.models import Body, Tuning, tuning_body
 from chattts_service.api.openapi import BODY_ERRORS, operation
 from chattts_service.services.admin import AdminService
 
@@ -25,7 +27,7 @@ def _admin() -> AdminService:
     return service().admin
 
 
-def _body(limits: dict):
+def _body(limits: dict[str, Any]) -> type[Body]:
     """The request model for these limits (one per set of bounds)."""
     return tuning_body(tuple((name, bounds.low, bounds.high) for name, bounds in limits.items()))
 
@@ -36,7 +38,7 @@ def _body(limits: dict):
     answer=Tuning,
     errors=(401, 403, 503),
 )
-def show():
+def show() -> Response:
     admin = _admin()
     current = admin.current()
     limits = {
@@ -53,7 +55,7 @@ def show():
     described="Settings now in effect",
     errors=(*BODY_ERRORS, 403, 503),
 )
-def change():
+def change() -> Response:
     admin = _admin()
     admin.current()  # 503 before the body is read while the model loads
     body = validation.json_body(request.mimetype, request.get_data(cache=False))

@@ -14,7 +14,7 @@ blueprint = Blueprint("health", __name__)
 
 @blueprint.get("/healthz")
 @operation("Liveness", answer=Alive, described="Alive")
-def healthz():
+def healthz() -> Response:
     return jsonify(status="alive")
 
 
@@ -25,7 +25,7 @@ def healthz():
     described="Ready",
     others={503: (Ready, "Not ready: the phase (and the download's progress); Retry-After")},
 )
-def readyz():
+def readyz() -> Response:
     state = service()
     phase = state.serving_phase  # read once: the answer and its body agree
     if phase == "ready":
@@ -43,7 +43,7 @@ def readyz():
 
 @blueprint.get("/metrics")
 @operation("Prometheus metrics", described="Prometheus text format", errors=(401,))
-def metrics():
+def metrics() -> Response:
     state = service()
     state.metrics.cache_entries.set(len(state.cache))
     state.metrics.cache_bytes.set(state.cache.bytes)

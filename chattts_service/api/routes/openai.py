@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from flask import Blueprint, jsonify
+from flask import Blueprint, Response, jsonify
 
 from chattts_service.api import validation
 from chattts_service.api.errors import NotFound
@@ -28,7 +28,7 @@ CREATED = 1_700_000_000  # a fixed "created" time for the model listing
     answer=AUDIO,
     errors=(*BODY_ERRORS, 422, 503, 504),
 )
-def speech():
+def speech() -> Response:
     return speak(validation.speech_request)
 
 
@@ -41,19 +41,19 @@ def speech():
     described="Audio and captions. Headers as /v1/audio/speech.",
     errors=(*BODY_ERRORS, 422, 503, 504),
 )
-def captioned_speech():
+def captioned_speech() -> Response:
     return speak(validation.captioned_speech_request)
 
 
 @blueprint.get("/v1/models")
 @operation("Model names accepted in 'model'", answer=ModelList, errors=(401,))
-def models():
+def models() -> Response:
     return jsonify(ModelList(data=[_model(name) for name in MODEL_IDS]).model_dump())
 
 
 @blueprint.get("/v1/models/<name>")
 @operation("One model", answer=Model, path={"name": Literal[MODEL_IDS]}, errors=(401, 404))
-def model(name: str):
+def model(name: str) -> Response:
     if name not in MODEL_IDS:
         raise NotFound(f"no model {name!r}; models: {', '.join(MODEL_IDS)}")
     return jsonify(_model(name).model_dump())

@@ -14,7 +14,7 @@ blueprint = Blueprint("playground", __name__)
 
 @blueprint.get("/")
 @operation("The playground page (HTML, no external assets)", described="HTML")
-def page():
+def page() -> Response:
     html = resources.files("chattts_service.api").joinpath("static/index.html").read_bytes()
     response = Response(html, content_type="text/html; charset=utf-8")
     response.headers["Cache-Control"] = "no-cache"
@@ -28,6 +28,6 @@ def page():
     described="Status object",
     errors=(401,),
 )
-def status():
+def status() -> Response:
     """What the operators see, as one small JSON object (not Prometheus text)."""
     return jsonify({**service().status(), "auth_required": api_keys().enabled})

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from flask import Blueprint
+from flask import Blueprint, Response
 
 from chattts_service.api import validation
 from chattts_service.api.models import speech_bodies
@@ -19,5 +19,5 @@ blueprint = Blueprint("synthesis", __name__)
     answer=AUDIO,
     errors=(*BODY_ERRORS, 422, 503, 504),
 )
-def synthesize():
+def synthesize() -> Response:
     return speak(validation.synthesize_request)

@@ -12,7 +12,10 @@
 
 from __future__ import annotations
 
-from flask import Blueprint, jsonify, request
+from typing import TypeVar
+
+from flask import Blueprint, Response, jsonify, request
+from pydantic import BaseModel
 
 from chattts_service.api import validation
 from chattts_service.api.context import service
@@ -37,6 +40,7 @@ from chattts_service.config import MAX_SEED
 from chattts_service.services import recordings
 
 blueprint = Blueprint("voices", __name__)
+Form = TypeVar("Form", bound=BaseModel)
 
 # multipart bodies: the recording (10 MiB at most) and a few small fields
 MAX_FORM_BYTES = recordings.MAX_UPLOAD_BYTES + 64 * 1024
@@ -46,7 +50,7 @@ VOICE_ERRORS = (400, 401, 404, 503)
 
 @blueprint.get("/v1/audio/voices")
 @operation("Named voices", answer=VoiceList, errors=(401, 503))
-def list_voices():
+def list_voices() -> Response:
     listing = service().voices.listing()
     answer = VoiceList(
         voices=[item["name"] for item in listing],
@@ -68,7 +72,7 @@ def list_voices():
     described="The voice (OpenAI's Voice object for a recording)",
     errors=(*BODY_ERRORS, 404, 409, 422, 503),
 )
-def create_voice():
+def create_voice() -> Response:
     voices = service().voices
     if request.mimetype in FORM_TYPES:
         form, data, _ = _form(VoiceSampleRequest, "audio_sample")
@@ -82,7 +86,7 @@ def create_voice():
     return response
 
 
-def _form(model, name: str):
+def _form(model: type[Form], name: str) -> tuple[Form, bytes, str]:
     """The form as ``model`` and its one file ``name``, or a 4xx naming what is wrong."""
     request.max_content_length = MAX_FORM_BYTES
     uploads = request.files
@@ -105,7 +109,7 @@ def _form(model, name: str):
     path={"name": VoiceName},
     errors=VOICE_ERRORS,
 )
-def get_voice(name: str):
+def get_voice(name: str) -> Response:
     return jsonify(Voice(service().voices.get(name).describe()).model_dump())
 
 
@@ -117,7 +121,7 @@ def get_voice(name: str):
     path={"name": VoiceName},
     errors=VOICE_ERRORS,
 )
-def delete_voice(name: str):
+def delete_voice(name: str) -> Response:
     voice = service().voices.delete(name)
     deleted = VoiceDeleted(id=voice.id or voice.name, deleted=True, name=voice.name)
     return jsonify(deleted.model_dump())
@@ -135,7 +139,7 @@ def delete_voice(name: str):
     described="OpenAI's VoiceConsent object",
     errors=(*BODY_ERRORS, 409, 422),
 )
-def create_consent():
+def create_consent() -> Response:
     if request.mimetype not in FORM_TYPES:
         raise UnsupportedMediaType(
             "send multipart/form-data with recording (a file), name and language"
@@ -155,7 +159,7 @@ def create_consent():
     described="A list page",
     errors=(400, 401, 404),
 )
-def list_consents():
+def list_consents() -> Response:
     page = validation.parse(ConsentPage, request.args.to_dict(), what="parameters")
     consents = service().voices.consents
     return jsonify(VoiceConsentList(**consents.page(page.after, page.limit)).model_dump())
@@ -166,7 +170,7 @@ CONSENT = {"consent_id": ConsentId}
 
 @blueprint.get("/v1/audio/voice_consents/<consent_id>")
 @operation("One consent", answer=VoiceConsent, path=CONSENT, errors=(401, 404))
-def get_consent(consent_id: str):
+def get_consent(consent_id: str) -> Response:
     return jsonify(VoiceConsent(**service().voices.consents.get(consent_id)).model_dump())
 
 
@@ -178,7 +182,7 @@ def get_consent(consent_id: str):
     path=CONSENT,
     errors=(*BODY_ERRORS, 404),
 )
-def rename_consent(consent_id: str):
+def rename_consent(consent_id: str) -> Response:
     body = validation.json_body(request.mimetype, request.get_data(cache=False))
     name = validation.parse(VoiceConsentUpdate, body).name
     consents = service().voices.consents
@@ -192,6 +196,6 @@ def rename_consent(consent_id: str):
     path=CONSENT,
     errors=(401, 404),
 )
-def delete_consent(consent_id: str):
+def delete_consent(consent_id: str) -> Response:
     consents = service().voices.consents
     return jsonify(VoiceConsentDeleted(**consents.delete(consent_id)).model_dump())
