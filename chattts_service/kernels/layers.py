@@ -1,20 +1,20 @@
 """A decode step through every GPT layer in one C++ call (``csrc/decode_layers.cpp``).
 
 Layer by layer from Python, a step made 100 kernel calls (20 layers of four projections and an
-attention), each ~10 us of argument checks, ctypes and allocation: about a millisecond, a
-sixth of a batch-1 step. ``DecodeLayers`` checks the layers' weights and gathers their
+attention), each paying for argument checks, ctypes and allocation: a large part of a batch-1
+step. ``DecodeLayers`` checks the layers' weights and gathers their
 pointers once, when the model loads; a step then passes only the rows, their caches and one
 scratch buffer. The C side calls the same kernels in the same order, so the bits are those of
 the calls one layer at a time (a test holds the two equal).
 
 ``prompt`` runs a sequence's prompt through the same call (its positions as the rows, each
 stored in the cache before any attends), where from Python a prefill made 80 product calls and
-a hundred small operators around torch's attention (~10 ms of a 41-token prefill).
+a hundred small operators around torch's attention.
 
 ``step_and_draw`` goes on in the same call to what a speech step does next: the final norm,
 the code head and the draw of every row's tokens. From Python those were three more calls and
 a dozen small operators, and the first of them paid for caches the layers' weights had just
-swept (~0.5 ms a step at batch 1); the bits are again those of the separate calls.
+swept; the bits are again those of the separate calls.
 """
 
 from __future__ import annotations

@@ -20,12 +20,11 @@ namespace {
 // A block: a multiple of four positions. Before each head's work on a block, that head's
 // slice kFetchPositions further on is fetched, so the reads spread over the work: a whole
 // block's lines fetched at once (16 positions, 2 KB ahead) stalled the core until most of
-// them arrived, then left memory idle while it computed (now 0.88-0.91x the time at 8-16 rows:
-// docs/benchmarks.md). Fetched into L2, not L1 (fetch): a bf16 head's 4 positions are 8 lines,
-// so the lines in flight a block ahead outnumber what L1 can have outstanding, and a core
-// stalled on its fetches; L2 can have more outstanding, and its hits cost a few cycles more.
-// On a Zen 4 (AMD EPYC, family 25 model 17), 8 rows x 300 positions, 20 layers from memory:
-// 5.4-5.6 ms against 8.0-8.6 ms fetching into L1 (the bf16 cache), 4.3 against 4.5 ms (int8).
+// them arrived, then left memory idle while it computed. Fetched into L2, not L1 (fetch): a
+// bf16 head's 4 positions are 8 lines, so the lines in flight a block ahead outnumber what L1
+// can have outstanding, and a core
+// stalled on its fetches; L2 can have more outstanding, and its hits cost a few cycles more
+// (measured side by side: see the commit that made it).
 constexpr int64_t kBlockPositions = 4;
 constexpr int64_t kFetchPositions = 8;
 constexpr int64_t kMaxHeadsAGroup = 64;   // heads one task attends (more: more tasks)

@@ -1,9 +1,9 @@
 // chatts_decode_layers: a decode step through every layer of the GPT in one call, and after
 // them, where asked, the final norm, the code head and the draw of the tokens.
 //
-// One call per projection and per attention from Python cost ~10 us each in argument checks,
-// ctypes and torch allocations, and a step makes 100 of them (20 layers): about a millisecond,
-// a sixth of the step itself at batch 1. Here the step calls the same kernels in the same order
+// One call per projection and per attention from Python paid for argument checks, ctypes and
+// torch allocations each time, and a step makes 100 of them (20 layers): a large part of the
+// step itself at batch 1. Here the step calls the same kernels in the same order
 // with the same arguments (int8_linear, decode_attention), so every row gets the bits the
 // layer-by-layer calls give it; the bindings check every pointer and shape once, when the
 // layers are gathered, and per step only what changes (the rows and their caches).

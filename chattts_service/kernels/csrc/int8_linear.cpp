@@ -41,9 +41,8 @@ float quantize_row(const float* x, int64_t width, const float* gain, float eps, 
 // (ChattsTuning; kernels/tuning.py measures them). The hint has to be a constant.
 // The HINT of a product that prefetches nothing: no prefetch code in its loop at all (where
 // the distance is 0 at run time, the loop still worked out every address it would not fetch:
-// 33 instructions a group of inputs at 8 rows against 50). A prompt's rows past the first 8
-// find the weights in cache and fetch nothing: side by side on a Zen 4 (AMD EPYC, family 25
-// model 17), 59 and 64 rows took 0.90-0.95 of the time (docs/benchmarks.md).
+// a third more instructions a group of inputs at 8 rows). A prompt's rows past the first 8
+// find the weights in cache and fetch nothing, and run faster without that code.
 constexpr int kNoPrefetch = 2;
 // Past 8 rows, gemm_blocks' passes also fetch their share of the next run of weights
 // (share_of_next_run): the first with T0 ahead of its own reads as well (kT0AndNextRun), the
@@ -67,9 +66,8 @@ inline void prefetch_weights(uintptr_t address) {
 // one stream a block) prefetches at `at` in the first block: `prefetch_bytes` further on, the
 // same offset in the other blocks. Near a block's end that would fall in the next block of the
 // run, which its own stream has already read: there it goes on into the next run instead,
-// where the thread (or the other one) reads next. Side by side on an Intel Xeon (family 6
-// model 167), a step took 0.94-0.97 of the time of one prefetching into the neighbouring
-// block, at 1, 2, 4 and 8 rows (docs/benchmarks.md).
+// where the thread (or the other one) reads next, which made steps faster at 1 to 8 rows
+// (measured side by side: see the commit that made it).
 template <int BLOCKS>
 inline uintptr_t ahead_in_run(const int8_t* at, const int8_t* blocks, int64_t block_bytes,
                               int64_t prefetch_bytes) {
@@ -85,9 +83,9 @@ inline uintptr_t ahead_in_run(const int8_t* at, const int8_t* blocks, int64_t bl
 // of its own reads. With more, the first streams the block from memory and the next find it in
 // cache, so prefetching ahead would leave memory idle during those: each pass prefetches its
 // share of the next block instead (the p-th P-th of it, a few bytes a step:
-// share_of_next_run), and the stream runs through every pass. Side by side on a Zen 3, a pass
-// over the int8 layers at 8 rows (two AVX2 passes) took 8-11% less time, at 41 rows 1.5-2%
-// less. (The VNNI product past 8 rows does the same, its shares by rows: gemm.)
+// share_of_next_run), and the stream runs through every pass: faster at 8 rows (two AVX2
+// passes), a little at 41 (measured side by side: see the commit that made it). (The VNNI
+// product past 8 rows does the same, its shares by rows: gemm.)
 struct PassPrefetch {
     uintptr_t from;
     int64_t step;
@@ -131,11 +129,9 @@ inline void store_row(__m512i sums, const int32_t* offsets, const float* weight_
 // BLOCKS (1, 2, 4 or 8) neighbouring blocks of 16 channels for ROWS rows (1..8; 1..4 with four
 // blocks, 1..2 with eight): each broadcast input serves every block, BLOCKS * ROWS accumulators
 // (at most 16) keep the multiply unit busy, and each thread streams BLOCKS runs of weights at
-// once. On an Intel Xeon (family 6 model 167) with memory read at 16-18 GB/s, one row's step on
-// four blocks took 0.90 of its time on pairs, itself 0.90 of its time on single blocks, and
-// on eight 0.92-0.94 of its time on four: more runs in flight read faster there
-// (docs/benchmarks.md). The accumulators are named variables, not an array (GCC 12 kept an
-// array of them on the stack: 1.4x slower at 8 rows), each added to in its own register
+// once: where memory reads slowly, more runs in flight read faster (how many pay is measured
+// per CPU: kernels/tuning.py). The accumulators are named variables, not an array (GCC 12
+// kept an array of them on the stack, much slower at 8 rows), each added to in its own register
 // (dpbusd); the ones a ROWS and BLOCKS leave unused are never touched.
 // `valid`: how many of the last block's 16 channels are real (the rest are padding and are not
 // stored).
@@ -243,8 +239,8 @@ void gemm_blocks(int64_t k_groups, const uint8_t* xq, int64_t x_stride, const in
 // One row, one block of 16 channels: gemm_blocks<1, 1, HINT>'s sums in four chains, each
 // taking every fourth group of inputs, added at the end (integers: the same sums). One chain
 // waits a vpdpbusd's latency for every 64 bytes of weights; four keep the loads streaming.
-// Side by side on an Intel Xeon (family 6 model 207), a pass over the int8 layers at one row:
-// 0.92-0.95 of the one-chain time, as fast as a loop that only reads the weights.
+// At one row that made a pass over the int8 layers as fast as a loop that only reads them
+// (measured side by side: see the commit that made it).
 template <int HINT>
 __attribute__((target("avx512f,avx512bw,avx512vnni"),
                optimize("no-associative-math", "signed-zeros", "trapping-math",
@@ -321,12 +317,10 @@ void gemm(int64_t rows, int64_t n, int64_t k, const uint8_t* xq, const int8_t* p
           const float* residual, int64_t residual_stride, float* out, int64_t out_stride,
           int threads, const ChattsTuning& tuning) {
     // one block at a time, or two, each broadcast input serving both: from how many rows
-    // pairs pay depends on the CPU (tuning.pair_blocks_from; past 8 rows, always). A step's
-    // 80 projections on a Zen 4: pairs throughout against single blocks up to 8 rows, 1 row
-    // 4.7-5.3 vs 4.1-4.5 ms, 8 rows 6.3-6.6 vs 5.5-5.8 ms; on an Intel Xeon (family 6 model
-    // 207) pairs from 2 rows took 0.91-0.95 of the time at 2, 4 and 8 rows. One row walks a
-    // block in four chains (gemm_row), or a pair (from 1 row: on an Intel Xeon, family 6
-    // model 167, with memory read at 16 GB/s, a one-row step took 0.92 of gemm_row's time).
+    // pairs pay depends on the CPU (tuning.pair_blocks_from; past 8 rows, always): on some
+    // they were slower than single blocks at every row count, on others faster from 2 rows.
+    // One row walks a block in four chains (gemm_row), or a pair (from 1 row, where memory
+    // reads slowly).
     // Up to tuning.octs_up_to rows (at most 2), eight blocks at a time; else up to
     // tuning.quads_up_to rows (at most 4), four (gemm_blocks with BLOCKS 8 or 4); the last few
     // four at a time where four are left, then alone. The same bits every way.
@@ -341,13 +335,11 @@ void gemm(int64_t rows, int64_t n, int64_t k, const uint8_t* xq, const int8_t* p
     // More than 8 rows pass over each block again and must find it in cache: a non-temporal
     // prefetch leaves lines in L1 alone, and a block of 1,536 inputs (24 KB, 48 KB a pair)
     // does not stay there, so every pass read it from memory again (the tuning measures 1 and
-    // 8 rows, one pass). So the first pass fetches into every level (T0) (side by side on an
-    // Intel Xeon, family 6 model 167, with the default NTA prefetch, 300 rows of a 512 x
-    // 1,536 layer: docs/benchmarks.md), and every pass fetches its share of the next block or
+    // 8 rows, one pass). So the first pass fetches into every level (T0), and every pass
+    // fetches its share of the next block or
     // pair into L2 (share_of_next_run, by its rows): the passes after the first read from
     // cache, and memory sat idle through them while the next block's first pass waited for
-    // it. Side by side on a Zen 4 (AMD EPYC, family 25 model 17), a step at 12 and 16 rows
-    // took 0.90-0.91 of the time, a 22- and a 59-position prompt 0.93 and 0.97.
+    // it (measured side by side: see the commit that made it).
     // The HINT every product of this call runs with (by_hint picks its build): none where
     // nothing is fetched, else the tuning's, T0 past 8 rows (where single blocks and pairs
     // run the share-fetching builds, block_builds).
@@ -357,8 +349,7 @@ void gemm(int64_t rows, int64_t n, int64_t k, const uint8_t* xq, const int8_t* p
     // guided: each thread starts on a long run of blocks, streamed in order, and the last
     // blocks go to whichever thread is free first. On a shared virtual machine one vCPU is
     // often slower for a moment, and with halves fixed in advance the other waited for it:
-    // side by side on an Intel Xeon (family 6 model 207) a pass over the int8 layers took
-    // 0.93-0.97 of the static split's time (medians, 1 and 8 rows), never more. Which thread
+    // the guided split was never slower than the static one, and mostly faster. Which thread
     // computes a block changes nothing in it.
     // how many of a block's 16 channels are real (the last block's may be fewer)
     const auto valid_in = [n](int64_t block) {
