@@ -1,4 +1,4 @@
-"""Every JSON body the API takes and every JSON answer it gives, declared once.
+"""Every JSON body the API takes, declared once (its answers: ``answers.py``).
 
 Each is a pydantic model: a request is validated by its model (JSON's own types, strictly;
 bounds; choices; unknown fields refused; ``null`` meaning the default) and the OpenAPI
@@ -9,6 +9,8 @@ tests hold the two to each other.
 
 The speech bodies depend on the deployment (the text limit, the defaults from the settings),
 so they are built once per ``Settings`` (``speech_bodies``); everything else is static.
+Longer than most modules: the bodies share their field types and the domain's checks, and the
+three speech bodies share every option, each declared once in the README's order.
 """
 
 from __future__ import annotations
@@ -26,7 +28,6 @@ from pydantic import (
     BeforeValidator,
     ConfigDict,
     Field,
-    RootModel,
     ValidationInfo,
     WithJsonSchema,
     create_model,
@@ -616,164 +617,3 @@ def tuning_body(limits: tuple[tuple[str, int, int | None], ...]) -> type[Body]:
         __module__=__name__,
         **fields,
     )
-
-
-# -- answers -----------------------------------------------------------------------------------
-
-
-class Answer(BaseModel):
-    """A JSON answer: the fields listed are always there; more may be added."""
-
-    model_config = ConfigDict(extra="allow")
-
-
-class Error(Answer):
-    error: str
-
-
-class OpenAIErrorDetail(Answer):
-    message: str
-    type: str
-    param: str | None
-    code: str | None
-
-
-class OpenAIError(Answer):
-    error: OpenAIErrorDetail
-
-
-class Caption(Answer):
-    start: float = Field(description="seconds into the audio")
-    end: float
-    text: str = Field(description="the sentence as sent")
-    spoken_text: str = Field(description="as the model read it (normalised)")
-    start_sample: int = Field(description="24 kHz samples: exact")
-    end_sample: int
-
-
-Base64 = Annotated[str, WithJsonSchema({"type": "string", "contentEncoding": "base64"})]
-
-
-class CaptionedSpeech(Answer):
-    audio: Base64
-    format: AudioFormat
-    content_type: str
-    seconds: float
-    captions: list[Caption]
-    srt: str | None = None
-    vtt: str | None = None
-
-
-class SpeechAudioDelta(Answer):
-    type: Literal["speech.audio.delta"] = "speech.audio.delta"
-    audio: Base64
-
-
-class Usage(Answer):
-    input_tokens: int
-    output_tokens: int
-    total_tokens: int
-
-
-class SpeechAudioDone(Answer):
-    type: Literal["speech.audio.done"] = "speech.audio.done"
-    usage: Usage
-
-
-class Model(Answer):
-    id: str
-    object: Literal["model"] = "model"
-    created: int
-    owned_by: str
-
-
-class ModelList(Answer):
-    object: Literal["list"] = "list"
-    data: list[Model]
-
-
-class NamedVoice(Answer):
-    name: str
-    digest: str
-
-
-class SampledVoice(Answer):
-    id: str
-    object: Literal["audio.voice"] = "audio.voice"
-    name: str
-    created_at: int
-    type: Literal["audio_sample"] = "audio_sample"
-
-
-class Voice(RootModel[NamedVoice | SampledVoice]):
-    """A stored voice: a named one (embedding, blend) or one made from a recording (OpenAI's
-    Voice object)."""
-
-
-class ListedVoice(Answer):
-    name: str
-    source: Literal["file", "default"] = Field(
-        description="file: stored in CHATTTS_VOICES_DIR; default: one of OpenAI's names"
-    )
-    id: str | None = None
-    type: Literal["audio_sample"] | None = None
-    created_at: int | None = None
-
-
-class VoiceList(Answer):
-    voices: list[str]
-    details: list[ListedVoice]
-    seed_voices: str
-
-
-class VoiceDeleted(Answer):
-    id: str
-    object: Literal["audio.voice.deleted"] = "audio.voice.deleted"
-    deleted: bool
-    name: str
-
-
-class VoiceConsent(Answer):
-    id: str
-    object: Literal["audio.voice_consent"] = "audio.voice_consent"
-    name: str
-    language: str
-    created_at: int
-
-
-class VoiceConsentList(Answer):
-    object: Literal["list"] = "list"
-    data: list[VoiceConsent]
-    first_id: str | None
-    last_id: str | None
-    has_more: bool
-
-
-class VoiceConsentDeleted(Answer):
-    id: str
-    object: Literal["audio.voice_consent"] = "audio.voice_consent"
-    deleted: bool
-
-
-class Limit(Answer):
-    min: int
-    max: int | None
-
-
-class Tuning(Answer):
-    current: dict[str, int]
-    limits: dict[str, Limit] | None = None
-    scheduling: list[str] | None = Field(
-        None, description="The order in which the scheduler gives rows, rule by rule"
-    )
-
-
-class Alive(Answer):
-    status: Literal["alive"] = "alive"
-
-
-class Ready(Answer):
-    status: str = Field(description="ready, or the phase: loading, downloading, warming up, ...")
-    model: str | None = None
-    phase: str | None = None
-    error: str | None = None

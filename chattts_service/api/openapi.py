@@ -16,7 +16,7 @@ from flask import Flask
 from pydantic import BaseModel, TypeAdapter
 from pydantic.json_schema import GenerateJsonSchema, JsonSchemaMode, models_json_schema
 
-from chattts_service.api import models
+from chattts_service.api import answers, models
 from chattts_service.config import Bounds, Settings
 from chattts_service.services.audio import FORMATS
 
@@ -144,14 +144,14 @@ def _models_of(
             yield model, "validation"
     answer = described.answer
     if answer is AUDIO:
-        yield models.SpeechAudioDelta, "serialization"
-        yield models.SpeechAudioDone, "serialization"
+        yield answers.SpeechAudioDelta, "serialization"
+        yield answers.SpeechAudioDone, "serialization"
     elif answer is not None:
         yield answer, "serialization"
     for model, _ in described.others.values():
         yield model, "serialization"
-    yield models.Error, "serialization"
-    yield models.OpenAIError, "serialization"
+    yield answers.Error, "serialization"
+    yield answers.OpenAIError, "serialization"
 
 
 def _operation(described: Operation, context: Context, refs: Refs, openai: bool) -> dict[str, Any]:
@@ -188,7 +188,7 @@ def _operation(described: Operation, context: Context, refs: Refs, openai: bool)
         }
     if content:
         result["requestBody"] = {"required": True, "content": content}
-    error = ref(models.OpenAIError if openai else models.Error, "serialization")
+    error = ref(answers.OpenAIError if openai else answers.Error, "serialization")
     result["responses"] = {
         str(described.status): _answer(described, ref),
         **{
@@ -249,8 +249,8 @@ def _speech_event(ref: Ref) -> dict[str, Any]:
                 "contentMediaType": "application/json",
                 "contentSchema": {
                     "oneOf": [
-                        ref(models.SpeechAudioDelta, "serialization"),
-                        ref(models.SpeechAudioDone, "serialization"),
+                        ref(answers.SpeechAudioDelta, "serialization"),
+                        ref(answers.SpeechAudioDone, "serialization"),
                     ]
                 },
             },

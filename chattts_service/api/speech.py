@@ -18,10 +18,10 @@ from typing import Any
 from flask import Response, g, request
 
 from chattts_service.api import validation
+from chattts_service.api.answers import CaptionedSpeech as CaptionedAnswer
+from chattts_service.api.answers import SpeechAudioDelta, SpeechAudioDone, Usage
 from chattts_service.api.context import api_keys, service
 from chattts_service.api.errors import BadRequest, NotReady, from_engine_error, status_of
-from chattts_service.api.models import CaptionedSpeech as CaptionedAnswer
-from chattts_service.api.models import SpeechAudioDelta, SpeechAudioDone, Usage
 from chattts_service.api.validation import Voices
 from chattts_service.config import Settings
 from chattts_service.domain.speech import (

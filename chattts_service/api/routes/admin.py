@@ -12,9 +12,10 @@ from typing import Any
 from flask import Blueprint, Response, jsonify, request
 
 from chattts_service.api import validation
+from chattts_service.api.answers import Tuning
 from chattts_service.api.context import api_keys, service
 from chattts_service.api.errors import BadRequest, Forbidden
-from chattts_service.api.models import Body, Tuning, tuning_body
+from chattts_service.api.models import Body, tuning_body
 from chattts_service.api.openapi import BODY_ERRORS, operation
 from chattts_service.services.admin import AdminService
 

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from flask import Blueprint, Response, jsonify
 
+from chattts_service.api.answers import Alive, Ready
 from chattts_service.api.context import service
 from chattts_service.api.errors import RETRY_AFTER_SECONDS
-from chattts_service.api.models import Alive, Ready
 from chattts_service.api.openapi import operation
 
 blueprint = Blueprint("health", __name__)

@@ -12,8 +12,9 @@ from typing import Literal
 from flask import Blueprint, Response, jsonify
 
 from chattts_service.api import validation
+from chattts_service.api.answers import CaptionedSpeech, Model, ModelList
 from chattts_service.api.errors import NotFound
-from chattts_service.api.models import MODEL_IDS, CaptionedSpeech, Model, ModelList, speech_bodies
+from chattts_service.api.models import MODEL_IDS, speech_bodies
 from chattts_service.api.openapi import AUDIO, BODY_ERRORS, operation
 from chattts_service.api.speech import speak
 

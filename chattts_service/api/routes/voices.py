@@ -18,19 +18,21 @@ from flask import Blueprint, Response, jsonify, request
 from pydantic import BaseModel
 
 from chattts_service.api import validation
+from chattts_service.api.answers import (
+    Voice,
+    VoiceConsent,
+    VoiceConsentDeleted,
+    VoiceConsentList,
+    VoiceDeleted,
+    VoiceList,
+)
 from chattts_service.api.context import service
 from chattts_service.api.errors import BadRequest, PayloadTooLarge, UnsupportedMediaType
 from chattts_service.api.models import (
     ConsentId,
     ConsentPage,
-    Voice,
-    VoiceConsent,
-    VoiceConsentDeleted,
-    VoiceConsentList,
     VoiceConsentRequest,
     VoiceConsentUpdate,
-    VoiceDeleted,
-    VoiceList,
     VoiceName,
     VoiceRequest,
     VoiceSampleRequest,
