@@ -20,7 +20,9 @@ pace; the gaps between steps are timed (``on_stall``).
 
 A job is a small state machine supplied by the engine: ``start()`` gives its first sequence,
 ``advance(sequence)`` either gives the next one (text refinement, then speech) or finishes the
-job. Any failure fails that job alone; the thread never dies with a request.
+job. Any failure fails that job alone; the thread never dies with a request. Longer than most
+modules: admission, taking rows back, prefill pieces and steps all work on the same batch and
+owners from the one thread, and split apart each would reach into the others.
 """
 
 from __future__ import annotations

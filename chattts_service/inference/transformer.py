@@ -9,6 +9,8 @@ step through the C++ kernel of ``kernels.py`` (one call per layer for all rows, 
 cache, or an int8 one with a scale per position and head), or else torch's
 ``scaled_dot_product_attention`` once per row (over an fp32 cache). With the kernels, the
 RMSNorm before a projection is fused with the int8 kernel's per-row scaling.
+Longer than most modules: the KV cache, the layers, the step and the prefill in pieces share the
+cache's layout and the kernels' call, and each path has its torch fallback beside it.
 """
 
 from __future__ import annotations

@@ -21,7 +21,8 @@
 The library is built by ``kernels/build.py`` (an explicit step: the image build,
 ``script/setup``, ``script/test``); ``load()`` only loads it. Where it is missing or cannot be
 loaded, ``load()`` says why and the caller keeps torch's operators (``CHATTTS_KERNELS=auto``) or
-stops (``on``).
+stops (``on``). Longer than most modules: one binding a kernel, each checking every shape and
+pointer before the call, beside the library's loading.
 """
 
 from __future__ import annotations

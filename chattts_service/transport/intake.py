@@ -12,7 +12,8 @@ for a new one. Probes (``/healthz``, ``/readyz``, ``/metrics``) have threads of 
 not even a full set of long syntheses delays them.
 
 ``RequestBuffer`` is the framing alone (no sockets: tested on bytes); ``IntakeWorker`` is the
-gunicorn worker around it.
+gunicorn worker around it. Longer than most modules: the worker overrides gunicorn's event
+loop, and its deadlines, limits and hand-over read the framing's state at every turn.
 """
 
 from __future__ import annotations
