@@ -202,7 +202,7 @@ for path in sys.argv[1:]:
 PY
 embedding=$(PYTHONPATH="$REPO" "$PYTHON" -c 'import torch
 from chattts_service.tools.testmodel import TINY
-from chattts_service.domain.voices import encode_embedding
+from chattts_service.domain.embeddings import encode_embedding
 print(encode_embedding(torch.ones(TINY["gpt"]["hidden_size"])))')
 status=$(curl -s -o /dev/null -w '%{http_code}' -X POST -H 'Content-Type: application/json' \
     -d "{\"name\":\"ct-voice\",\"embedding\":\"$embedding\"}" "http://127.0.0.1:$PORT/v1/audio/voices")
