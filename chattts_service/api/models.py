@@ -18,7 +18,6 @@ from __future__ import annotations
 import functools
 import math
 import re
-import unicodedata
 from collections.abc import Callable
 from typing import Annotated, Any, ClassVar, Literal, NamedTuple, Protocol, Self, get_args
 
@@ -40,10 +39,10 @@ from chattts_service.domain.speech import CODE_SAMPLING, PRIORITIES
 from chattts_service.domain.text import (
     INLINE_TOKENS,
     REFINE_TOKENS,
+    NothingToSpeak,
     TextError,
     check_refine_prompt,
-    check_tokens,
-    normalise_text,
+    text_to_speak,
 )
 from chattts_service.domain.voices import (
     BLEND_WEIGHT,
@@ -168,16 +167,13 @@ def _text_type(settings: Settings) -> Any:
     def check(text: str, info: ValidationInfo) -> str:
         if any(0xD800 <= ord(ch) <= 0xDFFF for ch in text):
             raise refuse(f"'{info.field_name}' contains an unpaired UTF-16 surrogate")
-        # as sent: "[lau\x01gh]" is not "[laugh]", though removing control characters would
-        # make it one; the schema's pattern reads the text as sent too
+        # the schema's pattern reads the text as sent too
         try:
-            check_tokens(unicodedata.normalize("NFC", text), settings.max_control_tokens)
+            return text_to_speak(text, settings.max_control_tokens)
+        except NothingToSpeak:
+            raise refuse(f"'{info.field_name}' must not be empty") from None
         except TextError as error:
             raise refuse(str(error)) from None
-        text = normalise_text(text)
-        if not text:
-            raise refuse(f"'{info.field_name}' must not be empty")
-        return text
 
     whole, somewhere = text_patterns()
     return Annotated[

@@ -80,6 +80,32 @@ def normalise_text(text: str) -> str:
     return _WHITESPACE.sub(" ", text).strip()
 
 
+class NothingToSpeak(TextError):
+    """After normalisation the text is empty."""
+
+
+def text_to_speak(text: str, max_tokens: int) -> str:
+    """A text as every route takes it: only the inline control tokens, at most ``max_tokens``
+    of them (checked as sent: "[lau\x01gh]" is not "[laugh]", though removing control
+    characters would make it one), normalised, not empty. Raises ``TextError``."""
+    check_tokens(unicodedata.normalize("NFC", text), max_tokens)
+    text = normalise_text(text)
+    if not text:
+        raise NothingToSpeak("there is nothing to say")
+    return text
+
+
+def complete_sentences(text: str) -> tuple[list[str], str]:
+    """The sentences of a text still being written that are complete, and the rest. A sentence
+    ending in "." counts once something follows it (more may come: "3." of "3.5"); one ending
+    in 。！？!?；; or a newline at once."""
+    end = 0
+    for match in _SENTENCE_END.finditer(text):
+        if match.end() > end and (match.end() < len(text) or text[match.start() - 1] != "."):
+            end = match.end()
+    return split_sentences(text[:end]), text[end:]
+
+
 def split_sentences(text: str) -> list[str]:
     """Sentences, each with its closing punctuation; nothing dropped, whitespace trimmed."""
     pieces, start = [], 0
