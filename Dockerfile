@@ -86,7 +86,7 @@ RUN PYTHONDONTWRITEBYTECODE='' sh -c '\
  && python -c "import chattts_service.transport.serve, chattts_service.app, gunicorn.workers.gthread" \
  && rm -rf /tmp/bytecode-model'
 USER 10001:10001
-EXPOSE 8090
+EXPOSE 8090 10200
 # a first start downloads the model into the volume: the start period allows for it
 HEALTHCHECK --interval=15s --timeout=5s --start-period=1200s --retries=3 \
     CMD ["python", "-c", "import os, sys, urllib.request; sys.exit(0 if urllib.request.urlopen('http://127.0.0.1:%s/readyz' % os.environ.get('CHATTTS_PORT', '8090'), timeout=4).status == 200 else 1)"]

@@ -102,6 +102,9 @@ class Server:
                 # stored voices and consents beside the log, never in the checkout
                 "CHATTTS_VOICES_DIR": str(Path(log_path).parent / "voices"),
                 "PYTHONUNBUFFERED": "1",
+                # Home Assistant's port off unless a test asks for it: servers side by side
+                # would contend for its default
+                "CHATTTS_WYOMING_PORT": "0",
                 **settings,
             }
         )

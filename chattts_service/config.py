@@ -109,6 +109,13 @@ class Settings:
     )
     host: str = _env_field("HOST", "0.0.0.0", "address to listen on")
     port: int = _env_field("PORT", 8090, "port to listen on", low=1, high=65535)
+    wyoming_port: int = _env_field(
+        "WYOMING_PORT",
+        10200,
+        "Home Assistant's Wyoming protocol (TTS) on this TCP port, beside HTTP; 0 turns it off",
+        low=0,
+        high=65535,
+    )
     threads: int = _env_field(
         "THREADS", 0, "torch compute threads; 0 = the CPUs this process may run on", low=0
     )

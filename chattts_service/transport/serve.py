@@ -15,6 +15,7 @@ from chattts_service.api.context import service_of
 from chattts_service.config import Settings, SettingsError
 from chattts_service.runtime import heap
 from chattts_service.transport.intake import MAX_REQUEST_LINE, IntakeLimits, IntakeWorker
+from chattts_service.transport.wyoming import WyomingServer
 
 log = logging.getLogger(__name__)
 
@@ -33,6 +34,9 @@ class DrainingWorker(IntakeWorker):
         if service is not None:
             self.limits = IntakeLimits.from_settings(service.settings)
             service.metrics.connections.source = self.update_stats
+            settings = service.settings
+            if settings.wyoming_port:  # Home Assistant's protocol, beside HTTP, in this process
+                WyomingServer(service, settings.host, settings.wyoming_port).start()
         super().run()
 
     def handle_exit(self, sig, frame):
