@@ -520,3 +520,27 @@ def test_steal_is_read_from_the_kernels_cpu_line(tmp_path):
     assert host_cpu_ticks() is not None
     time.sleep(0.2)
     assert 0 <= real.share() <= 1
+
+
+def test_home_assistant_benchmark_smoke(tiny_endless_model_dir):
+    """benchmarks/home_assistant.py against a real server on the tiny model: both first audios
+    measured, and the streamed answer's five sentences spoken."""
+    result = run_benchmark(
+        "benchmarks/home_assistant.py",
+        "--model-dir",
+        str(tiny_endless_model_dir),
+        "--rounds",
+        "2",
+        "--max-new-tokens",
+        "20",
+        "--json",
+        timeout=600,
+    )
+    data = json.loads(result.stdout)
+    assert len(data["wyoming_first_audio"]) == len(data["http_first_audio"]) == 2
+    assert all(
+        0 < seconds < 60 for seconds in data["wyoming_first_audio"] + data["http_first_audio"]
+    )
+    (streamed,) = data["streamed"]
+    assert streamed["sentences"] == 5 and streamed["audio_seconds"] > 0
+    assert 0 <= streamed["first_audio_after_first_sentence"] < 60
