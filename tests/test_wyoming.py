@@ -197,15 +197,28 @@ def test_a_malformed_or_oversized_event_closes_the_connection(server, data):
     assert requests.get(server.url + "/healthz", timeout=5).status_code == 200
 
 
-def test_a_client_that_leaves_mid_answer_frees_its_rows(server):
-    """A long text, the connection dropped after its first audio: the generation stops (the
-    scheduler's queue empties) and the server keeps serving both protocols."""
-    text = "".join(f"第{i}句话讲了一件很长很长的事情，大家都在认真地听。" for i in range(12))
+def _cancelled(server) -> float:
+    for line in requests.get(server.url + "/metrics", timeout=10).text.splitlines():
+        if line.startswith("chatts_infer_total") and 'outcome="cancelled"' in line:
+            return float(line.split()[-1])
+    return 0.0
+
+
+def test_a_client_that_leaves_mid_answer_frees_its_rows(start_server, tiny_endless_model_dir):
+    """A long answer (speech that never ends before its step cap), the connection dropped
+    after its first audio: its generation is cancelled (counted so), the queue empties long
+    before the answer would have ended, and the server serves both protocols on."""
+    port = free_port()
+    server = start_server(
+        tiny_endless_model_dir, CHATTTS_WYOMING_PORT=str(port), CHATTTS_MAX_NEW_TOKENS="2048"
+    )
+    server.wait_ready()
+    before = _cancelled(server)
 
     async def go():
-        client = AsyncTcpClient("127.0.0.1", server.wyoming)
+        client = AsyncTcpClient("127.0.0.1", port)
         await client.connect()
-        await client.write_event(Synthesize(text=text).event())
+        await client.write_event(Synthesize(text=SENTENCE * 3).event())
         while (await client.read_event()).type != "audio-chunk":
             pass
         await client.disconnect()
@@ -213,11 +226,14 @@ def test_a_client_that_leaves_mid_answer_frees_its_rows(server):
     run(go())
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline:
-        if requests.get(server.url + "/status", timeout=5).json()["queue_depth"] == 0:
+        if _cancelled(server) > before:
             break
         time.sleep(0.2)
     else:
-        raise AssertionError("the dropped answer kept generating")
+        raise AssertionError("the dropped answer was not cancelled")
+    status = requests.get(server.url + "/status", timeout=5).json()
+    assert status["queue_depth"] == 0
+    server.wyoming = port
     test_describe_says_it_streams_and_lists_the_voices(server)
 
 
@@ -238,3 +254,24 @@ def test_idle_wyoming_connections_leave_http_alone(server):
     finally:
         for sock in idle:
             sock.close()
+
+
+def test_a_full_queue_is_an_error_event(start_server):
+    """A text of more segments than the queue holds: Wyoming's error event says so, as HTTP's
+    503 does, and the connection goes on serving."""
+    port = free_port()
+    server = start_server(CHATTTS_WYOMING_PORT=str(port), CHATTTS_MAX_QUEUE="2")
+    server.wait_ready()
+    text = "这是第一句话。" * 100
+
+    async def go():
+        async with AsyncTcpClient("127.0.0.1", port) as client:
+            await client.write_event(Synthesize(text=text).event())
+            answer = await client.read_event()
+            await client.write_event(Synthesize(text=SENTENCE).event())
+            return answer, await _events_until(client, "audio-stop")
+
+    answer, spoken = run(go())
+    error = Error.from_event(answer)
+    assert error.code == "overloaded" and "no room" in error.text
+    assert spoken[-1].type == "audio-stop" and _pcm(spoken)
