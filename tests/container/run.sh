@@ -12,6 +12,7 @@
 #
 # Environment: CT_WORK (cache directory kept between local runs, default /var/tmp/chattts-ct),
 # CT_PORT (loopback port, default 18090), CT_HUB_PORT (the stand-in hub's, default 18091),
+# CT_WYOMING_PORT (the service's Wyoming port, default 18092),
 # CT_TORCH_INDEX_URL (default empty: Debian's torch; https://pypi.org/simple builds the image
 # with PyPI's CUDA builds instead), CT_SUITE (default 1: then run the whole test suite inside
 # the image, tests/container/Containerfile.test; 0 skips that step).
@@ -22,6 +23,7 @@ HERE="$REPO/tests/container"
 WORK="${CT_WORK:-/var/tmp/chattts-ct}"
 PORT="${CT_PORT:-18090}"
 HUB_PORT="${CT_HUB_PORT:-18091}"
+WYOMING_PORT="${CT_WYOMING_PORT:-18092}"
 TORCH_INDEX="${CT_TORCH_INDEX_URL-}"
 BASE_IMAGE="docker.io/library/debian:trixie-slim"
 IMAGE="chattts-service:latest"
@@ -104,7 +106,8 @@ Path(sys.argv[2]).write_text(json.dumps({name: sha256_of(root / name) for name i
 PY
 chmod 644 "$SUMS"
 RUN_CGROUP_PARENT="$(cgroup_parent)"
-(cd "$REPO" && CT_PORT="$PORT" CT_HUB_PORT="$HUB_PORT" CT_SUMS="$SUMS" CT_CGROUP_PARENT="$RUN_CGROUP_PARENT" \
+(cd "$REPO" && CT_PORT="$PORT" CT_HUB_PORT="$HUB_PORT" CT_WYOMING_PORT="$WYOMING_PORT" \
+    CT_SUMS="$SUMS" CT_CGROUP_PARENT="$RUN_CGROUP_PARENT" \
     "$TOOLS/bin/docker-compose" -p "$PROJECT" -f docker-compose.yml -f "$HERE/compose.test.yml" \
     config > "$WORK/compose.merged.yml") || fail "cannot merge the test overrides"
 
@@ -240,6 +243,34 @@ status=$(curl -s -o /dev/null -w '%{http_code}' -X POST -H 'Content-Type: applic
     > "$WORK/slow.json" 2> "$WORK/slow.txt" \
     || { cat "$WORK/slow.json" "$WORK/slow.txt"; fail "slow and idle clients starved the service"; }
 log "slow clients: $(cat "$WORK/slow.txt")"
+
+# Home Assistant's Wyoming port, with the wyoming package's own client: describe, a sentence
+"$PYTHON" - "$WYOMING_PORT" > "$WORK/wyoming.txt" 2>&1 <<'PY' || { cat "$WORK/wyoming.txt"; fail "Wyoming"; }
+import asyncio
+import sys
+
+from wyoming.client import AsyncTcpClient
+from wyoming.info import Describe, Info
+from wyoming.tts import Synthesize
+
+
+async def check(port: int) -> None:
+    async with AsyncTcpClient("127.0.0.1", port) as client:
+        await client.write_event(Describe().event())
+        info = Info.from_event(await client.read_event())
+        assert info.tts[0].supports_synthesize_streaming, info
+        await client.write_event(Synthesize(text="你好，容器测试。").event())
+        audio = 0
+        while (event := await client.read_event()).type != "audio-stop":
+            assert event.type != "error", event
+            audio += len(event.payload or b"") if event.type == "audio-chunk" else 0
+        assert audio > 0
+        print(f"{len(info.tts[0].voices)} voices, {audio / 48000:.2f} s of audio")
+
+
+asyncio.run(asyncio.wait_for(check(int(sys.argv[1])), 120))
+PY
+log "Wyoming: $(cat "$WORK/wyoming.txt")"
 
 # -- 7. checks from inside ------------------------------------------------------------------
 inside() { podman exec "$CONTAINER" sh -c "$1"; }
