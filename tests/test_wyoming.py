@@ -176,6 +176,8 @@ def _raw(port: int, data: bytes, wait: float = 10.0) -> bytes:
                 chunk = sock.recv(65536)
             except TimeoutError:
                 break
+            except ConnectionResetError:  # closed with the rest of the event unread: a reset
+                return received
             if not chunk:
                 return received
             received += chunk
