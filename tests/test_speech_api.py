@@ -441,6 +441,10 @@ def test_voices_listing_registration_and_use(api, client):
     assert junk.status_code == 422 and "embedding" in junk.json()["error"]["message"]
     empty = post(api, "/v1/audio/voices", {"name": "junk", "embedding": ""})
     assert empty.status_code == 400
+    # a voice to copy that is not there is the field's fault: 400 naming it, not 404
+    missing = post(api, "/v1/audio/voices", {"name": "junk", "voice": "nobody"})
+    assert missing.status_code == 400 and missing.json()["error"]["param"] == "voice"
+    assert "nobody" in missing.json()["error"]["message"]
 
     assert requests.delete(api.url + "/v1/audio/voices/narrator", timeout=10).status_code == 200
     assert requests.delete(api.url + "/v1/audio/voices/narrator", timeout=10).status_code == 404

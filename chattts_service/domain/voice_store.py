@@ -200,7 +200,7 @@ class VoiceStore:
         if (embedding_text is None) == (voice is None):
             raise VoiceError("send either 'embedding' or 'voice' (a blend, seed:N or a name)")
         if voice is not None:
-            source = self.get(voice)
+            source = self.resolve(voice, "voice")  # missing: the request's field at fault
             if source.sample is not None:
                 raise VoiceError(
                     f"{source.name!r} is made from a recording and has no embedding to store; "

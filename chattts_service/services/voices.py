@@ -78,10 +78,7 @@ class VoiceService:
     def register(self, name: str, embedding: str | None, replace: bool, voice: str | None) -> Voice:
         """A named voice from a ChatTTS speaker embedding string, or a copy of a voice this
         server resolves (a blend such as ``alloy(2)+echo(1)``, ``seed:N``)."""
-        store = self._store()
-        if voice is not None:
-            self.resolve(voice, "voice")  # a voice to copy that is not there: the field's fault
-        return store.register(name, embedding, replace=replace, voice=voice)
+        return self._store().register(name, embedding, replace=replace, voice=voice)
 
     def from_recording(self, name: str, recording: bytes, consent: str, transcript: str) -> Voice:
         """OpenAI's ``voices.create(audio_sample=..., consent=..., name=...)``: the recording
