@@ -8,7 +8,7 @@ from collections.abc import Callable
 
 import numpy as np
 
-from chattts_service.inference.decoding import Advance, AudioDecoder, Span
+from chattts_service.inference.decoding import Advance, AudioDecoder, Span, every_one
 
 # what to decode (a window's span, or a stream's ``Advance``), then done(samples), failed(error)
 Item = tuple[Span | Advance, Callable[[np.ndarray], None], Callable[[Exception], None]]
@@ -103,7 +103,7 @@ class DecodeQueue:
         results in the order of ``work``."""
         chunks = [index for index, item in enumerate(work) if isinstance(item, Advance)]
         windows = [index for index, item in enumerate(work) if not isinstance(item, Advance)]
-        results: list[np.ndarray] = [np.empty(0, dtype=np.float32)] * len(work)  # all set
+        results: list[np.ndarray | None] = [None] * len(work)
         for indices, decode in (
             (windows, self.decoder.decode_many),
             (chunks, self.decoder.advance_many),
@@ -111,7 +111,7 @@ class DecodeQueue:
             if indices:
                 for index, samples in zip(indices, decode([work[i] for i in indices]), strict=True):
                     results[index] = samples
-        return results
+        return every_one(results)
 
 
 # A bulk window waits at most this long for the streams to spare the time to decode it, and a

@@ -346,18 +346,15 @@ class AudioDecoder:
                 self(hiddens) if first == 0 and last is None else self.span(hiddens, first, last)
                 for hiddens, first, last in items
             ]
-        results: list[np.ndarray] = [_NOTHING] * len(items)
+        results: list[np.ndarray | None] = [None] * len(items)
         for group in _groups([_Row(*item).width(self._context_reach()) for item in items]):
             decoded = self.spans([items[index] for index in group])
             for index, samples in zip(group, decoded, strict=True):
                 results[index] = samples
-        return results
+        return every_one(results)
 
 
 CROP_FRAMES = 64  # a stage narrows the canvas only by this much at least
-
-
-_NOTHING = np.empty(0, dtype=np.float32)  # a place each decoded window's samples take
 
 
 class StreamState:
@@ -480,6 +477,15 @@ def _mask(rows, reach: int, anchor: int, offset: int, width: int) -> torch.Tenso
         hi = anchor + row.right(reach) - offset
         mask[index, :, max(0, lo) : max(0, hi)] = 1.0
     return mask
+
+
+def every_one(results: list[np.ndarray | None]) -> list[np.ndarray]:
+    """Results gathered by index from decodes in groups, each index filled: a missing one is a
+    bug, said here rather than handed on as audio."""
+    filled = [samples for samples in results if samples is not None]
+    if len(filled) != len(results):
+        raise RuntimeError(f"{len(results) - len(filled)} of {len(results)} decodes left no audio")
+    return filled
 
 
 def _samples(audio: torch.Tensor) -> np.ndarray:
