@@ -17,8 +17,8 @@ admission. Events and the server come from the ``wyoming`` package.
   with its text; a client that leaves stops its generation at once.
 
 Wyoming has no authentication: API keys cover HTTP only. Events are bounded (a header line of
-``MAX_LINE_BYTES``, data and payload of ``MAX_EVENT_BYTES`` each: beyond, the connection is
-closed), as are idle connections (``IDLE_SECONDS``) and connections at once
+asyncio's 64 KiB line limit, data and payload of ``MAX_EVENT_BYTES`` each: beyond, the
+connection is closed), as are idle connections (``IDLE_SECONDS``) and connections at once
 (``MAX_CONNECTIONS``: beyond, a new one is closed at once).
 """
 
@@ -54,7 +54,6 @@ from chattts_service.services.voices import NotLoaded
 
 log = logging.getLogger(__name__)
 
-MAX_LINE_BYTES = 64 * 1024  # asyncio's default limit for a line, which the server keeps
 MAX_EVENT_BYTES = 256 * 1024
 IDLE_SECONDS = 300.0
 READ_SECONDS = 30.0  # an event's data and payload, once its header line has come
@@ -94,8 +93,6 @@ class WyomingServer:
         self.service, self.host, self.port = service, host, port
         # the threads that wait for a stream's next chunk (one per sentence being spoken)
         self.pool = ThreadPoolExecutor(max_workers=32, thread_name_prefix="wyoming-audio")
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._server: AsyncTcpServer | None = None
         self._ready = threading.Event()
         self.connections = 0
 
@@ -106,11 +103,9 @@ class WyomingServer:
 
     def _run(self) -> None:
         loop = asyncio.new_event_loop()
-        self._loop = loop
         server = AsyncTcpServer(self.host, self.port)
-        self._server = server
         try:
-            loop.run_until_complete(self._serve(server))
+            loop.run_until_complete(server.start(self._handler))
             self._ready.set()
             log.info("Wyoming (Home Assistant) on %s:%d", self.host, self.port)
             loop.run_forever()
@@ -118,18 +113,8 @@ class WyomingServer:
             log.error("Wyoming cannot listen on %s:%d: %s", self.host, self.port, error)
             self._ready.set()
 
-    async def _serve(self, server: AsyncTcpServer) -> None:
-        await server.start(self._handler)
-
     def _handler(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> Handler:
         return Handler(reader, writer, self)
-
-    def stop(self) -> None:
-        loop, server = self._loop, self._server
-        if loop is None or server is None:
-            return
-        asyncio.run_coroutine_threadsafe(server.stop(), loop).result(10)
-        loop.call_soon_threadsafe(loop.stop)
 
     def info(self) -> Info:
         voices = [
