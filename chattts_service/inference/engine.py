@@ -284,9 +284,10 @@ class Engine:
 
     def _job(self, text, request, speaker, fixed_steps, stream, step_cap, early=True):
         """One segment's job, its time fed to the admission's wait estimate."""
+        _, prompts, _, decodes, _ = self._parts()
         return SynthesisJob(
-            self._parts()[1],
-            self._parts()[3],
+            prompts,
+            decodes,
             text,
             request,
             speaker,
