@@ -2,7 +2,7 @@ from dataclasses import fields, replace
 
 import torch
 
-from chattts_service.domain.speech import SynthesisRequest
+from chattts_service.domain.speech import Silence, SynthesisRequest
 from chattts_service.domain.voices import Voice
 from chattts_service.services.cache import AudioCache, cache_key
 
@@ -27,6 +27,8 @@ def test_every_input_that_changes_audio_changes_the_key():
         "normalize": False,
         "refine_prompt": "[oral_2]",
         "sentence_segments": True,
+        "language": "en",
+        "parts": (replace(BASE, text="a"), Silence(300), replace(BASE, text="b")),
     }
     assert set(changed) == {f.name for f in fields(SynthesisRequest)}, "new field: extend this test"
     keys = {cache_key(BASE, "m", "wav")}
@@ -35,6 +37,19 @@ def test_every_input_that_changes_audio_changes_the_key():
     keys.add(cache_key(BASE, "another-model", "wav"))
     keys.add(cache_key(BASE, "m", "mp3"))
     assert len(keys) == len(changed) + 3
+
+
+def test_a_scripts_spans_and_silences_are_keyed():
+    one, two = replace(BASE, text="a"), replace(BASE, text="b")
+    scripts = [
+        (one, Silence(300), two),
+        (one, Silence(301), two),
+        (one, two),
+        (one, Silence(300), replace(two, voice=VOICE)),
+        (one, Silence(300), replace(two, voice=Voice("nova", torch.ones(4), "d2"))),
+    ]
+    keys = {cache_key(replace(BASE, parts=parts), "m", "wav") for parts in scripts}
+    assert len(keys) == len(scripts)
 
 
 def test_a_voice_is_keyed_by_its_embedding_not_only_its_name():

@@ -27,6 +27,7 @@ from chattts_service.domain.voices import SEED_VOICE
 
 KEY = "contract-key-0123456789abcdef"
 CONFIG = Path(__file__).with_name("schemathesis.toml")
+ROOT = str(Path(__file__).resolve().parent.parent)
 
 
 def _schemathesis(server, *extra: str) -> subprocess.CompletedProcess:
@@ -54,6 +55,9 @@ def _schemathesis(server, *extra: str) -> subprocess.CompletedProcess:
         capture_output=True,
         text=True,
         timeout=1200,
+        # what it may send (tests/schemathesis_hooks.py), importable from the repository
+        env={**os.environ, "SCHEMATHESIS_HOOKS": "tests.schemathesis_hooks", "PYTHONPATH": ROOT},
+        cwd=ROOT,
     )
 
 

@@ -32,7 +32,7 @@ def test_text_is_normalised_for_model_and_cache_alike():
 @pytest.mark.parametrize(
     "body,message",
     [
-        ({}, "'text' is required"),
+        ({}, "give either 'text' \\(a text, or SSML\\) or 'turns'"),
         ({"text": 5}, "must be a string"),
         ({"text": ["a"]}, "must be a string"),
         ({"text": "   \n "}, "must not be empty"),
@@ -52,7 +52,10 @@ def test_text_is_normalised_for_model_and_cache_alike():
         ({"text": "hi", "top_p": 1.5}, "'top_p' must be between"),
         ({"text": "hi", "top_k": 2.5}, "'top_k' must be an integer"),
         ({"text": "hi", "top_k": 0}, "'top_k' must be between 1 and 100"),
-        ({"text": "hi", "format": "m4a"}, "'format' must be one of mp3, opus, flac, wav, pcm, aac"),
+        (
+            {"text": "hi", "format": "m4a"},
+            "'format' must be one of mp3, opus, flac, wav, pcm, aac, ulaw, alaw",
+        ),
         ({"text": "hi", "format": "flac", "stream": True}, "cannot be streamed"),
         ({"text": "hi", "stream": "yes"}, "'stream' must be true or false"),
         ({"text": "hi", "normalize": 1}, "'normalize' must be true or false"),

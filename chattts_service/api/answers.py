@@ -37,8 +37,14 @@ class Caption(Answer):
     end: float
     text: str = Field(description="the sentence as sent")
     spoken_text: str = Field(description="as the model read it (normalised)")
-    start_sample: int = Field(description="24 kHz samples: exact")
+    start_sample: int = Field(
+        description="samples at the audio's rate (24 kHz unless sample_rate asks): exact at 24 kHz"
+    )
     end_sample: int
+    speaker: str | None = Field(
+        default=None,
+        description="the voice that says it: in SSML with <voice> and in dialogue turns",
+    )
 
 
 Base64 = Annotated[str, WithJsonSchema({"type": "string", "contentEncoding": "base64"})]

@@ -20,6 +20,7 @@ from chattts_service.domain.speech import (
     EngineError,
     NothingToSay,
     Overloaded,
+    TooManySegments,
 )
 from chattts_service.domain.voices import (
     NotAnEmbedding,
@@ -113,6 +114,7 @@ class InternalError(ApiError):
 # reads. The first row whose type matches wins, so subclasses come before their bases.
 ENGINE_ERRORS: list[tuple[type[EngineError], type[ApiError], str]] = [
     (NothingToSay, Unprocessable, "{error}"),
+    (TooManySegments, Unprocessable, "{error}"),
     (Overloaded, NotReady, "server is overloaded: {error}"),
     (DeadlineExceeded, GatewayTimeout, "synthesis dropped: {error}"),
     (Cancelled, ClientClosedRequest, "synthesis dropped: {error}"),

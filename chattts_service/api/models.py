@@ -36,12 +36,14 @@ from pydantic_core import PydanticCustomError
 
 from chattts_service.config import MAX_SEED, Settings
 from chattts_service.domain.speech import CODE_SAMPLING, PRIORITIES
+from chattts_service.domain.ssml import MAX_BREAK_MS, SSML_START, is_ssml
 from chattts_service.domain.text import (
     INLINE_TOKENS,
     REFINE_TOKENS,
     NothingToSpeak,
     TextError,
     check_refine_prompt,
+    normalise_text,
     text_to_speak,
 )
 from chattts_service.domain.voices import (
@@ -50,7 +52,7 @@ from chattts_service.domain.voices import (
     MAX_EMBEDDING_CHARS,
     NAME,
 )
-from chattts_service.services.audio import FORMATS, STREAM_FORMATS
+from chattts_service.services.audio import FORMATS, OPUS_RATES, SAMPLE_RATES, STREAM_FORMATS
 from chattts_service.services.captions import CAPTION_FORMATS
 from chattts_service.services.consents import CONSENT_ID, LANGUAGE, MAX_LABEL_CHARS, MAX_PAGE
 from chattts_service.services.recordings import (
@@ -69,6 +71,12 @@ PRIORITY_DESCRIPTION = (
     "document nobody listens to yet). Default (or the `X-Priority` header): streams and the "
     "first segment of a whole answer interactive, a whole answer's later segments bulk."
 )
+# SSML's markup may make a text this many times as long as the text limit (the text inside no
+# longer); what the schema says begins SSML
+SSML_MARKUP_ALLOWANCE = 4
+SSML_PATTERN = "^" + SSML_START.pattern
+MAX_TURNS = 100  # a dialogue's turns: each is a span of its own, of one segment or more
+TURN_GAP_MS = 400  # the silence between two turns, unless the request says
 # The voices a request may name change at run time: the document puts a reference to its
 # component of them (``voice_schema``, built when the document is) where this key stands.
 VOICE_MARK = "x-voice"
@@ -162,11 +170,21 @@ def text_patterns() -> tuple[str, str]:
 
 def _text_type(settings: Settings) -> Any:
     """The text to speak: at most ``max_chars`` code points as sent (413 beyond), only the
-    inline control tokens, something to say; normalised (``normalise_text``)."""
+    inline control tokens, something to say; normalised (``normalise_text``). SSML (a text
+    beginning with ``<speak``) may be ``SSML_MARKUP_ALLOWANCE`` times as long, for its markup;
+    the limit applies to the text inside it (checked when it is read)."""
 
     def check(text: str, info: ValidationInfo) -> str:
         if any(0xD800 <= ord(ch) <= 0xDFFF for ch in text):
             raise refuse(f"'{info.field_name}' contains an unpaired UTF-16 surrogate")
+        if len(text) > settings.max_chars and not is_ssml(text):
+            raise refuse(
+                f"'{info.field_name}' has {len(text)} characters; the limit is "
+                f"{settings.max_chars}",
+                TOO_LARGE,
+            )
+        if is_ssml(text):  # its control tokens are those of the text inside, once it is read
+            return normalise_text(text)
         # the schema's pattern reads the text as sent too
         try:
             return text_to_speak(text, settings.max_control_tokens)
@@ -176,15 +194,21 @@ def _text_type(settings: Settings) -> Any:
             raise refuse(str(error)) from None
 
     whole, somewhere = text_patterns()
+    plain_or_ssml: dict[str, Any] = {
+        "anyOf": [{"maxLength": settings.max_chars}, {"pattern": SSML_PATTERN}]
+    }
     return Annotated[
         str,
         Field(
             min_length=1,
-            max_length=settings.max_chars,
-            description="Chinese and/or English, up to maxLength code points. Inline control "
+            max_length=settings.max_chars * SSML_MARKUP_ALLOWANCE,
+            description="Chinese and/or English, up to "
+            f"{settings.max_chars} code points. Inline control "
             f"tokens allowed: {', '.join(INLINE_TOKENS)} (at most "
-            f"{settings.max_control_tokens}). Long text is split at sentence boundaries.",
-            json_schema_extra={"pattern": whole, "allOf": [{"pattern": somewhere}]},
+            f"{settings.max_control_tokens}). Long text is split at sentence boundaries. A text "
+            "beginning with <speak is SSML (the subset in the README); its markup may make it "
+            f"up to {SSML_MARKUP_ALLOWANCE} times as long, the text inside it no longer.",
+            json_schema_extra={"pattern": whole, "allOf": [{"pattern": somewhere}, plain_or_ssml]},
         ),
         AfterValidator(check),
     ]
@@ -287,6 +311,10 @@ SPEED_DESCRIPTION = (
     "0.5 -> 3, 1 -> 5, 2 -> 7, 4 -> 9); the model's own pace range is narrower than the "
     "numbers say."
 )
+SAMPLE_RATE_DESCRIPTION = (
+    "The audio's sample rate in Hz: the model's 24000 unless asked (ulaw and alaw: 8000), "
+    "resampled with FFmpeg's resampler. opus takes 8000, 16000, 24000 or 48000."
+)
 STREAM_FORMAT_DESCRIPTION = (
     "OpenAI's: 'audio' (the audio itself) or 'sse' (Server-Sent Events: speech.audio.delta "
     "with base64 audio as it is generated, then speech.audio.done; for flac one delta holds the "
@@ -322,18 +350,27 @@ class SpeechFields(Protocol):
     stream_format: str | None
     stream: bool
     priority: str | None
+    sample_rate: int | None
+    turns: list[TurnFields] | None
+    turn_gap_ms: int
     model_fields_set: set[str]
 
     @property
     def audio_format(self) -> str: ...
 
 
+class TurnFields(Protocol):
+    voice: str | None
+    input: str
+    speed: float | None
+
+
 class SynthesizeFields(SpeechFields, Protocol):
-    text: str
+    text: str | None
 
 
 class OpenAISpeechFields(SpeechFields, Protocol):
-    input: str
+    input: str | None
 
 
 class CaptionedSpeechFields(OpenAISpeechFields, Protocol):
@@ -386,9 +423,15 @@ def speech_bodies(settings: Settings) -> SpeechBodies:
         priority: Annotated[Literal[PRIORITIES] | None, Field(description=PRIORITY_DESCRIPTION)] = (
             None
         )
+        sample_rate: Annotated[
+            Literal[SAMPLE_RATES] | None,
+            BeforeValidator(integral),
+            Field(description=SAMPLE_RATE_DESCRIPTION),
+        ] = None
 
-        # the field naming the audio format, in this body's spelling
+        # the fields naming the audio format and holding the text, in this body's spelling
         FORMAT_FIELD: ClassVar[str] = "format"
+        TEXT_FIELD: ClassVar[str] = "text"
 
         @property
         def audio_format(self) -> str:
@@ -404,6 +447,17 @@ def speech_bodies(settings: Settings) -> SpeechBodies:
                 )
             if self.refine_prompt and not self.refine_text:
                 raise refuse("'refine_prompt' steers text refinement; set 'refine_text': true")
+            text = getattr(self, self.TEXT_FIELD)
+            if (text is None) == (getattr(self, "turns", None) is None):
+                raise refuse(
+                    f"give either '{self.TEXT_FIELD}' (a text, or SSML) or 'turns' (a dialogue)"
+                    + (", not both" if text is not None else "")
+                )
+            if self.audio_format == "opus" and self.sample_rate not in (None, *OPUS_RATES):
+                raise refuse(
+                    f"opus cannot carry {self.sample_rate} Hz; 'sample_rate' for opus is one of "
+                    f"{', '.join(str(rate) for rate in OPUS_RATES if rate in SAMPLE_RATES)}"
+                )
             return self
 
     stream_then = {"properties": {"stream": {"const": True}}, "required": ["stream"]}
@@ -417,18 +471,66 @@ def speech_bodies(settings: Settings) -> SpeechBodies:
         else {"properties": {"refine_text": {"const": True}}, "required": ["refine_text"]}
     )
 
+    opus_rates = [rate for rate in SAMPLE_RATES if rate not in OPUS_RATES]
+
     def rules(format_field: str, needs_format: bool) -> dict[str, Any]:
         """What the model validator checks across fields, as JSON Schema's if/then."""
         then: dict[str, Any] = {"properties": {format_field: {"enum": list(STREAM_FORMATS)}}}
         if needs_format:
             then["required"] = [format_field]
+        opus_if = {"properties": {format_field: {"const": "opus"}}, "required": [format_field]}
+        opus_then = {"properties": {"sample_rate": {"not": {"enum": opus_rates}}}}
         return {
-            "allOf": [{"if": stream_then, "then": then}, {"if": refine_if, "then": refine_then}]
+            "allOf": [
+                {"if": stream_then, "then": then},
+                {"if": refine_if, "then": refine_then},
+                {"if": opus_if, "then": opus_then},
+            ]
+        }
+
+    class Turn(Body):
+        """One line of a dialogue: its text (plain or SSML) and who says it."""
+
+        voice: Annotated[
+            VoiceReference | None,
+            Field(description="Who says it (as 'voice' takes); without it the request's voice."),
+        ] = None
+        input: Text
+        speed: Number(0.25, 4.0, "This turn's speed; without it the request's.") | None = None
+
+    Turns = Annotated[  # noqa: N806
+        list[Turn],
+        Field(
+            min_length=1,
+            max_length=MAX_TURNS,
+            description="A dialogue: the turns spoken one after another in one audio, each "
+            "in its own voice, 'turn_gap_ms' apart; instead of the text field. Captions name "
+            "each cue's voice.",
+        ),
+    ]
+    TurnGap = Integer(  # noqa: N806
+        0, MAX_BREAK_MS, f"The silence between two turns, in ms ({TURN_GAP_MS} without it)."
+    )
+
+    def script_rules(text_field: str) -> dict[str, Any]:
+        """The text or the turns, not both, as JSON Schema says it (null is absent)."""
+        return {
+            "oneOf": [
+                {"required": [name], "properties": {name: {"type": kind}}}
+                for name, kind in ((text_field, "string"), ("turns", "array"))
+            ]
         }
 
     class SynthesizeRequest(Options):
-        model_config = ConfigDict(json_schema_extra=rules("format", needs_format=True))
-        text: Text
+        model_config = ConfigDict(
+            json_schema_extra={
+                **rules("format", needs_format=True),
+                **script_rules("text"),
+            }
+        )
+        text: Text | None = None
+        turns: Turns | None = None
+        turn_gap_ms: TurnGap | None = TURN_GAP_MS
         voice: Annotated[
             VoiceReference | None,
             Field(description=VOICE_DESCRIPTION + " Without it the voice of 'seed'."),
@@ -436,10 +538,18 @@ def speech_bodies(settings: Settings) -> SpeechBodies:
         format: AudioFormat | None = "wav"
 
     class SpeechRequest(Options):
-        model_config = ConfigDict(json_schema_extra=rules("response_format", needs_format=False))
+        model_config = ConfigDict(
+            json_schema_extra={
+                **rules("response_format", needs_format=False),
+                **script_rules("input"),
+            }
+        )
         FORMAT_FIELD: ClassVar[str] = "response_format"
+        TEXT_FIELD: ClassVar[str] = "input"
         model: Annotated[Literal[MODEL_IDS], BeforeValidator(_known_model)]
-        input: Text
+        input: Text | None = None
+        turns: Turns | None = None
+        turn_gap_ms: TurnGap | None = TURN_GAP_MS
         voice: Annotated[VoiceReference, Field(description=VOICE_DESCRIPTION)]
         response_format: AudioFormat | None = "mp3"
         instructions: _instructions_type(settings) | None = None

@@ -32,7 +32,9 @@ from chattts_service.api.models import (
     speech_bodies,
 )
 from chattts_service.config import Settings
-from chattts_service.domain.speech import SynthesisRequest
+from chattts_service.domain import ssml
+from chattts_service.domain.speech import Silence, SynthesisRequest
+from chattts_service.domain.text import NORMALISER, TextError, check_tokens
 from chattts_service.domain.voices import Voice
 from chattts_service.services.audio import STREAM_FORMATS
 from chattts_service.services.speech import Output
@@ -186,6 +188,9 @@ def number_text(value: float) -> str:
     return str(int(value)) if float(value).is_integer() else f"{value:g}"
 
 
+MIN_SPEED, MAX_SPEED = 0.25, 4.0  # OpenAI's speed range; SSML's rates are held within it
+
+
 def speed_level(speed: float) -> int:
     """OpenAI's speed (0.25-4.0, 1 = normal) -> ChatTTS's [speed_N] prompt level (0-9, 5 =
     normal): two levels per doubling, so 0.25 -> 1, 0.5 -> 3, 1 -> 5, 2 -> 7, 4 -> 9."""
@@ -198,18 +203,116 @@ class Voices(Protocol):
     def resolve(self, name: str, field: str) -> Voice: ...
 
 
+def _voice(voices: Voices | None, name: str, field: str) -> Voice:
+    if voices is None:
+        raise BadRequest("voices are not available until the model is loaded")
+    return voices.resolve(name, field)
+
+
+def _script(
+    text: str,
+    base: SynthesisRequest,
+    speed: float,
+    voices: Voices | None,
+    field: str,
+    room: int,
+    max_tokens: int,
+) -> list[SynthesisRequest | Silence]:
+    """A text as a script's parts: SSML's spans and breaks (each span in its voice, pace and
+    language), or the text as one span. ``room``: the characters it may hold; ``max_tokens``:
+    the inline control tokens."""
+    if not ssml.is_ssml(text):
+        return [replace(base, text=text, speed=speed_level(speed))]
+    try:
+        read = ssml.parse(text, room, NORMALISER)
+    except ssml.SsmlTooLong as error:
+        raise PayloadTooLarge(f"'{field}': {error}", param=field) from None
+    except ssml.SsmlError as error:
+        raise BadRequest(
+            f"'{field}' is not SSML this service reads: {error}", param=field
+        ) from None
+    try:
+        check_tokens(" ".join(p.text for p in read if isinstance(p, ssml.Span)), max_tokens)
+    except TextError as error:
+        raise BadRequest(f"'{field}': {error}", param=field) from None
+    parts: list[SynthesisRequest | Silence] = []
+    for part in read:
+        if isinstance(part, ssml.Pause):
+            parts.append(Silence(part.milliseconds))
+            continue
+        pace = min(MAX_SPEED, max(MIN_SPEED, (part.speed or speed) * part.factor))
+        parts.append(
+            replace(
+                base,
+                text=part.text,
+                voice=_voice(voices, part.voice, field) if part.voice else base.voice,
+                speed=speed_level(pace),
+                language=part.language,
+            )
+        )
+    return parts
+
+
+def _spoken(
+    body: SpeechFields,
+    text: str | None,
+    field: str,
+    base: SynthesisRequest,
+    voices: Voices | None,
+    settings: Settings,
+) -> SynthesisRequest:
+    """The request: its text (in ``field``), or a script (SSML, or the dialogue's turns)."""
+    if body.turns is None:
+        assert text is not None  # the body has one or the other
+        parts = _script(
+            text, base, body.speed, voices, field, settings.max_chars, settings.max_control_tokens
+        )
+    else:
+        parts = []
+        spoken = 0
+        for index, turn in enumerate(body.turns):
+            where = f"turns[{index}]"
+            if index:
+                parts.append(Silence(body.turn_gap_ms))
+            voice = _voice(voices, turn.voice, f"{where}.voice") if turn.voice else base.voice
+            room = settings.max_chars - spoken
+            turn_parts = _script(
+                turn.input,
+                replace(base, voice=voice),
+                turn.speed or body.speed,
+                voices,
+                f"{where}.input",
+                max(room, 0),
+                settings.max_control_tokens,
+            )
+            parts += turn_parts
+            spoken += sum(len(p.text) for p in turn_parts if isinstance(p, SynthesisRequest))
+            if spoken > settings.max_chars:
+                raise PayloadTooLarge(
+                    f"the turns have {spoken} characters or more; the limit is "
+                    f"{settings.max_chars}",
+                    param="turns",
+                )
+    spans = [part for part in parts if isinstance(part, SynthesisRequest)]
+    if len(parts) == 1:
+        return spans[0]
+    return replace(base, text=" ".join(span.text for span in spans), parts=tuple(parts))
+
+
 def _speech(
-    body: SpeechFields, text: str, voices: Voices | None, *, default_stream: bool
+    body: SpeechFields,
+    text: str | None,
+    field: str,
+    voices: Voices | None,
+    settings: Settings,
+    *,
+    default_stream: bool,
 ) -> tuple[SynthesisRequest, Output]:
     """A validated speech body -> the synthesis request and how to answer it. Without a
     ``stream`` field, a format that streams is streamed when ``default_stream``."""
-    voice = None
-    if body.voice is not None:
-        if voices is None:
-            raise BadRequest("voices are not available until the model is loaded")
-        voice = voices.resolve(body.voice, "voice")
-    request = SynthesisRequest(
-        text=text,
+    voice = _voice(voices, body.voice, "voice") if body.voice is not None else None
+    base = SynthesisRequest(
+        text="",
         seed=body.seed,
         refine_text=body.refine_text,
         voice=voice,
@@ -220,6 +323,7 @@ def _speech(
         normalize=body.normalize,
         refine_prompt=body.refine_prompt,
     )
+    request = _spoken(body, text, field, base, voices, settings)
     audio_format, asked = body.audio_format, body.model_fields_set
     stream_format = body.stream_format if "stream_format" in asked else None
     if "stream" in asked:
@@ -236,6 +340,7 @@ def _speech(
         events=events,
         priority=body.priority,
         by_default=stream and not asked_to_stream,
+        sample_rate=body.sample_rate,
     )
 
 
@@ -244,7 +349,7 @@ def synthesize_request(
 ) -> tuple[SynthesisRequest, Output]:
     """POST /synthesize: WAV unless asked otherwise."""
     parsed = cast(SynthesizeFields, parse(speech_bodies(settings).synthesize, body))
-    return _speech(parsed, parsed.text, voices, default_stream=False)
+    return _speech(parsed, parsed.text, "text", voices, settings, default_stream=False)
 
 
 def speech_request(
@@ -253,7 +358,7 @@ def speech_request(
     """POST /v1/audio/speech: OpenAI's fields (MP3 by default, streamed unless
     ``"stream": false`` or FLAC, as OpenAI's endpoint answers), plus this service's options."""
     parsed = cast(OpenAISpeechFields, parse(speech_bodies(settings).speech, body))
-    return _speech(parsed, parsed.input, voices, default_stream=True)
+    return _speech(parsed, parsed.input, "input", voices, settings, default_stream=True)
 
 
 def captioned_speech_request(
@@ -262,13 +367,14 @@ def captioned_speech_request(
     """POST /v1/audio/captioned_speech: the /v1/audio/speech body plus ``caption_format``;
     answered whole, every sentence read as its own segment so the captions are exact."""
     parsed = cast(CaptionedSpeechFields, parse(speech_bodies(settings).captioned, body))
-    request, output = _speech(parsed, parsed.input, voices, default_stream=False)
+    request, output = _speech(parsed, parsed.input, "input", voices, settings, default_stream=False)
     return (
-        replace(request, sentence_segments=True),
+        request.each_span(sentence_segments=True),
         Output(
             format=output.format,
             stream=False,
             captions=parsed.caption_format,
             priority=output.priority,
+            sample_rate=output.sample_rate,
         ),
     )

@@ -6,7 +6,8 @@ without paying for the model's imports.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from typing import Any
 
 import numpy as np
 
@@ -48,6 +49,13 @@ class NothingToSay(EngineError):
     outcome = "nothing_to_say"
 
 
+class TooManySegments(EngineError):
+    """The request needs more segments at once than the queue ever holds (a script of many
+    spans, a long text read sentence by sentence): waiting would not help."""
+
+    outcome = "too_many_segments"
+
+
 class Overloaded(EngineError):
     """No room: the queue is full, or the estimated wait is longer than allowed."""
 
@@ -86,10 +94,61 @@ class SynthesisRequest:
     normalize: bool = True  # numbers, dates, money... written out in words first
     refine_prompt: str = ""  # [oral_N][laugh_N][break_N] for the refinement pass
     sentence_segments: bool = False  # each sentence its own segment(s): captions need it
+    language: str | None = None  # the normaliser's language (zh, en); None: detected
+    # a script (SSML, a dialogue): spans spoken one after another, each a request of its own
+    # (its text, voice, pace), and silences between them; ``text`` is then the whole text as
+    # written. Empty: the request is its text.
+    parts: tuple[SynthesisRequest | Silence, ...] = ()
 
     @property
     def sampling(self) -> Sampling:
         return Sampling(self.temperature, self.top_p, self.top_k, CODE_SAMPLING.repetition_penalty)
+
+    @property
+    def speaker(self) -> str:
+        """Who speaks it, as captions name them: its voice, or ``seed:N``."""
+        return self.voice.name if self.voice is not None else f"seed:{self.seed}"
+
+    def spans(self) -> list[SynthesisRequest]:
+        """What is spoken, in order: the script's spans, or the request itself."""
+        if not self.parts:
+            return [self]
+        return [part for part in self.parts if isinstance(part, SynthesisRequest)]
+
+    def each_span(self, **change: Any) -> SynthesisRequest:
+        """The request with ``change`` made to it and to every span of its script."""
+        parts = tuple(
+            replace(part, **change) if isinstance(part, SynthesisRequest) else part
+            for part in self.parts
+        )
+        return replace(self, parts=parts, **change)
+
+    def gaps(self, pause_samples: int) -> list[int]:
+        """The silence before each span, then after the last one, in samples: the silences
+        between two spans where the script has any (exactly their sum), else ``pause_samples``
+        (the pause between segments); a script's leading and trailing silences as written."""
+        if not self.parts:
+            return [0, 0]
+        gaps, pending, spoken = [], 0, False
+        for part in self.parts:
+            if isinstance(part, Silence):
+                pending += part.samples
+                continue
+            gaps.append(pending if pending or not spoken else pause_samples)
+            pending, spoken = 0, True
+        gaps.append(pending)
+        return gaps
+
+
+@dataclass(frozen=True)
+class Silence:
+    """A pause of exactly this long in a script (SSML's ``<break>``, a dialogue's gap)."""
+
+    milliseconds: int
+
+    @property
+    def samples(self) -> int:
+        return round(self.milliseconds * SAMPLE_RATE / 1000)
 
 
 @dataclass(frozen=True)
@@ -111,7 +170,3 @@ class Synthesis:
     @property
     def seconds(self) -> float:
         return len(self.audio) / self.sample_rate
-
-
-def speakable(text: str) -> bool:
-    return any(ch.isalnum() for ch in text)

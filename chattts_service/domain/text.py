@@ -80,6 +80,11 @@ def normalise_text(text: str) -> str:
     return _WHITESPACE.sub(" ", text).strip()
 
 
+def speakable(text: str) -> bool:
+    """Whether a text has anything to say (a letter, a digit, a character)."""
+    return any(ch.isalnum() for ch in text)
+
+
 class NothingToSpeak(TextError):
     """After normalisation the text is empty."""
 
@@ -164,20 +169,25 @@ def _needs_space(left: str, right: str) -> bool:
     return left[-1].isascii() and right[0].isascii()
 
 
+LANGUAGES = ("zh", "en")  # what the normalisers read (wetext's and ChatTTS's)
+
+
 class Normaliser:
-    """``wetext`` text normalisation, language detected per call, control tokens protected.
+    """``wetext`` text normalisation, language detected per call unless given, control tokens
+    protected.
 
     The FSTs load on first use (~0.2 s); ``warm_up`` does that before the service is ready."""
 
     def __init__(self) -> None:
-        self._normalizer: Any = None  # wetext's Normalizer (untyped), loaded on first use
+        # wetext's Normalizers (untyped), by language ("auto": detected), loaded on first use
+        self._normalizers: dict[str, Any] = {}
         self._lock = threading.Lock()  # wetext's FST objects are not documented as thread-safe
 
     def warm_up(self) -> None:
         self("今天是2024年3月5日。")
         self("It is 3:30 pm on Jan 5, 2024.")
 
-    def __call__(self, text: str) -> str:
+    def __call__(self, text: str, language: str | None = None) -> str:
         parts = re.split(r"(\[[^\[\]]*\])", text)
         out = []
         for part in parts:
@@ -188,20 +198,21 @@ class Normaliser:
             ):
                 out.append(part)  # control tokens, and plain words with nothing to expand
                 continue
-            out.append(self._normalise(part))
+            out.append(self._normalise(part, language))
         return "".join(out)
 
-    def _normalise(self, text: str) -> str:
+    def _normalise(self, text: str, language: str | None) -> str:
         stripped = text.strip()
         if not stripped:
             return text
+        key = language or "auto"
         with self._lock:
-            if self._normalizer is None:
+            if key not in self._normalizers:
                 from wetext import Normalizer
 
-                self._normalizer = Normalizer(lang="auto", operator="tn")
+                self._normalizers[key] = Normalizer(lang=key, operator="tn")
             try:
-                normalised = self._normalizer.normalize(stripped)
+                normalised = self._normalizers[key].normalize(stripped)
             except Exception as error:  # wetext asserts on some inputs (e.g. "\xad\xa0:")
                 log.warning("text normalisation skipped a part it could not parse: %r", error)
                 normalised = stripped
@@ -209,3 +220,7 @@ class Normaliser:
         lead = text[: len(text) - len(text.lstrip())]
         trail = text[len(text.rstrip()) :]
         return f"{lead}{normalised}{trail}"
+
+
+# the process's one normaliser: the engine's, and SSML's say-as dates and times
+NORMALISER = Normaliser()

@@ -29,8 +29,9 @@ from chattts_service.domain.speech import (
     Overloaded,
     Synthesis,
     SynthesisRequest,
+    TooManySegments,
 )
-from chattts_service.domain.text import Normaliser
+from chattts_service.domain.text import NORMALISER
 from chattts_service.domain.voice_store import VoiceStore
 from chattts_service.domain.voices import SpeakerSample
 from chattts_service.inference.admission import Admission
@@ -92,7 +93,7 @@ class Engine:
         self.voices: VoiceStore | None = None
         self.sample_encoder: SampleEncoder | None = None
         self.sample_rate = SAMPLE_RATE
-        self.text_normaliser = Normaliser()
+        self.text_normaliser = NORMALISER
         self._normaliser_ready: threading.Thread | None = None
 
     # -- loading -------------------------------------------------------------------------------
@@ -245,6 +246,7 @@ class Engine:
         priority: str | None = None,
         tenant: str | None = None,
         early: bool = True,
+        share: tuple[int, int] | None = None,
     ) -> Run:
         """Queue every segment of a request; they generate together, in one batch when
         there is room. Raises Overloaded when the queue cannot take them all or the estimated
@@ -253,12 +255,14 @@ class Engine:
         each segment's audio once it is decoded whole). ``priority``
         (``interactive`` or ``bulk``; None: by its shape, see ``fairness.segment_priority``)
         and ``tenant`` (its API key's name, where keys are configured) place its segments in
-        the scheduler's shares."""
+        the scheduler's shares; ``share`` (a number from ``request_number`` and the index of
+        this part's first segment) places them as part of a request started in parts (the
+        spans of a script), which takes its turns as one."""
         _, prompts, _, _, voices = self._parts()
         segments, layout = prompts.split(request)
         voice = request.voice if request.voice is not None else voices.from_seed(request.seed)
         speaker = voice.speaker
-        number = next(self._requests)
+        number, first = share if share is not None else (self.request_number(), 0)
         if (
             self.settings.long_text_voice == "first_segment"
             and len(segments) > 1
@@ -270,7 +274,8 @@ class Engine:
         jobs = []
         for index, text in enumerate(segments):
             job = self._job(text, request, speaker, fixed_steps, stream, step_cap, early)
-            job.placement = (segment_priority(priority, stream, index), tenant, number, index)
+            place = first + index
+            job.placement = (segment_priority(priority, stream, place), tenant, number, place)
             jobs.append(job)
         self.admission.check(self.scheduler, len(jobs))
         run = Run(jobs, self.settings.segment_pause_ms / 1000.0, layout)
@@ -281,6 +286,21 @@ class Engine:
             run.cancel()
             raise Overloaded(str(error)) from None
         return run
+
+    def admit(self, segments: int) -> None:
+        """Raise unless the queue can take ``segments`` more now (``Overloaded``: later it may)
+        or ever (``TooManySegments``: more than ``max_queue``). For a script's spans, started
+        together; a single text is refused as overloaded (``start``), as it always was."""
+        if segments > self.policy.max_queue:
+            raise TooManySegments(
+                f"it needs {segments} segments at once; the queue holds {self.policy.max_queue} "
+                "(CHATTTS_MAX_QUEUE): send it in parts"
+            )
+        self.admission.check(self.scheduler, segments)
+
+    def request_number(self) -> int:
+        """A request's number in the scheduler's shares."""
+        return next(self._requests)
 
     def _job(self, text, request, speaker, fixed_steps, stream, step_cap, early=True):
         """One segment's job, its time fed to the admission's wait estimate."""

@@ -45,8 +45,8 @@ from chattts_service.domain.speech import (
     NothingToSay,
     Synthesis,
     SynthesisRequest,
-    speakable,
 )
+from chattts_service.domain.text import speakable
 from chattts_service.inference.scheduler import JobFuture
 
 if TYPE_CHECKING:  # prompts bring torch; a job is built once the model has loaded it

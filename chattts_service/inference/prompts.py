@@ -15,9 +15,8 @@ from chattts_service.domain.speech import (
     EngineError,
     NothingToSay,
     SynthesisRequest,
-    speakable,
 )
-from chattts_service.domain.text import Normaliser, pack, split_sentences
+from chattts_service.domain.text import Normaliser, pack, speakable, split_sentences
 from chattts_service.domain.voices import SpeakerSample
 from chattts_service.inference.generation import Heads, Sequence, TextSequence
 
@@ -47,13 +46,14 @@ class Prompts:
         by_length = BASE_STEPS + self.settings.max_steps_per_char * len(text)
         return min(self.settings.max_new_tokens, by_length)
 
-    def normalise(self, text: str, normalize: bool = True) -> str:
+    def normalise(self, text: str, normalize: bool = True, language: str | None = None) -> str:
         """Numbers and symbols written out (``wetext``, when ``normalize``), then ChatTTS's own
-        normaliser; raises NothingToSay when nothing speakable is left."""
+        normaliser, both in ``language`` (zh or en; None: detected); raises NothingToSay when
+        nothing speakable is left."""
         if normalize:
-            text = self.text_normaliser(text)
+            text = self.text_normaliser(text, language)
         normalised = self.chat.normalizer(
-            text, do_text_normalization=True, do_homophone_replacement=True
+            text, do_text_normalization=True, do_homophone_replacement=True, lang=language
         )
         if not speakable(normalised):
             raise NothingToSay("text has nothing speakable after normalisation")
@@ -66,7 +66,8 @@ class Prompts:
         sentences = []
         for sentence in split_sentences(request.text):
             try:
-                sentences.append((sentence, self.normalise(sentence, request.normalize)))
+                spoken = self.normalise(sentence, request.normalize, request.language)
+                sentences.append((sentence, spoken))
             except NothingToSay:
                 sentences.append((sentence, ""))
         if not any(spoken for _, spoken in sentences):

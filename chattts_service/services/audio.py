@@ -1,10 +1,15 @@
-"""Encoding float audio for the wire: WAV, FLAC, MP3, Ogg Opus, AAC (ADTS) and raw PCM.
+"""Encoding float audio for the wire: WAV, FLAC, MP3, Ogg Opus, AAC (ADTS), raw PCM and G.711.
 
 Whole MP3, Opus and FLAC files go through ``soundfile`` (libsndfile, with LAME and libopus in
-its wheels). Streams, and AAC, go through ``StreamEncoder`` (PyAV: FFmpeg's LAME, libopus and
-AAC encoders), which encodes each chunk as it comes and hands back the bytes the muxer has
-written so far, never seeking back. Every format carries the model's own rate (24 kHz, mono):
-nothing is resampled. A WAV stream has an open-ended header and ends on a whole 4 KiB block.
+its wheels). Streams, AAC and G.711 (u-law and A-law, raw, as a phone line takes them) go
+through ``StreamEncoder`` (PyAV: FFmpeg's LAME, libopus, AAC and G.711 encoders), which encodes
+each chunk as it comes and hands back the bytes the muxer has written so far, never seeking
+back. A WAV stream has an open-ended header and ends on a whole 4 KiB block.
+
+Audio leaves at the model's rate (24 kHz, mono) unless a request asks for another
+(``SAMPLE_RATES``; G.711 is 8 kHz unless asked): then FFmpeg's resampler (swresample, through
+PyAV) converts the 16-bit samples first. It keeps its filter's state from chunk to chunk, so a
+resampled stream holds the same samples as the resampled whole answer.
 """
 
 from __future__ import annotations
@@ -23,14 +28,35 @@ FORMATS = {
     "wav": ("audio/wav", "WAV", "PCM_16"),
     "pcm": (None, None, None),  # raw signed 16-bit little-endian, mono
     "aac": ("audio/aac", None, None),  # ADTS, as OpenAI sends it
+    "ulaw": ("audio/PCMU", None, None),  # G.711 u-law, raw (RFC 3551's name for it)
+    "alaw": ("audio/PCMA", None, None),  # G.711 A-law, raw
 }
-STREAM_FORMATS = ("wav", "pcm", "mp3", "opus", "aac")
-# format -> (FFmpeg muxer, FFmpeg encoder, bit rate) for StreamEncoder
+STREAM_FORMATS = ("wav", "pcm", "mp3", "opus", "aac", "ulaw", "alaw")
+# raw formats: their Content-Type says the rate and channels, as nothing in the bytes does
+RAW_FORMATS = ("pcm", "ulaw", "alaw")
+# format -> (FFmpeg muxer, FFmpeg encoder, bit rate or None) for StreamEncoder
 ENCODERS = {
     "mp3": ("mp3", "libmp3lame", 64_000),
     "opus": ("ogg", "libopus", 32_000),
     "aac": ("adts", "aac", 64_000),
+    "ulaw": ("mulaw", "pcm_mulaw", None),
+    "alaw": ("alaw", "pcm_alaw", None),
 }
+# the rates a request may ask for; the model's own is 24 kHz
+SAMPLE_RATES = (8000, 16000, 22050, 24000, 44100, 48000)
+TELEPHONE_RATE = 8000  # G.711's, unless a request asks for another
+# Opus codes these rates only (RFC 6716): 22.05 and 44.1 kHz are refused for it
+OPUS_RATES = (8000, 12000, 16000, 24000, 48000)
+
+
+def output_rate(audio_format: str, asked: int | None, model_rate: int) -> int:
+    """The rate a response leaves at: the one asked for, else G.711's 8 kHz for ulaw and
+    alaw, else the model's."""
+    if asked is not None:
+        return asked
+    return TELEPHONE_RATE if audio_format in ("ulaw", "alaw") else model_rate
+
+
 OPEN_ENDED = 0xFFFFFFFF  # RIFF/data size of a WAV whose length is not known yet
 
 
@@ -39,6 +65,8 @@ def content_type(audio_format: str, sample_rate: int) -> str:
         return f"audio/L16; rate={sample_rate}; channels=1"
     kind = FORMATS[audio_format][0]
     assert kind is not None  # every format but pcm names its type
+    if audio_format in RAW_FORMATS:
+        return f"{kind}; rate={sample_rate}; channels=1"
     return kind
 
 
@@ -69,28 +97,66 @@ def wav_header(sample_rate: int, data_bytes: int | None) -> bytes:
     )
 
 
-def to_wav(audio: np.ndarray, sample_rate: int) -> bytes:
-    """Mono 16-bit PCM WAV."""
-    pcm = to_pcm16(audio)
-    return wav_header(sample_rate, len(pcm)) + pcm
+class Resampler:
+    """16-bit mono PCM from one rate to another, chunk by chunk (FFmpeg's swresample): the
+    bytes of ``__call__`` for every chunk, then ``finish()``, are the whole input's resampled.
+    Equal rates pass the samples through untouched."""
+
+    def __init__(self, from_rate: int, to_rate: int):
+        self._from, self._to = from_rate, to_rate
+        self._resampler: Any = None
+        if from_rate != to_rate:
+            import av
+
+            self._av = av
+            self._resampler = av.AudioResampler(format="s16", layout="mono", rate=to_rate)
+
+    def __call__(self, pcm: bytes) -> bytes:
+        if self._resampler is None or not pcm:
+            return pcm
+        samples = np.frombuffer(pcm, dtype="<i2").reshape(1, -1)
+        frame = self._av.AudioFrame.from_ndarray(samples, format="s16", layout="mono")
+        frame.sample_rate = self._from
+        return self._collect(self._resampler.resample(frame))
+
+    def finish(self) -> bytes:
+        if self._resampler is None:
+            return b""
+        return self._collect(self._resampler.resample(None))
+
+    @staticmethod
+    def _collect(frames: Any) -> bytes:
+        return b"".join(frame.to_ndarray().astype("<i2").tobytes() for frame in frames)
 
 
-def encode(audio: np.ndarray, sample_rate: int, audio_format: str) -> bytes:
+def resample(pcm: bytes, from_rate: int, to_rate: int) -> bytes:
+    """A whole answer's 16-bit samples at ``to_rate``."""
+    resampler = Resampler(from_rate, to_rate)
+    return resampler(pcm) + resampler.finish()
+
+
+def encode(
+    audio: np.ndarray, sample_rate: int, audio_format: str, out_rate: int | None = None
+) -> bytes:
+    """``audio`` (float, at ``sample_rate``) as a whole file of ``audio_format`` at
+    ``out_rate`` (default: ``sample_rate``)."""
+    rate = out_rate or sample_rate
+    pcm = resample(to_pcm16(audio), sample_rate, rate)
     if audio_format == "wav":
-        return to_wav(audio, sample_rate)
+        return wav_header(rate, len(pcm)) + pcm
     if audio_format == "pcm":
-        return to_pcm16(audio)
-    if audio_format == "aac":  # libsndfile has no AAC
-        encoder = StreamEncoder(audio_format, sample_rate)
-        return encoder.encode(to_pcm16(audio)) + encoder.finish()
+        return pcm
+    if audio_format in ENCODERS and audio_format not in ("mp3", "opus"):  # not in libsndfile
+        encoder = StreamEncoder(audio_format, rate)
+        return encoder.encode(pcm) + encoder.finish()
     import soundfile
 
     _, container, subtype = FORMATS[audio_format]
     buffer = io.BytesIO()
     # the same 16-bit samples as WAV and PCM: a lossless format decodes to identical values
-    samples = np.frombuffer(to_pcm16(audio), dtype="<i2")
+    samples = np.frombuffer(pcm, dtype="<i2")
     with soundfile.SoundFile(
-        buffer, "w", samplerate=sample_rate, channels=1, format=container, subtype=subtype
+        buffer, "w", samplerate=rate, channels=1, format=container, subtype=subtype
     ) as writer:
         writer.write(samples)
     return buffer.getvalue()
@@ -131,7 +197,8 @@ class StreamEncoder:
         # PyAV's audio stream (typed as any of its stream kinds)
         stream = self._container.add_stream(codec, rate=sample_rate, layout="mono")
         self._stream: Any = cast(Any, stream)
-        self._stream.bit_rate = bit_rate
+        if bit_rate is not None:
+            self._stream.bit_rate = bit_rate
         self._rate = sample_rate
         self._fifo = av.AudioFifo()
         self._pts = 0
@@ -153,7 +220,8 @@ class StreamEncoder:
         return self._sink.take()
 
     def _drain(self, final: bool) -> None:
-        # encoders take frames of a fixed size (1152 samples for MP3, 1024 AAC, 480 Opus)
+        # encoders take frames of a fixed size (1152 samples for MP3, 1024 AAC, 480 Opus at
+        # 24 kHz); G.711 takes any (0), so 1024 at a time
         size = self._stream.codec_context.frame_size or 1024
         while self._fifo.samples >= size or (final and self._fifo.samples):
             frame: Any = self._fifo.read(min(size, self._fifo.samples))
@@ -187,17 +255,32 @@ class _RawWriter:
         return header + bytes(padding)
 
 
-# what turns a stream's PCM chunks into the bytes of its format
-StreamWriter = _RawWriter | StreamEncoder
+class StreamWriter:
+    """What turns a stream's 16-bit PCM chunks (at the model's rate) into the bytes of its
+    format at its rate: ``encode(pcm)`` per chunk, ``finish()`` once at the end."""
+
+    def __init__(self, writer: _RawWriter | StreamEncoder, resampler: Resampler):
+        self._writer, self._resampler = writer, resampler
+
+    def encode(self, pcm: bytes) -> bytes:
+        return self._writer.encode(self._resampler(pcm))
+
+    def finish(self) -> bytes:
+        rest = self._resampler.finish()
+        return (self._writer.encode(rest) if rest else b"") + self._writer.finish()
 
 
-def stream_writer(audio_format: str, sample_rate: int) -> StreamWriter:
-    """What turns a stream's 16-bit PCM chunks into the bytes of ``audio_format``:
-    ``encode(pcm)`` per chunk, ``finish()`` once at the end."""
+def stream_writer(audio_format: str, sample_rate: int, out_rate: int | None = None) -> StreamWriter:
+    """A stream's writer: chunks at ``sample_rate`` in, ``audio_format`` at ``out_rate``
+    (default: ``sample_rate``) out."""
     if audio_format not in STREAM_FORMATS:
         raise ValueError(f"{audio_format} cannot be streamed")
+    rate = out_rate or sample_rate
+    writer: _RawWriter | StreamEncoder
     if audio_format == "wav":
-        return _RawWriter(wav_header(sample_rate, None), WAV_STREAM_BLOCK)
-    if audio_format == "pcm":
-        return _RawWriter()
-    return StreamEncoder(audio_format, sample_rate)
+        writer = _RawWriter(wav_header(rate, None), WAV_STREAM_BLOCK)
+    elif audio_format == "pcm":
+        writer = _RawWriter()
+    else:
+        writer = StreamEncoder(audio_format, rate)
+    return StreamWriter(writer, Resampler(sample_rate, rate))

@@ -23,16 +23,27 @@ from chattts_service.domain.speech import SynthesisRequest
 
 
 def cache_key(request: SynthesisRequest, model_identity: str, audio_format: str) -> str:
-    payload = {"model": model_identity, "format": audio_format}
+    payload = {"model": model_identity, "format": audio_format, **_described(request)}
+    text = json.dumps(payload, sort_keys=True, ensure_ascii=False, separators=(",", ":"))
+    return hashlib.sha256(text.encode("utf-8")).hexdigest()
+
+
+def _described(request: SynthesisRequest) -> dict[str, Any]:
+    """Every field of a request as JSON values: a voice as its name and the digest of its
+    embedding (a re-registered voice with the same name is a different voice), a script's
+    spans likewise and its silences as their length."""
+    payload: dict[str, Any] = {}
     for item in fields(request):
         value = getattr(request, item.name)
         if item.name == "voice":
-            # a voice is its name and the digest of its embedding: a re-registered voice with
-            # the same name is a different voice
             value = None if value is None else [value.name, value.digest]
+        elif item.name == "parts":
+            value = [
+                _described(part) if isinstance(part, SynthesisRequest) else part.milliseconds
+                for part in value
+            ]
         payload[item.name] = value
-    text = json.dumps(payload, sort_keys=True, ensure_ascii=False, separators=(",", ":"))
-    return hashlib.sha256(text.encode("utf-8")).hexdigest()
+    return payload
 
 
 # a cached answer: its bytes first, then what describes them (seconds, captions...)

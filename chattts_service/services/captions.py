@@ -23,6 +23,7 @@ class Caption:
     start_sample: int  # into the returned audio
     end_sample: int
     sample_rate: int
+    speaker: str | None = None  # the voice that says it (a script's spans name theirs)
 
     @property
     def start(self) -> float:
@@ -40,6 +41,7 @@ class Caption:
             "spoken_text": self.spoken_text,
             "start_sample": self.start_sample,
             "end_sample": self.end_sample,
+            **({"speaker": self.speaker} if self.speaker is not None else {}),
         }
 
 
@@ -85,6 +87,34 @@ def captions(
     return made
 
 
+def shifted(items: Sequence[Caption], offset: int, speaker: str | None) -> list[Caption]:
+    """A span's captions placed ``offset`` samples into the whole answer, naming its speaker
+    (a script's span; None for a plain text)."""
+    return [
+        replace(
+            item,
+            start_sample=item.start_sample + offset,
+            end_sample=item.end_sample + offset,
+            speaker=speaker,
+        )
+        for item in items
+    ]
+
+
+def at_rate(items: Sequence[Caption], sample_rate: int) -> list[Caption]:
+    """Captions whose sample numbers count samples at ``sample_rate`` (the rate the audio
+    leaves at); starts rounded down, ends up."""
+    return [
+        replace(
+            item,
+            start_sample=item.start_sample * sample_rate // item.sample_rate,
+            end_sample=-(-item.end_sample * sample_rate // item.sample_rate),
+            sample_rate=sample_rate,
+        )
+        for item in items
+    ]
+
+
 def _clock(seconds: float, separator: str, up: bool = False) -> str:
     """A cue time in milliseconds: starts rounded down and ends up, so a cue holds its audio."""
     millis = math.ceil(seconds * 1000 - 1e-6) if up else math.floor(seconds * 1000 + 1e-6)
@@ -97,17 +127,30 @@ def _clock(seconds: float, separator: str, up: bool = False) -> str:
 def srt(items: Sequence[Caption]) -> str:
     """SubRip: numbered cues, times as HH:MM:SS,mmm."""
     cues = [
-        f"{number}\n{_clock(item.start, ',')} --> {_clock(item.end, ',', up=True)}\n{item.text}\n"
+        f"{number}\n{_clock(item.start, ',')} --> {_clock(item.end, ',', up=True)}\n"
+        f"{_said_by(item)}{item.text}\n"
         for number, item in enumerate(items, start=1)
     ]
     return "\n".join(cues)
 
 
+def _said_by(item: Caption) -> str:
+    """SubRip has no speaker field: a script's cue begins with its speaker's name, as
+    subtitles write it ("echo: ...")."""
+    return f"{item.speaker}: " if item.speaker is not None else ""
+
+
 def vtt(items: Sequence[Caption]) -> str:
     """WebVTT: times as HH:MM:SS.mmm; the cue text escaped (&, <, >), so a "-->" in it
-    cannot end a cue."""
+    cannot end a cue; a script's cue in its speaker's voice span (``<v echo>``)."""
     cues = ["WEBVTT\n"]
     for item in items:
-        text = item.text.replace("&", "&amp;").replace("<", "&lt;").replace(">", "&gt;")
+        text = _escaped(item.text)
+        if item.speaker is not None:
+            text = f"<v {_escaped(item.speaker)}>{text}"
         cues.append(f"{_clock(item.start, '.')} --> {_clock(item.end, '.', up=True)}\n{text}\n")
     return "\n".join(cues)
+
+
+def _escaped(text: str) -> str:
+    return text.replace("&", "&amp;").replace("<", "&lt;").replace(">", "&gt;")

@@ -34,11 +34,12 @@ from chattts_service.services.audio import (
     StreamWriter,
     content_type,
     encode,
+    output_rate,
     stream_writer,
     to_pcm16,
 )
 from chattts_service.services.cache import AudioCache, cache_key
-from chattts_service.services.captions import Caption, captions
+from chattts_service.services.captions import Caption, at_rate, captions, shifted
 
 log = logging.getLogger(__name__)
 
@@ -53,6 +54,14 @@ class Output:
     # a stream nobody asked for (OpenAI's endpoint streams by default): chunks as it generates
     # unless CHATTTS_DEFAULT_STREAM=segments (each segment's audio when it is decoded whole)
     by_default: bool = False
+    sample_rate: int | None = None  # as asked; None: the format's own (``audio.output_rate``)
+
+    def rate(self, model_rate: int) -> int:
+        return output_rate(self.format, self.sample_rate, model_rate)
+
+    def cache_format(self, model_rate: int) -> str:
+        """The format and rate, as the cache keys an encoded answer."""
+        return f"{self.format}@{self.rate(model_rate)}"
 
 
 @dataclass(frozen=True)
@@ -108,6 +117,29 @@ class SpeechStream:
         self.status: int | None = None  # the API's status for how it ended, once it has
 
 
+@dataclass
+class _Span:
+    """A span of a request being answered: the silence before it (samples), its PCM key in
+    the cache, and its audio from the cache, or the run generating it (None once answered)."""
+
+    request: SynthesisRequest
+    gap: int
+    pcm_key: str
+    pcm: bytes | None = None
+    run: Run | None = None
+
+
+@dataclass(frozen=True)
+class Made:
+    """A whole answer made: its audio, the segments generated for it (0: every span from the
+    cache), how many its step cap stopped, and its captions where asked."""
+
+    audio: np.ndarray
+    segments: int
+    truncated: int
+    captions: tuple[Caption, ...] = ()
+
+
 class StreamBroken(Exception):
     """A stream could not be finished after its first bytes were sent."""
 
@@ -135,7 +167,7 @@ class SpeechPipeline:
         if not degraded:
             return Plan(request, priority=priority, tenant=tenant)
         return Plan(
-            replace(request, refine_text=False, refine_prompt=""),
+            request.each_span(refine_text=False, refine_prompt=""),
             self.settings.degraded_max_new_tokens,
             priority,
             tenant,
@@ -144,7 +176,7 @@ class SpeechPipeline:
     def input_tokens(self, plan: Plan) -> int:
         """The text tokens the model read for it: OpenAI's ``usage.input_tokens``."""
         try:
-            return self.engine.input_tokens(plan.request)
+            return sum(self.engine.input_tokens(span) for span in plan.request.spans())
         except EngineError:  # it was spoken, so this cannot happen; usage is no reason to fail
             return 0
 
@@ -154,10 +186,10 @@ class SpeechPipeline:
         self, plan: Plan, output: Output, should_stop: Callable[[], bool] | None
     ) -> Speech:
         """The whole answer, from the cache when it holds it (in this format, or as PCM to
-        encode again), else from the engine; filled on the way back unless degraded mode cut
-        a segment short."""
+        encode again), else made (a script's spans each from the cache or the engine); filled
+        on the way back unless degraded mode cut a segment short."""
         identity, rate = self.engine.identity, self.engine.sample_rate
-        key = cache_key(plan.request, identity, output.format)
+        key = cache_key(plan.request, identity, output.cache_format(rate))
         cached = self.cache.get(key)
         segments = None
         if cached is not None:
@@ -165,55 +197,97 @@ class SpeechPipeline:
         else:
             pcm_key = cache_key(plan.request, identity, "pcm")
             pcm = self.cache.get(pcm_key)
+            cacheable = True
             if pcm is not None:  # the same speech was made for another format: encode it again
                 audio, seconds, cache_status = from_pcm16(pcm[0]), pcm[1], "HIT"
             else:
-                result = self._infer(plan, should_stop)
-                audio, seconds, cache_status = result.audio, result.seconds, "MISS"
-                segments = result.segments
-                cacheable = _cacheable(plan, result.truncated)
+                made = self._whole(plan, should_stop)
+                audio, seconds = made.audio, len(made.audio) / rate
+                # a script whose every span was in the cache is a hit too
+                cache_status = "MISS" if made.segments else "HIT"
+                segments = made.segments or None
+                cacheable = _cacheable(plan, made.truncated)
                 if cacheable:
                     self.cache.put(pcm_key, (to_pcm16(audio), seconds))
-            body = encode(audio, rate, output.format)
-            if cache_status == "HIT" or cacheable:
+            body = encode(audio, rate, output.format, output.rate(rate))
+            if cacheable:
                 self.cache.put(key, (body, seconds))
         self._count_served(cache_status, seconds)
-        return Speech(body, content_type(output.format, rate), cache_status, seconds, segments)
+        return Speech(
+            body, content_type(output.format, output.rate(rate)), cache_status, seconds, segments
+        )
 
     def captioned(
         self, plan: Plan, output: Output, should_stop: Callable[[], bool] | None
     ) -> CaptionedSpeech:
-        """The whole answer with a caption per sentence (``plan.request`` reads each sentence
-        as its own segment); cached with its captions, as they are one answer."""
+        """The whole answer with a caption per sentence (each span reads each sentence as its
+        own segment), each naming its speaker; cached with its captions, as they are one
+        answer."""
         identity, rate = self.engine.identity, self.engine.sample_rate
-        key = cache_key(plan.request, identity, f"captioned/{output.format}")
+        key = cache_key(plan.request, identity, f"captioned/{output.cache_format(rate)}")
         cached = self.cache.get(key)
         if cached is not None:
             body, seconds, items, segments = cached
             cache_status = "HIT"
         else:
-            run = self._start(plan, stream=False)
-            result = self._finish(run, should_stop)
-            items = tuple(
-                captions(
-                    run.sentences,
-                    result.part_samples,
-                    result.part_texts,
-                    result.pause_samples,
-                    rate,
-                )
-            )
-            body = encode(result.audio, rate, output.format)
-            seconds, segments, cache_status = result.seconds, result.segments, "MISS"
-            if _cacheable(plan, result.truncated):
+            made = self._whole(plan, should_stop, with_captions=True)
+            items = tuple(at_rate(made.captions, output.rate(rate)))
+            body = encode(made.audio, rate, output.format, output.rate(rate))
+            seconds, segments, cache_status = len(made.audio) / rate, made.segments, "MISS"
+            if _cacheable(plan, made.truncated):
                 self.cache.put(key, (body, seconds, items, segments))
         self._count_served(cache_status, seconds)
         return CaptionedSpeech(
-            body, content_type(output.format, rate), cache_status, seconds, items, segments
+            body,
+            content_type(output.format, output.rate(rate)),
+            cache_status,
+            seconds,
+            items,
+            segments,
         )
 
-    def _infer(self, plan: Plan, should_stop: Callable[[], bool] | None) -> Synthesis:
-        return self._finish(self._start(plan, stream=False), should_stop)
+    def _whole(
+        self, plan: Plan, should_stop: Callable[[], bool] | None, with_captions: bool = False
+    ) -> Made:
+        """Every span made (from the cache, or generated side by side) and joined by the
+        script's silences. ``with_captions``: every span generated, for its sentences' places."""
+        rate = self.engine.sample_rate
+        spans, trailing = self._begin(plan, stream=False, from_cache=not with_captions)
+        pieces: list[np.ndarray] = []
+        items: list[Caption] = []
+        segments = truncated = offset = 0
+        try:
+            for span in spans:
+                pieces.append(np.zeros(span.gap, dtype=np.float32))
+                offset += span.gap
+                if span.run is None:
+                    assert span.pcm is not None  # from the cache
+                    audio = from_pcm16(span.pcm)
+                else:
+                    run = span.run
+                    result = self._finish(run, should_stop)
+                    span.run = None  # answered: counted off the queue
+                    audio = result.audio
+                    segments += result.segments
+                    truncated += result.truncated
+                    if plan.request.parts and _cacheable(plan, result.truncated):
+                        self.cache.put(span.pcm_key, (to_pcm16(audio), result.seconds))
+                    if with_captions:
+                        made = captions(
+                            run.sentences,
+                            result.part_samples,
+                            result.part_texts,
+                            result.pause_samples,
+                            rate,
+                        )
+                        speaker = span.request.speaker if plan.request.parts else None
+                        items += shifted(made, offset, speaker)
+                pieces.append(audio)
+                offset += len(audio)
+        finally:
+            self._drop(spans)
+        pieces.append(np.zeros(trailing, dtype=np.float32))
+        return Made(np.concatenate(pieces), segments, truncated, tuple(items))
 
     def _finish(self, run: Run, should_stop: Callable[[], bool] | None) -> Synthesis:
         started = time.perf_counter()
@@ -241,22 +315,17 @@ class SpeechPipeline:
         should_stop: Callable[[], bool] | None,
     ) -> SpeechStream:
         """Audio as it is decoded, in ``output.format`` (WAV with an open-ended header, PCM, or
-        MP3, Opus and AAC encoded chunk by chunk). Queueing errors raise here, before any
-        byte; later failures break the stream (``StreamBroken``)."""
+        MP3, Opus, AAC and G.711 encoded chunk by chunk); a script's spans in order, each from
+        the cache or as it is decoded, its silences between them. Queueing errors raise here,
+        before any byte; later failures break the stream (``StreamBroken``)."""
         metrics, rate = self.metrics, self.engine.sample_rate
         pcm_key = cache_key(plan.request, self.engine.identity, "pcm")
-        writer = stream_writer(output.format, rate)
+        writer = stream_writer(output.format, rate, output.rate(rate))
         cached = self.cache.get(pcm_key)
-        run = (
-            None
-            if cached is not None
-            else self._start(
-                plan,
-                stream=True,
-                early=not (output.by_default and self.settings.default_stream == "segments"),
-            )
-        )
-        cache_status = "HIT" if cached is not None else "MISS"
+        early = not (output.by_default and self.settings.default_stream == "segments")
+        spans, trailing = ([], 0) if cached is not None else self._begin(plan, True, early)
+        generated = any(span.run is not None for span in spans)
+        cache_status = "HIT" if not generated else "MISS"
 
         def chunks() -> Iterator[bytes]:
             outcome: EngineError | None = None
@@ -268,41 +337,69 @@ class SpeechPipeline:
                     self._count_served("HIT", 0.0)
                     yield writer.encode(cached[0]) + writer.finish()
                     return
-                self._count_served("MISS", 0.0)
-                assert run is not None  # started: nothing was cached
-                yield from self._stream_run(run, plan, writer, parts, started, should_stop)
+                self._count_served(cache_status, 0.0)
+                playback = Playback()  # a listener playing from the first chunk handed over
+                provisional = truncated = 0
+                for span in spans:
+                    pieces = [_silence(span.gap)]
+                    if span.pcm is not None:
+                        pieces.append(span.pcm)
+                    for pcm in pieces:
+                        parts.append(pcm)
+                        data = writer.encode(pcm)
+                        if data:
+                            yield data
+                    if span.run is None:
+                        continue
+                    begun = len(parts)
+                    yield from self._stream_run(
+                        span.run, plan, writer, parts, started, playback, should_stop
+                    )
+                    run, span.run = span.run, None  # answered: counted off the queue
+                    metrics.queue_depth.dec()
+                    provisional += run.provisional
+                    truncated += run.truncated
+                    if (
+                        plan.request.parts
+                        and not run.provisional
+                        and _cacheable(plan, run.truncated)
+                    ):
+                        span_pcm = b"".join(parts[begun:])
+                        self.cache.put(span.pcm_key, (span_pcm, len(span_pcm) / 2 / rate))
+                parts.append(_silence(trailing))
+                tail = writer.encode(parts[-1]) + writer.finish()
+                if tail:
+                    yield tail
+                if playback.first is not None:
+                    metrics.stream_behind.observe(playback.behind)
                 seconds = sum(len(part) for part in parts) / 2 / rate
                 # a start decoded with a look-ahead is close to the whole answer, not it
-                if run.provisional:
-                    metrics.provisional_audio.inc(run.provisional * SAMPLES_PER_STEP / rate)
-                elif _cacheable(plan, run.truncated):
+                if provisional:
+                    metrics.provisional_audio.inc(provisional * SAMPLES_PER_STEP / rate)
+                elif _cacheable(plan, truncated):
                     self.cache.put(pcm_key, (b"".join(parts), seconds))
             except StreamBroken as broken:
                 outcome = broken.error
                 raise
             except GeneratorExit:  # the client went away while we were sending
                 outcome = Cancelled("the client went away")
-                if run is not None:
-                    run.cancel()
+                if any(span.run is not None for span in spans):
                     metrics.infer_total.labels(outcome="cancelled").inc()
                 raise
             finally:
-                if run is not None:
-                    metrics.queue_depth.dec()
-                    seconds = seconds or sum(len(part) for part in parts) / 2 / rate
+                self._drop(spans)
+                seconds = seconds or sum(len(part) for part in parts) / 2 / rate
                 metrics.audio_seconds.inc(seconds)
                 speech.seconds = seconds
                 on_end(outcome, seconds, cache_status)
 
         def close_unsent() -> None:
-            if run is not None:
-                run.cancel()
-                metrics.queue_depth.dec()
+            self._drop(spans)
             on_end(Cancelled("the client went away before the first byte"), 0.0, cache_status)
 
         speech = SpeechStream(
             chunks(),
-            content_type(output.format, rate),
+            content_type(output.format, output.rate(rate)),
             cache_status,
             cached[1] if cached is not None else None,
             close_unsent,
@@ -316,9 +413,9 @@ class SpeechPipeline:
         writer: StreamWriter,
         parts: list[bytes],
         started: float,
+        playback: Playback,
         should_stop: Callable[[], bool] | None,
     ) -> Iterator[bytes]:
-        playback = Playback()  # a listener playing from the first chunk handed over
         try:
             for chunk in run.chunks(self.settings.request_timeout_s, should_stop):
                 pcm = to_pcm16(chunk)
@@ -336,17 +433,57 @@ class SpeechPipeline:
             self._count_failure(error)
             log.warning("stream ended early: %s", error)
             raise StreamBroken(error) from None
-        tail = writer.finish()
-        if tail:
-            yield tail
         self.metrics.infer_total.labels(outcome="ok").inc()
         self.metrics.infer_duration.observe(time.perf_counter() - started)
-        if playback.first is not None:
-            self.metrics.stream_behind.observe(playback.behind)
 
     # -- shared --------------------------------------------------------------------------------
 
-    def _start(self, plan: Plan, stream: bool, early: bool = True) -> Run:
+    def _begin(
+        self, plan: Plan, stream: bool, early: bool = True, from_cache: bool = True
+    ) -> tuple[list[_Span], int]:
+        """Each span of the request (the request itself, or a script's spans) with the
+        silence before it: a script's span from the cache where it holds it, the others
+        queued at once, so they generate side by side, taking their turns in the scheduler
+        as one request. Also the silence after the last span."""
+        request, rate = plan.request, self.engine.sample_rate
+        gaps = request.gaps(round(self.settings.segment_pause_ms / 1000.0 * rate))
+        number, first = self.engine.request_number(), 0
+        spans: list[_Span] = []
+        for span_request, gap in zip(request.spans(), gaps, strict=False):
+            key = cache_key(span_request, self.engine.identity, "pcm")
+            cached = self.cache.get(key) if from_cache and request.parts else None
+            spans.append(_Span(span_request, gap, key, cached[0] if cached else None))
+        if request.parts:  # room for every span's segments at once, or none started
+            try:
+                needed = [len(self.engine.segments(s.request)) for s in spans if s.pcm is None]
+                self.engine.admit(sum(needed))
+            except EngineError as error:
+                self._count_failure(error)
+                raise
+        try:
+            for span in spans:
+                if span.pcm is None:
+                    span.run = self._start(
+                        replace(plan, request=span.request), stream, early, (number, first)
+                    )
+                    first += len(span.run.jobs)
+        except BaseException:
+            self._drop(spans)
+            raise
+        return spans, gaps[-1]
+
+    def _drop(self, spans: list[_Span]) -> None:
+        """Cancel the spans still generating (a failure, a client gone) and count them off
+        the queue."""
+        for span in spans:
+            if span.run is not None:
+                span.run.cancel()
+                span.run = None
+                self.metrics.queue_depth.dec()
+
+    def _start(
+        self, plan: Plan, stream: bool, early: bool = True, share: tuple[int, int] | None = None
+    ) -> Run:
         """Queue a request's segments; the queue depth gauge counts it until it is answered."""
         try:
             run = self.engine.start(
@@ -356,6 +493,7 @@ class SpeechPipeline:
                 priority=plan.priority,
                 tenant=plan.tenant,
                 early=early,
+                share=share,
             )
         except EngineError as error:
             self._count_failure(error)
@@ -372,6 +510,10 @@ class SpeechPipeline:
         (self.metrics.cache_hits if cache_status == "HIT" else self.metrics.cache_misses).inc()
         if seconds:
             self.metrics.audio_seconds.inc(seconds)
+
+
+def _silence(samples: int) -> bytes:
+    return bytes(2 * samples)
 
 
 def from_pcm16(pcm: bytes) -> np.ndarray:
