@@ -45,7 +45,7 @@ from wyoming.tts import (  # noqa: E402
     SynthesizeVoice,
 )
 
-from benchmarks.serverproc import Server, free_port  # noqa: E402
+from benchmarks.serverproc import Server, endless_model_arguments, free_port  # noqa: E402
 from chattts_service.domain.playback import Playback  # noqa: E402
 from chattts_service.runtime.cpu import cpu_model  # noqa: E402
 
@@ -143,18 +143,9 @@ async def streamed_answer(port: int) -> dict:
     }
 
 
-def main(argv: list[str] | None = None) -> int:
+def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model-dir", type=Path, default=REPO / "models" / "full-endless")
-    parser.add_argument("--rounds", type=int, default=5)
-    parser.add_argument("--max-new-tokens", type=int, default=300)
-    parser.add_argument("--json", action="store_true")
-    args = parser.parse_args(argv)
-    if not (args.model_dir / "architecture.json").is_file():
-        parser.error(
-            f"no model in {args.model_dir}: python -m chattts_service.tools.testmodel "
-            f"{args.model_dir} --size full --endless"
-        )
+    args = endless_model_arguments(parser, rounds=5)
     port = free_port()
     log = Path("/tmp") / f"wyoming-bench-{port}.log"
     server = Server(

@@ -33,7 +33,7 @@ import requests
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from benchmarks.serverproc import Server  # noqa: E402
+from benchmarks.serverproc import Server, endless_model_arguments  # noqa: E402
 from chattts_service.api.validation import speech_request  # noqa: E402
 from chattts_service.config import Settings  # noqa: E402
 from chattts_service.domain.text import NORMALISER  # noqa: E402
@@ -134,18 +134,9 @@ def streamed_first_audio(url: str) -> float:
     return first
 
 
-def main(argv: list[str] | None = None) -> int:
+def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model-dir", type=Path, default=REPO / "models" / "full-endless")
-    parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--max-new-tokens", type=int, default=300)
-    parser.add_argument("--json", action="store_true")
-    args = parser.parse_args(argv)
-    if not (args.model_dir / "architecture.json").is_file():
-        parser.error(
-            f"no model in {args.model_dir}: python -m chattts_service.tools.testmodel "
-            f"{args.model_dir} --size full --endless"
-        )
+    args = endless_model_arguments(parser, rounds=3)
     result: dict = {"cpu": cpu_model(), "parse_seconds": parse_cost(Settings.from_env({}))}
     server = Server(
         args.model_dir,

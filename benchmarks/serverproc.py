@@ -4,6 +4,7 @@ replica scripts and the replica test."""
 
 from __future__ import annotations
 
+import argparse
 import os
 import re
 import signal
@@ -18,6 +19,23 @@ import requests
 REPO = Path(__file__).resolve().parent.parent
 MEMORY_CGROUP_ROOT = Path("/sys/fs/cgroup/memory")
 NGINX_CONFIG = REPO / "deploy" / "nginx" / "chattts.conf"
+
+
+def endless_model_arguments(parser: argparse.ArgumentParser, rounds: int) -> argparse.Namespace:
+    """``--model-dir`` (the full-size random model whose speech never ends, by default),
+    ``--rounds``, ``--max-new-tokens`` (each segment's steps) and ``--json``, parsed; an error
+    that says how to build the model when it is missing."""
+    parser.add_argument("--model-dir", type=Path, default=REPO / "models" / "full-endless")
+    parser.add_argument("--rounds", type=int, default=rounds)
+    parser.add_argument("--max-new-tokens", type=int, default=300)
+    parser.add_argument("--json", action="store_true")
+    args = parser.parse_args()
+    if not (args.model_dir / "architecture.json").is_file():
+        parser.error(
+            f"no model in {args.model_dir}: python -m chattts_service.tools.testmodel "
+            f"{args.model_dir} --size full --endless"
+        )
+    return args
 
 
 def free_port() -> int:

@@ -544,3 +544,29 @@ def test_home_assistant_benchmark_smoke(tiny_endless_model_dir):
     (streamed,) = data["streamed"]
     assert streamed["sentences"] == 5 and streamed["audio_seconds"] > 0
     assert 0 <= streamed["first_audio_after_first_sentence"] < 60
+
+
+def test_scripts_benchmark_smoke(tiny_endless_model_dir):
+    """benchmarks/scripts.py against a real server on the tiny model: the parsing costs, and
+    the dialogue made all three ways with the same audio length."""
+    result = run_benchmark(
+        "benchmarks/scripts.py",
+        "--model-dir",
+        str(tiny_endless_model_dir),
+        "--rounds",
+        "1",
+        "--max-new-tokens",
+        "20",
+        "--json",
+        timeout=600,
+    )
+    data = json.loads(result.stdout)
+    assert set(data["parse_seconds"]) == {"plain", "ssml", "ssml_say_as"}
+    assert all(0 < seconds < 1 for seconds in data["parse_seconds"].values())
+    assert set(data["wall_seconds"]) == {"dialogue", "one_by_one", "at_once"}
+    audio = data["audio_seconds"]
+    # every way speaks the same turns with the same seed: the same audio, whoever schedules it
+    assert audio["dialogue"] > 0
+    assert audio["dialogue"] == pytest.approx(audio["one_by_one"], abs=0.002)
+    assert audio["at_once"] == pytest.approx(audio["dialogue"], abs=0.002)
+    assert 0 < data["streamed_dialogue_first_audio"][0] < 60
