@@ -186,6 +186,8 @@ def test_a_scripts_silences():
     # before each span, then after the last: as written, or the segment pause between spans
     assert script.gaps(pause_samples=5) == [2400, 5, 24000, 0]
     assert span.gaps(pause_samples=5) == [0, 0]
+    # a break of 0 ms is no silence at all, not the segment pause
+    assert replace(span, parts=(span, Silence(0), span)).gaps(pause_samples=5) == [0, 0, 0]
 
 
 SETTINGS = Settings.from_env({}, max_chars=200, default_seed=77)

@@ -129,14 +129,17 @@ class SynthesisRequest:
         (the pause between segments); a script's leading and trailing silences as written."""
         if not self.parts:
             return [0, 0]
-        gaps, pending, spoken = [], 0, False
+        gaps: list[int] = []
+        pending: int | None = None  # the silences written since the last span, if any
         for part in self.parts:
             if isinstance(part, Silence):
-                pending += part.samples
+                pending = (pending or 0) + part.samples
                 continue
-            gaps.append(pending if pending or not spoken else pause_samples)
-            pending, spoken = 0, True
-        gaps.append(pending)
+            if pending is None:  # nothing written: none before the first span, else the pause
+                pending = pause_samples if gaps else 0
+            gaps.append(pending)
+            pending = None
+        gaps.append(pending or 0)
         return gaps
 
 
