@@ -221,6 +221,7 @@ def test_turns_and_ssml_become_one_script():
     "body,status,message",
     [
         ({"text": "a", "turns": [{"input": "b"}]}, 400, "not both"),
+        ({"text": "", "turns": [{"input": "b"}]}, 400, "with 'turns', leave 'text' out or null"),
         ({"turns": []}, 400, "'turns'"),
         ({"turns": [{"input": "x" * 150}, {"input": "y" * 60}]}, 413, "the limit is 200"),
         ({"text": "<speak>" + "<s>abcde</s>" * 41 + "</speak>"}, 413, "more than 200"),

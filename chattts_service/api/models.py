@@ -437,6 +437,18 @@ def speech_bodies(settings: Settings) -> SpeechBodies:
         def audio_format(self) -> str:
             return str(getattr(self, self.FORMAT_FIELD))
 
+        @model_validator(mode="before")
+        @classmethod
+        def _empty_text_beside_turns(cls, data: Any) -> Any:
+            """An empty text beside turns (as OpenAI's clients send ``input``, a required
+            string in their types) is refused with the way to send turns from them."""
+            if isinstance(data, dict) and data.get("turns") and data.get(cls.TEXT_FIELD) == "":
+                raise refuse(
+                    f"with 'turns', leave '{cls.TEXT_FIELD}' out or null (OpenAI's clients: "
+                    f'extra_body={{"{cls.TEXT_FIELD}": None, "turns": [...]}})'
+                )
+            return data
+
         @model_validator(mode="after")
         def _consistent(self) -> Self:
             asked_to_stream = "stream" in self.model_fields_set and self.stream
