@@ -251,7 +251,7 @@ class SpeechPipeline:
     ) -> Made:
         """Every span made (from the cache, or generated side by side) and joined by the
         script's silences. ``with_captions``: every span generated, for its sentences' places."""
-        rate = self.engine.sample_rate
+        rate, deadline = self.engine.sample_rate, _Deadline(self.settings.request_timeout_s)
         spans, trailing = self._begin(plan, stream=False, from_cache=not with_captions)
         pieces: list[np.ndarray] = []
         items: list[Caption] = []
@@ -265,7 +265,7 @@ class SpeechPipeline:
                     audio = from_pcm16(span.pcm)
                 else:
                     run = span.run
-                    result = self._finish(run, should_stop)
+                    result = self._finish(run, should_stop, deadline.left())
                     span.run = None  # answered: counted off the queue
                     audio = result.audio
                     segments += result.segments
@@ -289,10 +289,12 @@ class SpeechPipeline:
         pieces.append(np.zeros(trailing, dtype=np.float32))
         return Made(np.concatenate(pieces), segments, truncated, tuple(items))
 
-    def _finish(self, run: Run, should_stop: Callable[[], bool] | None) -> Synthesis:
+    def _finish(
+        self, run: Run, should_stop: Callable[[], bool] | None, timeout: float | None
+    ) -> Synthesis:
         started = time.perf_counter()
         try:
-            result = run.result(self.settings.request_timeout_s, should_stop)
+            result = run.result(timeout, should_stop)
         except EngineError as error:
             self._count_failure(error)
             raise
@@ -339,6 +341,7 @@ class SpeechPipeline:
                     return
                 self._count_served(cache_status, 0.0)
                 playback = Playback()  # a listener playing from the first chunk handed over
+                deadline = _Deadline(self.settings.request_timeout_s)
                 provisional = truncated = 0
                 for span in spans:
                     pieces = [_silence(span.gap)]
@@ -353,7 +356,7 @@ class SpeechPipeline:
                         continue
                     begun = len(parts)
                     yield from self._stream_run(
-                        span.run, plan, writer, parts, started, playback, should_stop
+                        span.run, plan, writer, parts, started, playback, should_stop, deadline
                     )
                     run, span.run = span.run, None  # answered: counted off the queue
                     metrics.queue_depth.dec()
@@ -415,9 +418,10 @@ class SpeechPipeline:
         started: float,
         playback: Playback,
         should_stop: Callable[[], bool] | None,
+        deadline: _Deadline,
     ) -> Iterator[bytes]:
         try:
-            for chunk in run.chunks(self.settings.request_timeout_s, should_stop):
+            for chunk in run.chunks(deadline.left(), should_stop):
                 pcm = to_pcm16(chunk)
                 parts.append(pcm)
                 now = time.perf_counter()
@@ -510,6 +514,16 @@ class SpeechPipeline:
         (self.metrics.cache_hits if cache_status == "HIT" else self.metrics.cache_misses).inc()
         if seconds:
             self.metrics.audio_seconds.inc(seconds)
+
+
+class _Deadline:
+    """One time limit for a whole request, however many spans it waits for in turn."""
+
+    def __init__(self, seconds: float | None):
+        self._at = None if seconds is None else time.monotonic() + seconds
+
+    def left(self) -> float | None:
+        return None if self._at is None else max(0.0, self._at - time.monotonic())
 
 
 def _silence(samples: int) -> bytes:
