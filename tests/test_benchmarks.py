@@ -374,8 +374,13 @@ def test_streams_benchmark_smoke(tiny_model_dir):
     assert [line.split()[0] for line in levels] == ["1", "1", "8", "8"]
     # each level with the look-ahead too, its provisional start compared with the whole answer
     assert all(" streams: " in line for line in levels[::2])
+    # a stream starts exact instead where its pace could not build its start provisionally
+    # (a box busy with other work): then the line names the look-ahead alone
     for line in levels[1::2]:
-        assert re.search(r"streams \(look-ahead 3: at most \d+ steps provisional, SNR", line)
+        assert re.search(
+            r"streams \(look-ahead 3(: at most \d+ steps provisional, SNR [\d.]+ dB at least)?\)",
+            line,
+        ), line
     fidelity = [line for line in lines if line.startswith("a 12-step chunk decoded ")]
     assert [int(line.split()[4]) for line in fidelity] == [3, 4, 8, 12, 16, 24]
     # the tiny model's decoders read 9 steps either side: 12 steps ahead is exact, within the
