@@ -306,6 +306,7 @@ SEED_DESCRIPTION = (
     "Sampling seed (and the voice when 'voice' is absent); the server's CHATTTS_DEFAULT_SEED "
     "when absent."
 )
+SPEED_RANGE = (0.25, 4.0)  # OpenAI's: the bounds of every speed, SSML's rates held within them
 SPEED_DESCRIPTION = (
     "1 = normal. Mapped onto ChatTTS's [speed_0]..[speed_9] prompt (two levels per doubling: "
     "0.5 -> 3, 1 -> 5, 2 -> 7, 4 -> 9); the model's own pace range is narrower than the "
@@ -392,7 +393,7 @@ def speech_bodies(settings: Settings) -> SpeechBodies:
 
     class Options(Body):
         seed: Integer(0, MAX_SEED, SEED_DESCRIPTION) | None = settings.default_seed
-        speed: Number(0.25, 4.0, SPEED_DESCRIPTION) | None = 1.0
+        speed: Number(*SPEED_RANGE, SPEED_DESCRIPTION) | None = 1.0
         temperature: Number(0.01, 2.0, "Sampling temperature of the speech codes.") | None = (
             CODE_SAMPLING.temperature
         )
@@ -508,7 +509,7 @@ def speech_bodies(settings: Settings) -> SpeechBodies:
             Field(description="Who says it (as 'voice' takes); without it the request's voice."),
         ] = None
         input: Text
-        speed: Number(0.25, 4.0, "This turn's speed; without it the request's.") | None = None
+        speed: Number(*SPEED_RANGE, "This turn's speed; without it the request's.") | None = None
 
     Turns = Annotated[  # noqa: N806
         list[Turn],

@@ -23,6 +23,7 @@ from chattts_service.api.errors import (
     UnsupportedMediaType,
 )
 from chattts_service.api.models import (
+    SPEED_RANGE,
     TOO_LARGE,
     CaptionedSpeechFields,
     OpenAISpeechFields,
@@ -188,9 +189,6 @@ def number_text(value: float) -> str:
     return str(int(value)) if float(value).is_integer() else f"{value:g}"
 
 
-MIN_SPEED, MAX_SPEED = 0.25, 4.0  # OpenAI's speed range; SSML's rates are held within it
-
-
 def speed_level(speed: float) -> int:
     """OpenAI's speed (0.25-4.0, 1 = normal) -> ChatTTS's [speed_N] prompt level (0-9, 5 =
     normal): two levels per doubling, so 0.25 -> 1, 0.5 -> 3, 1 -> 5, 2 -> 7, 4 -> 9."""
@@ -240,7 +238,8 @@ def _script(
         if isinstance(part, ssml.Pause):
             parts.append(Silence(part.milliseconds))
             continue
-        pace = min(MAX_SPEED, max(MIN_SPEED, (part.speed or speed) * part.factor))
+        low, high = SPEED_RANGE
+        pace = min(high, max(low, (part.speed or speed) * part.factor))
         parts.append(
             replace(
                 base,
