@@ -1,5 +1,7 @@
-# ChatTTS speech service for CPU boxes.
+# ChatTTS speech service for CPU boxes: linux/amd64 and linux/arm64 from this one file.
 #   docker compose up -d --build
+#   another platform's image: docker buildx build --platform linux/arm64 .
+#                             (podman build --arch arm64 .)
 # Build arguments:
 #   BASE_IMAGE       Debian base image (default debian:trixie-slim: Python 3.13, and Debian's
 #                    CPU builds of torch and torchaudio)
@@ -16,10 +18,14 @@ ARG TORCH_INDEX_URL=""
 ARG DOWNLOAD_MODEL=0
 ARG HF_ENDPOINT=https://huggingface.co
 ENV PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1 PYTHONDONTWRITEBYTECODE=1
-# g++ builds the decode loop's C++ kernels here only; the runtime image carries the library
+# g++ builds the decode loop's C++ kernels here only; the runtime image carries the library.
+# On arm64 the kernels written with AVX2 intrinsics compile through SIMDe's headers (NEON)
 # hadolint ignore=DL3008
 RUN apt-get update \
  && apt-get install -y --no-install-recommends python3 python3-venv g++ \
+ && if [ "$(dpkg --print-architecture)" = arm64 ]; then \
+        apt-get install -y --no-install-recommends libsimde-dev ; \
+    fi \
  && if [ -z "${TORCH_INDEX_URL}" ]; then \
         apt-get install -y --no-install-recommends python3-torch python3-torchaudio ; \
     fi \

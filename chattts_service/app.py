@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import platform
 from collections.abc import Callable
 
 from flask import Flask
@@ -90,4 +91,9 @@ def build_service(settings: Settings, engine: Engine | None = None) -> Service:
     for name in KNOBS:
         metrics.config.labels(setting=name).set_function(knob(name))
     metrics.segments_queued.set_function(lambda: float(engine.scheduler.depth))
+    metrics.kernels.describe = lambda: (
+        platform.machine(),
+        engine.kernels,
+        engine.gpt_linear_kernel or "none",
+    )
     return service

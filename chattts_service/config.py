@@ -28,7 +28,7 @@ class SettingsError(ValueError):
 # kernels.py take them from here (this module must not import torch)
 QUANTIZATIONS = ("int8", "int4", "none")
 KERNEL_MODES = ("auto", "on", "off")
-INT8_PRODUCTS = ("auto", "vnni", "avx2")
+INT8_PRODUCTS = ("auto", "vnni", "avx2", "i8mm", "dotprod", "neon")
 KERNEL_TUNINGS = ("measure", "table", "default")
 KV_CACHE_DTYPES = ("bf16", "int8")
 DECODER_DTYPES = ("auto", "bf16", "fp32", "int8")
@@ -262,8 +262,9 @@ class Settings:
     int8_product: str = _env_field(
         "INT8_PRODUCT",
         "auto",
-        "the C++ kernels' int8 product: vnni (AVX512-VNNI, 8-bit activations), avx2 (7-bit "
-        "activations, as on CPUs without VNNI), or auto (vnni where the CPU has it)",
+        "the C++ kernels' int8 product: on x86-64 vnni (AVX512-VNNI, 8-bit activations) or avx2 "
+        "(7-bit activations, as on CPUs without VNNI); on aarch64 i8mm (smmla), dotprod (sdot) "
+        "or neon (Armv8.0); auto: the best this CPU runs",
         choices=INT8_PRODUCTS,
     )
     kernel_tuning: str = _env_field(

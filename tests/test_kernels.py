@@ -1,6 +1,7 @@
 """The C++ kernels against torch's operators, row by row."""
 
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -11,7 +12,7 @@ from chattts_service.inference.transformer import KVCache, _rotate_half, quantiz
 from chattts_service.kernels import abi
 from chattts_service.kernels import bindings as cpp_kernels
 from chattts_service.kernels import build as kernel_build
-from chattts_service.kernels.int8 import Int8Packing
+from chattts_service.kernels.int8 import INT8_INSTRUCTIONS, Int8Packing
 from chattts_service.runtime.cpu import cpu_flags
 
 HEADS, DIM, LAYERS = 4, 64, 3
@@ -355,8 +356,16 @@ def test_read_folds_every_byte_of_every_buffer(kernel):
             kernel.read(buffers, 0, streams)
 
 
+def _runs(kernel, product):
+    """Skip unless this CPU runs the int8 product ``product``."""
+    if product not in kernel.int8_products:
+        pytest.skip(f"this CPU lacks the {product} product's instructions")
+
+
 def test_kernel_errors_carry_the_library_message(kernel):
-    packing = Int8Packing(torch.ones(16, 8, dtype=torch.int8), torch.ones(16), "avx2")
+    packing = Int8Packing(
+        torch.ones(16, 8, dtype=torch.int8), torch.ones(16), kernel.int8_instructions
+    )
     packing.levels = 200  # more than any product takes
     with pytest.raises(cpp_kernels.KernelError, match="too many activation levels"):
         kernel.int8_linear(torch.randn(1, 8), packing)
@@ -378,12 +387,12 @@ def test_fused_rms_norm_matches_torch_and_lies_within_unit_range(kernel):
         kernel.rms_norm_unit_rows(x, gain[:10], 1e-5)
 
 
-@pytest.mark.parametrize("layer", ["fbgemm", "vnni", "avx2"])
+@pytest.mark.parametrize("layer", ["fbgemm", *cpp_kernels.PRODUCT_PREFERENCE])
 def test_fused_norm_then_int8_equals_norm_then_int8(kernel, layer):
     if layer == "fbgemm" and not fbgemm_available():
         pytest.skip("fbgemm is not built into this torch")
-    if layer == "vnni" and kernel.int8_instructions != "vnni":
-        pytest.skip("this CPU lacks AVX512-VNNI")
+    if layer != "fbgemm":
+        _runs(kernel, layer)
     torch.manual_seed(5)
     weight = torch.randn(64, 96) * 0.05
     linear = (
@@ -400,23 +409,25 @@ def test_fused_norm_then_int8_equals_norm_then_int8(kernel, layer):
         assert float(error) < 0.03
 
 
-@pytest.mark.parametrize("instructions", ["vnni", "avx2"])
-@pytest.mark.parametrize("rows,width", [(11, 64), (9, 532)])
+@pytest.mark.parametrize("instructions", cpp_kernels.PRODUCT_PREFERENCE)
+@pytest.mark.parametrize("rows,width", [(11, 64), (9, 532), (1, 60), (2, 532), (3, 44), (7, 68)])
 def test_int8_linear_sums_exactly(kernel, instructions, rows, width):
-    """Each row quantized to round(levels * x / max|x|) + levels + 1 (levels: 127 for the VNNI
-    product, 63 for the AVX2 one), times the int8 weights: the integer sums are exact, and
-    only the channels asked for are written. 9 rows of 532 inputs: three of the AVX2 product's
-    passes of 4 rows over each block, and more groups of 4 inputs than its prefetching's
-    64-byte steps split evenly."""
-    if instructions == "vnni" and kernel.int8_instructions != "vnni":
-        pytest.skip("this CPU lacks AVX512-VNNI")
+    """Each row quantized to round(levels * x / max|x|) (levels: 63 for the AVX2 product,
+    127 for the others), times the int8 weights: the integer sums are exact, every product
+    finishes them alike (the sum as a float, times the channel's scale over the levels, times
+    the row's largest magnitude: the same bits), and only the channels asked for are written.
+    9 rows of 532 inputs: three of the AVX2 product's passes of 4 rows over each block, and
+    more groups of 4 inputs than its prefetching's 64-byte steps split evenly. On aarch64 the
+    row counts and widths cover each product's passes (NEON's 2 rows, DotProd's 4, I8MM's pairs
+    and a last odd row) and groups of 4 inputs left over (DotProd reads 16 at once, I8MM 8)."""
+    _runs(kernel, instructions)
     from chattts_service.inference.quantize import _quantized_tensor
 
     torch.manual_seed(7)
     weight = torch.randn(40, width)  # 40 channels: the last block of 16 is padded
     quantized = _quantized_tensor(weight)
     packing = Int8Packing(quantized.int_repr(), quantized.q_per_channel_scales(), instructions)
-    most = {"vnni": 127, "avx2": 63}[instructions]
+    most = INT8_INSTRUCTIONS[instructions][1]
     assert packing.levels == most
     x = torch.randn(rows, width)
     row_max = x.abs().amax(dim=1, keepdim=True)
@@ -429,10 +440,41 @@ def test_int8_linear_sums_exactly(kernel, instructions, rows, width):
     scale = quantized.q_per_channel_scales().float() / most * row_max
     # the integers are exact: dividing the scales back out recovers them
     assert torch.equal(torch.round(out / scale).long(), sums)
+    # and each is finished in the one order every product keeps
+    assert torch.equal(out, sums.float() * packing.weight_scale[:40] * row_max)
     with pytest.raises(ValueError, match=f"rows of {width - 32} values"):
         kernel.int8_linear(x[:, :-32], packing)
 
 
+def _hardware_capabilities() -> tuple[int, int]:
+    """AT_HWCAP and AT_HWCAP2 from /proc/self/auxv (aarch64: what the CPU runs)."""
+    import struct
+
+    words = struct.iter_unpack("<QQ", Path("/proc/self/auxv").read_bytes())
+    entries = dict(words)
+    return entries.get(16, 0), entries.get(26, 0)
+
+
+@pytest.mark.skipif(not cpp_kernels.arm(), reason="aarch64's int8 products")
+def test_the_int8_product_on_aarch64_is_the_best_the_cpu_runs(kernel):
+    """I8MM where the CPU has it (and DotProd), else DotProd, else NEON: as the kernel's
+    hardware capabilities say (qemu's -cpu max has both; cortex-a53 neither)."""
+    hwcap, hwcap2 = _hardware_capabilities()
+    dotprod, i8mm = bool(hwcap & (1 << 20)), bool(hwcap2 & (1 << 13))
+    expected = ("i8mm",) * (dotprod and i8mm) + ("dotprod",) * dotprod + ("neon",)
+    assert kernel.int8_products == expected
+    assert kernel.int8_instructions == expected[0]
+    for product in ("i8mm", "dotprod"):
+        if product not in expected:
+            with pytest.raises(ValueError, match="this CPU runs only neon"):
+                cpp_kernels.load("on", product)
+    with pytest.raises(ValueError, match="lacks AVX512-VNNI"):
+        cpp_kernels.load("auto", "vnni")
+    with pytest.raises(ValueError, match="runs only"):
+        cpp_kernels.load("on", "avx2")
+
+
+@pytest.mark.skipif(cpp_kernels.arm(), reason="x86-64's int8 products")
 def test_the_int8_product_is_the_cpus_best_unless_chosen(kernel):
     from chattts_service.inference.quantize import make_linear
 
@@ -448,6 +490,8 @@ def test_the_int8_product_is_the_cpus_best_unless_chosen(kernel):
             cpp_kernels.load("auto", "vnni")
     with pytest.raises(ValueError, match="int8 product must be one of"):
         cpp_kernels.load("on", "avx512")
+    with pytest.raises(ValueError, match="runs only"):
+        cpp_kernels.load("on", "i8mm")
 
 
 @pytest.mark.parametrize("loop", ["avx2", "vnni", "fp32", "bf16"])
@@ -458,6 +502,10 @@ def test_peak_loops_count_the_multiply_adds_they_do(kernel, loop):
     import ctypes
 
     kind = abi.PEAK_LOOPS[loop]
+    if cpp_kernels.arm():
+        with pytest.raises(cpp_kernels.KernelError, match="lacks"):
+            kernel.peak_rate(loop)
+        return
     if (loop == "vnni" and kernel.int8_instructions != "vnni") or (
         loop == "bf16" and "avx512_bf16" not in cpu_flags()
     ):

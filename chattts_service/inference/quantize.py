@@ -268,6 +268,8 @@ def make_linear(weight: torch.Tensor, quantization: str, kernels=None) -> Linear
     if quantization == "int4":
         if kernels is None:
             raise ValueError("CHATTTS_QUANTIZE=int4 needs the C++ kernels (CHATTTS_KERNELS)")
+        if kernels.int8_instructions not in ("vnni", "avx2"):
+            raise ValueError("CHATTTS_QUANTIZE=int4 has no aarch64 product yet: use int8")
         return KernelLinear.int4(weight, kernels)
     if quantization == "none":
         return FloatLinear(weight)

@@ -11,13 +11,16 @@ from __future__ import annotations
 
 import ctypes
 
-ABI_VERSION = 12
+ABI_VERSION = 13
 
 _i64, _i32, _f32, _ptr = ctypes.c_int64, ctypes.c_int32, ctypes.c_float, ctypes.c_void_p
 
 # ChattsProduct
 PRODUCT_AVX2 = 1
 PRODUCT_VNNI = 2
+PRODUCT_NEON = 3
+PRODUCT_DOTPROD = 4
+PRODUCT_I8MM = 5
 # ChattsPeak: the instruction loops of chatts_peak_loop
 PEAK_LOOPS = {"avx2": 1, "vnni": 2, "fp32": 3, "bf16": 4}
 
@@ -282,6 +285,8 @@ def _declare(library: ctypes.CDLL) -> None:
     library.chatts_status_message.argtypes = [_i32]
     library.chatts_amx_tiles.restype = _i32
     library.chatts_amx_tiles.argtypes = []
+    library.chatts_int8_products.restype = _i32
+    library.chatts_int8_products.argtypes = []
     library.chatts_peak_loop.restype = _i64
     library.chatts_peak_loop.argtypes = [_i32, _i64, _i32, ctypes.POINTER(ctypes.c_uint64)]
     for name, struct, result in (

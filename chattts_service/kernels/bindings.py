@@ -12,7 +12,8 @@
   before it) or forms SwiGLU's silu(gate) * up (the MLP's down projection), quantizes each
   row, multiplies by the int8 weights (``int8.Int8Packing``), exact in its integer sums, and adds
   the residual (see ``quantize.KernelLinear``). The product uses AVX512-VNNI where the CPU
-  has it, else AVX2 (with 7-bit activations, as fbgemm uses on such CPUs).
+  has it, else AVX2 (with 7-bit activations, as fbgemm uses on such CPUs); on aarch64 I8MM,
+  else DotProd, else plain NEON (each with VNNI's bits).
 - Sampling: ChatTTS's rules and the inverse-CDF draw for every row of a step in one call
   (``generation.sample_with_kernels``).
 - RMSNorm fused with fbgemm's per-row scaling, for int8 layers on fbgemm: one pass instead of
@@ -29,6 +30,7 @@ from __future__ import annotations
 
 import ctypes
 import logging
+import platform
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -46,12 +48,19 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-REQUIRED_CPU_FLAGS = ("avx2", "fma")
+REQUIRED_CPU_FLAGS = ("avx2", "fma")  # x86-64's build; every aarch64 CPU has NEON
 VNNI_CPU_FLAGS = ("avx512f", "avx512bw", "avx512_vnni")
+# the int8 products, best first: auto takes the first this CPU runs
+PRODUCT_PREFERENCE = ("vnni", "avx2", "i8mm", "dotprod", "neon")
 
 
 def cpu_supports(required: tuple[str, ...] = REQUIRED_CPU_FLAGS) -> bool:
     return cpu_flags().issuperset(required)
+
+
+def arm() -> bool:
+    """Whether this is an aarch64 machine (the kernels' NEON build)."""
+    return platform.machine() == "aarch64"
 
 
 class KernelError(ValueError):
@@ -66,10 +75,21 @@ class Kernels:
         self.library = ctypes.CDLL(str(path))
         abi.declare(self.library)  # raises AbiMismatch for a library of other sources
         self.path = path
-        # the int8 product's variant: as asked (load() checks the CPU can run it), or VNNI where
-        # the CPU has it (the kernels need AVX2 at least)
+        # the int8 product's variant: as asked, or the best this CPU runs (the library asks the
+        # CPU: cpuid on x86-64, the kernel's hardware capabilities on aarch64)
+        mask = self.library.chatts_int8_products()
+        self.int8_products = tuple(
+            name for name in PRODUCT_PREFERENCE if mask & (1 << INT8_INSTRUCTIONS[name][0])
+        )
+        if not self.int8_products:
+            raise RuntimeError("this CPU runs none of the int8 products")
         if int8_product == "auto":
-            int8_product = "vnni" if cpu_supports(VNNI_CPU_FLAGS) else "avx2"
+            int8_product = self.int8_products[0]
+        elif int8_product not in self.int8_products:
+            raise ValueError(
+                f"CHATTTS_INT8_PRODUCT={int8_product}, but this CPU runs only "
+                + ", ".join(self.int8_products)
+            )
         self.int8_instructions = int8_product
         # how the int8 product prefetches its weights; kernels/tuning.py sets what suits the CPU
         self.tuning = abi.default_tuning()
@@ -532,7 +552,7 @@ def load(mode: str = "auto", int8_product: str = "auto", directory: str = "") ->
     if int8_product == "vnni" and not cpu_supports(VNNI_CPU_FLAGS):
         raise ValueError("CHATTTS_INT8_PRODUCT=vnni, but this CPU lacks AVX512-VNNI")
     try:
-        if not cpu_supports():
+        if not arm() and not cpu_supports():
             raise RuntimeError("this CPU lacks " + "/".join(REQUIRED_CPU_FLAGS))
         path = library_path(directory)
         if not path.exists():

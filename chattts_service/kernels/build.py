@@ -10,13 +10,16 @@ the library it was shipped, and the load checks every struct's layout against th
 
 Plain C++ with OpenMP and no torch headers: a compile takes a few seconds, and the library runs
 on torch's own OpenMP runtime (the same ``libgomp.so.1``, already loaded by torch). Built for
-x86-64-v3 (AVX2, FMA); the int8 product's AVX512-VNNI variant is chosen at run time.
+x86-64-v3 (AVX2, FMA), the int8 product's AVX512-VNNI variant chosen at run time; or for
+aarch64 (Armv8.0 NEON; SIMDe's headers, Debian's ``libsimde-dev``, map the AVX2 intrinsics of
+the other kernels to NEON), the int8 product's DotProd and I8MM variants chosen at run time.
 """
 
 from __future__ import annotations
 
 import hashlib
 import os
+import platform
 import shutil
 import subprocess
 import sys
@@ -25,10 +28,11 @@ from pathlib import Path
 
 SOURCES = Path(__file__).parent / "csrc"
 MAIN_SOURCE = SOURCES / "kernels.cpp"
+# what each architecture's build asks of its CPUs at least; the rest is chosen at run time
+ARCHITECTURE_FLAGS = {"x86_64": ("-mavx2", "-mfma"), "aarch64": ("-march=armv8-a",)}
 FLAGS = (
     "-O3",
-    "-mavx2",
-    "-mfma",
+    *ARCHITECTURE_FLAGS.get(platform.machine(), ()),
     "-fopenmp",
     "-fno-math-errno",
     "-fassociative-math",
@@ -64,6 +68,8 @@ def build(
     """Compile the kernels (``source``: their main file, by default this checkout's) into
     ``path``; raise ``RuntimeError`` saying why it failed."""
     path = path or library_path(flags=flags)
+    if platform.machine() not in ARCHITECTURE_FLAGS:
+        raise RuntimeError(f"no kernels for {platform.machine()}: only for x86-64 and aarch64")
     found = shutil.which(compiler())
     if found is None:
         raise RuntimeError(f"no C++ compiler ({compiler()}) to build the kernels")

@@ -10,8 +10,15 @@ from chattts_service.kernels import abi
 
 # the int8 product's variants (CHATTTS_INT8_PRODUCT but auto): the C++ call's code for each,
 # and the activations' quantization levels either side of zero it takes (AVX2's vpmaddubsw adds
-# pairs of u8 * s8 products into a saturating int16: 7-bit activations keep every pair within it)
-INT8_INSTRUCTIONS = {"avx2": (abi.PRODUCT_AVX2, 63), "vnni": (abi.PRODUCT_VNNI, 127)}
+# pairs of u8 * s8 products into a saturating int16: 7-bit activations keep every pair within it;
+# aarch64's three take VNNI's levels, signed, and give a row VNNI's bits)
+INT8_INSTRUCTIONS = {
+    "avx2": (abi.PRODUCT_AVX2, 63),
+    "vnni": (abi.PRODUCT_VNNI, 127),
+    "i8mm": (abi.PRODUCT_I8MM, 127),
+    "dotprod": (abi.PRODUCT_DOTPROD, 127),
+    "neon": (abi.PRODUCT_NEON, 127),
+}
 assert set(INT8_INSTRUCTIONS) == set(INT8_PRODUCTS) - {"auto"}
 
 

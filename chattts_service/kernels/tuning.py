@@ -25,6 +25,11 @@ the parameters are chosen:
   ``python benchmarks/tuning.py``; the default for a CPU not in it.
 - ``default``: ``DEFAULT``, whatever the CPU.
 
+aarch64's products (NEON, DotProd, I8MM) have nothing to tune: they read one block at a time
+with the hardware prefetcher alone, which Arm's cores of this class stream well (Neoverse's
+and Apple's prefetchers follow a plain front-to-back read). Their choice is always ``default``
+and a start measures nothing.
+
 Every candidate gives the same bits (prefetching moves no data, and the integer sums are exact
 in any order); only the time differs.
 """
@@ -50,6 +55,7 @@ log = logging.getLogger(__name__)
 
 HINTS = {"nta": 0, "t0": 1}
 MODES = ("measure", "table", "default")
+UNTUNED_PRODUCTS = ("i8mm", "dotprod", "neon")  # aarch64's: no parameters to tune
 ROWS = (1, 8)  # a step alone, and a full batch
 PAIRING_ROWS = ROWS  # pairs from 1 row or 2 differ at one row, pairs or not at 8
 BETTER_BY = 0.05  # a candidate replaces the default only when this much faster: runs on a
@@ -397,7 +403,8 @@ def choose(kernels, packings, mode: str, directory: Path | None) -> Choice:
     if mode not in MODES:
         raise ValueError(f"kernel tuning must be one of {MODES}, not {mode!r}")
     identity = cpu_identity()
-    if mode == "default" or (mode == "measure" and not packings):  # nothing to time
+    untuned = kernels.int8_instructions in UNTUNED_PRODUCTS
+    if mode == "default" or (mode == "measure" and not packings) or untuned:  # nothing to time
         choice = Choice(DEFAULT, "default")
     elif mode == "table":
         tuning = from_table(identity)

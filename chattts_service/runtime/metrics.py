@@ -30,6 +30,28 @@ class HeapCollector:
         yield family
 
 
+class KernelsCollector:
+    """``chatts_kernels_info{architecture, kernels, linears}`` = 1: the machine's architecture
+    (x86_64, aarch64), whether the C++ kernels run, and what multiplies the GPT's linears (the
+    int8 product's variant: vnni, avx2, i8mm, dotprod, neon; or torch's). ``describe`` (set
+    once the engine exists) gives the three at each scrape; nothing before."""
+
+    def __init__(self):
+        self.describe = None
+
+    def collect(self):
+        if self.describe is None:
+            return
+        family = GaugeMetricFamily(
+            "chatts_kernels_info",
+            "1, labelled with the architecture, whether the C++ kernels run, and what "
+            "multiplies the GPT's linear layers (the int8 product's variant)",
+            labels=["architecture", "kernels", "linears"],
+        )
+        family.add_metric(list(self.describe()), 1.0)
+        yield family
+
+
 class PrefixCollector:
     """``chatts_prompt_prefixes_total{outcome}``: speech prompts whose first positions were
     copied from a kept beginning (hit) or computed (miss); ``chatts_prompt_prefixes_kept``:
@@ -280,6 +302,8 @@ class Metrics:
         r.register(self.prompt_prefixes)
         self.connections = ConnectionCollector()
         r.register(self.connections)
+        self.kernels = KernelsCollector()
+        r.register(self.kernels)
 
     def observe_step(self, rows: int, seconds: float) -> None:
         self.step_duration.observe(seconds)

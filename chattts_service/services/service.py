@@ -10,6 +10,7 @@ from __future__ import annotations
 import atexit
 import logging
 import os
+import platform
 import statistics
 import threading
 import time
@@ -113,7 +114,8 @@ class Service:
             "uptime_seconds": round(time.monotonic() - self.started_at, 1),
             "model": engine.model_name,
             "quantization": settings.quantize,
-            "linears": engine.gpt_linear_kernel,  # what multiplies them: vnni, avx2, fbgemm...
+            "architecture": platform.machine(),  # x86_64 or aarch64
+            "linears": engine.gpt_linear_kernel,  # what multiplies them: vnni, i8mm, fbgemm...
             "kernels": engine.kernels,
             "kernel_tuning": engine.kernel_tuning,  # the int8 product's prefetching, and why
             "decoder": settings.resolved_decoder_dtype,

@@ -1,8 +1,25 @@
 // What the kernels share: the standard headers, bf16 conversions, a vectorisable exp(x).
 #pragma once
 
+#if defined(__x86_64__)
+#define CHATTS_X86 1
 #include <cpuid.h>
 #include <immintrin.h>
+#elif defined(__aarch64__)
+// aarch64: the int8 product has NEON builds of its own (int8_linear_arm.cpp); the kernels
+// written with AVX2 intrinsics (attention, the depthwise convolution, the read loop) compile
+// through SIMDe, which maps each to its NEON equivalent (an eight-lane float vector is two
+// NEON registers, a fused multiply-add is vfmaq_f32), so the same order of operations gives
+// the same bits.
+#define CHATTS_ARM 1
+#include <arm_neon.h>
+#include <sys/auxv.h>
+#define SIMDE_ENABLE_NATIVE_ALIASES
+#include <simde/x86/avx2.h>
+#include <simde/x86/fma.h>
+#else
+#error "the kernels are written for x86-64 and aarch64"
+#endif
 #include <omp.h>
 #include <sys/syscall.h>
 #include <unistd.h>
@@ -51,6 +68,7 @@ inline float exp_nonpositive(float x) {
     return y * scale;
 }
 
+#if CHATTS_X86
 // acc += u8 x s8 in fours (vpdpbusd) in acc's own register. Written as the intrinsic, GCC 12
 // gave the sums of gemm_blocks' single-block loops (every row count), of the int4 VNNI blocks
 // and of the peak loop a second register each and copied every sum there and back around
@@ -61,6 +79,7 @@ __attribute__((target("avx512f,avx512vnni"), always_inline)) inline void dpbusd(
                                                                                 __m512i s8) {
     asm("vpdpbusd %2, %1, %0" : "+v"(acc) : "v"(u8), "v"(s8));
 }
+#endif
 
 // The bytes of weights a product prefetches ahead for `rows` rows: the tuning's distance, or
 // none up to tuning.bare_up_to rows (where the hardware prefetcher alone streams faster).

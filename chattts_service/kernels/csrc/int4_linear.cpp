@@ -20,6 +20,7 @@
 // is the same exact integer, and the float steps after it are the same operations lane by
 // lane: the AVX2 variant's bits, on 16 channels a register and up to 4 rows a pass.
 
+#if CHATTS_X86
 namespace {
 
 constexpr int kInt4Zero = 8;  // nibble = q + 8
@@ -187,7 +188,7 @@ static int32_t int4_linear(const ChattsInt4LinearArgs& a) {
     if (!valid_tuning(tuning)) return CHATTS_BAD_TUNING;
     const int64_t groups = k / group;
     const QuantizedRows prepared(rows, k, a.x, a.x_row_stride, a.gain, a.eps, a.swiglu, a.levels,
-                                 a.threads);
+                                 a.levels + 1, a.threads);
     // the levels signed (without the u8 offset), and each group's sum of them per row
     std::unique_ptr<int8_t[]> xs(new int8_t[rows * k]);
     std::unique_ptr<int32_t[]> level_sums(new int32_t[rows * groups]);
@@ -235,5 +236,14 @@ static int32_t int4_linear(const ChattsInt4LinearArgs& a) {
     }
     return CHATTS_OK;
 }
+
+#else
+// aarch64: no int4 product yet (the opt-in CHATTTS_QUANTIZE=int4 says so at start)
+static int32_t int4_linear(const ChattsInt4LinearArgs& a) {
+    const int64_t k = a.k, group = a.group;
+    if (group < 8 || group > 64 || group % 8 != 0 || k % group != 0) return CHATTS_BAD_GROUP;
+    return CHATTS_CPU_LACKS_PRODUCT;
+}
+#endif  // CHATTS_X86
 
 extern "C" int32_t chatts_int4_linear(const ChattsInt4LinearArgs* a) { return int4_linear(*a); }

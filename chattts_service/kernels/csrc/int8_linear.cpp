@@ -1,5 +1,6 @@
 // chatts_int8_linear: int8 linear layers, the norm and the activations' quantization included;
-// the product with AVX512-VNNI (x86 CPUs that have it: Ice Lake and later, Zen 4) or AVX2.
+// the product with AVX512-VNNI (x86 CPUs that have it: Ice Lake and later, Zen 4) or AVX2; on
+// aarch64 with NEON, DotProd or I8MM (int8_linear_arm.cpp, which says how it differs).
 //
 // Activations: each row (RMSNorm-ed first when there is a gain) divided by its largest
 // magnitude and quantized to u8 as round(levels * x) + levels + 1: levels 127 for VNNI, so in
@@ -19,15 +20,14 @@
 
 namespace {
 
-// Quantize one row as described above, to round(levels * x) + levels + 1; returns its largest
-// magnitude.
+// Quantize one row as described above, to round(levels * x) + zero_point (levels + 1 for the
+// x86 products' u8; 0 for aarch64's, whose bytes are s8); returns its largest magnitude.
 float quantize_row(const float* x, int64_t width, const float* gain, float eps, int levels,
-                   uint8_t* quantized) {
+                   int32_t zero_point, uint8_t* quantized) {
     const PreparedRow prepared(x, width, gain, eps);
     // as fbgemm quantizes the same rows (divided by their maximum, then times the inverse of
     // the scale 1/levels, rounded to even), so both kernels see the same integers
     const float inverse_scale = 1.0f / static_cast<float>(1.0 / levels);
-    const int32_t zero_point = levels + 1;
     for (int64_t i = 0; i < width; ++i) {
         const float level =
             __builtin_nearbyintf((prepared.value(i) / prepared.largest) * inverse_scale);
@@ -57,10 +57,12 @@ inline Build by_hint(int hint, Build nta, Build t0, Build none) {
     return hint == kNoPrefetch ? none : hint == 1 ? t0 : nta;
 }
 
+#if CHATTS_X86
 template <int HINT>
 inline void prefetch_weights(uintptr_t address) {
     _mm_prefetch(reinterpret_cast<const char*>(address), HINT == 0 ? _MM_HINT_NTA : _MM_HINT_T0);
 }
+#endif
 
 // What a product reading BLOCKS neighbouring blocks side by side (a run, starting at `blocks`;
 // one stream a block) prefetches at `at` in the first block: `prefetch_bytes` further on, the
@@ -107,6 +109,7 @@ inline PassPrefetch pass_prefetch(uintptr_t block_start, int64_t block_bytes, in
                              steps, pass, 1, passes);
 }
 
+#if CHATTS_X86
 // The VNNI products' epilogue for one row's int32 sums of a block of 16 channels: the u8 offset
 // removed, times the channel's scale, times the row's largest magnitude, the residual added
 // after the product is rounded (as torch adds it); the first `valid` channels stored. One
@@ -665,6 +668,14 @@ void gemm_avx2(int64_t rows, int64_t n, int64_t k, const uint8_t* xq, const int8
     }
 }
 
+#else
+bool tiles_granted() { return false; }
+#endif  // CHATTS_X86
+
+#if CHATTS_ARM
+#include "int8_linear_arm.cpp"
+#endif
+
 // SwiGLU's product silu(gate) * up, as torch computes it: silu(x) = x / (1 + exp(-x)), rounded,
 // then times up. exp(-x) from the non-positive exponential: exp(-x) itself for x >= 0, its
 // reciprocal exp(x) for x < 0 (about 1 ulp from torch's exp either way).
@@ -694,8 +705,8 @@ struct QuantizedRows {
     std::unique_ptr<float[]> row_max;
 
     QuantizedRows(int64_t rows, int64_t k, const float* x, int64_t x_row_stride,
-                  const float* gain, float eps, int swiglu, int levels, int threads,
-                  int64_t padded_rows = 0)
+                  const float* gain, float eps, int swiglu, int levels, int32_t zero_point,
+                  int threads, int64_t padded_rows = 0)
         : quantized(new uint8_t[std::max(rows, padded_rows) * k]), row_max(new float[rows]) {
         if (padded_rows > rows)
             std::memset(quantized.get() + rows * k, 0, (padded_rows - rows) * k);
@@ -707,7 +718,8 @@ struct QuantizedRows {
                 silu_times(values, values + k, k, products.get() + row * k);
                 values = products.get() + row * k;
             }
-            row_max[row] = quantize_row(values, k, gain, eps, levels, quantized.get() + row * k);
+            row_max[row] =
+                quantize_row(values, k, gain, eps, levels, zero_point, quantized.get() + row * k);
         }
     }
 };
@@ -729,6 +741,7 @@ static int32_t int8_linear(
     int64_t out_stride, int levels, int instructions, int threads, const ChattsTuning& tuning) {
     if (k % 4 != 0) return CHATTS_WIDTH_NOT_MULTIPLE_OF_4;
     if (!valid_tuning(tuning)) return CHATTS_BAD_TUNING;
+#if CHATTS_X86
     if (instructions == CHATTS_PRODUCT_VNNI) {
         if (!__builtin_cpu_supports("avx512vnni") || !__builtin_cpu_supports("avx512bw"))
             return CHATTS_CPU_LACKS_PRODUCT;
@@ -736,6 +749,8 @@ static int32_t int8_linear(
     } else if (instructions == CHATTS_PRODUCT_AVX2) {
         if (!__builtin_cpu_supports("avx2")) return CHATTS_CPU_LACKS_PRODUCT;
         if (levels < 1 || levels > 63) return CHATTS_TOO_MANY_LEVELS;
+    } else if (instructions >= CHATTS_PRODUCT_NEON && instructions <= CHATTS_PRODUCT_I8MM) {
+        return CHATTS_CPU_LACKS_PRODUCT;
     } else {
         return CHATTS_UNKNOWN_PRODUCT;
     }
@@ -743,11 +758,27 @@ static int32_t int8_linear(
     const bool tiles = instructions == CHATTS_PRODUCT_VNNI && tuning.tiles_from > 0 &&
                        rows >= tuning.tiles_from;
     if (tiles && !tiles_granted()) return CHATTS_NO_TILES;
-    const QuantizedRows prepared(rows, k, x, x_row_stride, gain, eps, swiglu, levels, threads,
+    const QuantizedRows prepared(rows, k, x, x_row_stride, gain, eps, swiglu, levels,
+                                 levels + 1, threads,
                                  tiles && rows > 16 ? (rows + 15) / 16 * 16 : rows);
     (tiles ? gemm_tiles : instructions == CHATTS_PRODUCT_VNNI ? gemm : gemm_avx2)(
         rows, n, k, prepared.quantized.get(), packed, offsets, weight_scale,
         prepared.row_max.get(), residual, residual_stride, out, out_stride, threads, tuning);
+#else
+    const ArmGemm product = arm_product(instructions);
+    if (instructions == CHATTS_PRODUCT_AVX2 || instructions == CHATTS_PRODUCT_VNNI)
+        return CHATTS_CPU_LACKS_PRODUCT;
+    if (instructions < CHATTS_PRODUCT_NEON || instructions > CHATTS_PRODUCT_I8MM)
+        return CHATTS_UNKNOWN_PRODUCT;
+    if (product == nullptr) return CHATTS_CPU_LACKS_PRODUCT;
+    if (levels < 1 || levels > 127) return CHATTS_TOO_MANY_LEVELS;
+    (void)offsets;  // s8 activations: no zero point to take off (int8_linear_arm.cpp)
+    const QuantizedRows prepared(rows, k, x, x_row_stride, gain, eps, swiglu, levels, 0,
+                                 threads);
+    product(rows, n, k, reinterpret_cast<const int8_t*>(prepared.quantized.get()), packed,
+            weight_scale, prepared.row_max.get(), residual, residual_stride, out, out_stride,
+            threads);
+#endif
     return CHATTS_OK;
 }
 
@@ -758,3 +789,19 @@ extern "C" int32_t chatts_int8_linear(const ChattsInt8LinearArgs* a) {
 }
 
 extern "C" int32_t chatts_amx_tiles() { return tiles_granted() ? 1 : 0; }
+
+// The int8 products this CPU runs, as a mask of 1 << ChattsProduct.
+extern "C" int32_t chatts_int8_products() {
+#if CHATTS_X86
+    int32_t mask = 0;
+    if (__builtin_cpu_supports("avx2")) mask |= 1 << CHATTS_PRODUCT_AVX2;
+    if (__builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512bw"))
+        mask |= 1 << CHATTS_PRODUCT_VNNI;
+    return mask;
+#else
+    int32_t mask = 0;
+    for (int32_t product = CHATTS_PRODUCT_NEON; product <= CHATTS_PRODUCT_I8MM; ++product)
+        if (arm_product(product) != nullptr) mask |= 1 << product;
+    return mask;
+#endif
+}

@@ -9,7 +9,7 @@
 #include <cstdint>
 
 #ifndef CHATTS_ABI_VERSION  // a test builds a library of another version to see it refused
-#define CHATTS_ABI_VERSION 12
+#define CHATTS_ABI_VERSION 13
 #endif
 
 // What a kernel returns. chatts_status_message() gives each one's text.
@@ -34,6 +34,10 @@ enum ChattsStatus : int32_t {
 enum ChattsProduct : int32_t {
     CHATTS_PRODUCT_AVX2 = 1,  // 7-bit activations (levels up to 63)
     CHATTS_PRODUCT_VNNI = 2,  // AVX512-VNNI, 8-bit activations (levels up to 127)
+    // aarch64 (int8_linear_arm.cpp), all three with 8-bit activations (levels up to 127):
+    CHATTS_PRODUCT_NEON = 3,     // Armv8.0 NEON: smull, sadalp
+    CHATTS_PRODUCT_DOTPROD = 4,  // Armv8.2 DotProd: sdot
+    CHATTS_PRODUCT_I8MM = 5,     // Armv8.6 I8MM: smmla
 };
 
 // The instruction loops chatts_peak_loop runs (csrc/peak.cpp).
@@ -253,6 +257,7 @@ int32_t chatts_int4_linear(const ChattsInt4LinearArgs* args);
 int32_t chatts_read_buffers(ChattsReadArgs* args);
 int32_t chatts_depthwise_conv1d(const ChattsDepthwiseArgs* args);
 int32_t chatts_amx_tiles();  // 1: the int8 product may use AMX tiles here (tiles_from)
+int32_t chatts_int8_products();  // the int8 products this CPU runs: a mask of 1 << ChattsProduct
 // `kind`'s loop (ChattsPeak), `iterations` times on each of `threads` threads: the
 // multiply-adds done, or minus a ChattsStatus; `checksum` (may be NULL) adds up the results
 int64_t chatts_peak_loop(int32_t kind, int64_t iterations, int32_t threads, uint64_t* checksum);

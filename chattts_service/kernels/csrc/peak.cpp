@@ -6,6 +6,7 @@
 // result, and an empty asm statement per iteration hides the weights' values from the
 // compiler, so nothing is hoisted out of the loop.
 
+#if CHATTS_X86
 namespace {
 
 // The products' operands as their loops read them: four rows' groups of 4 inputs (each
@@ -139,9 +140,15 @@ __attribute__((target("avx512f,avx512bf16"))) uint64_t peak_bf16(int64_t iterati
 
 }  // namespace
 
+#endif  // CHATTS_X86
+
 extern "C" int64_t chatts_peak_loop(int32_t kind, int64_t iterations, int32_t threads,
                                     uint64_t* checksum) {
     if (iterations < 1 || threads < 1) return -CHATTS_BAD_PEAK;
+#if CHATTS_ARM  // no peak loops for aarch64's instructions yet
+    (void)kind, (void)checksum;
+    return -CHATTS_CPU_LACKS_PRODUCT;
+#else
     uint64_t (*loop)(int64_t) = nullptr;
     int64_t per_iteration = 0;
     if (kind == CHATTS_PEAK_AVX2) {
@@ -169,4 +176,5 @@ extern "C" int64_t chatts_peak_loop(int32_t kind, int64_t iterations, int32_t th
     folded += loop(iterations);
     if (checksum != nullptr) *checksum = folded;
     return per_iteration * iterations * threads;
+#endif
 }

@@ -12,7 +12,9 @@
 
 namespace {
 
+#if CHATTS_X86
 __attribute__((target("avx2")))
+#endif
 uint64_t read_span(const uint8_t* start, int64_t bytes, int64_t prefetch_bytes, int streams) {
     __m256i a = _mm256_setzero_si256(), b = a, c = a, d = a;
     const int64_t whole = bytes & ~int64_t{127};  // in 128-byte pieces; the rest after
