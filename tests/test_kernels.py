@@ -1,6 +1,7 @@
 """The C++ kernels against torch's operators, row by row."""
 
 import math
+import shutil
 from pathlib import Path
 
 import pytest
@@ -16,6 +17,12 @@ from chattts_service.kernels.int8 import INT8_INSTRUCTIONS, Int8Packing
 from chattts_service.runtime.cpu import cpu_flags
 
 HEADS, DIM, LAYERS = 4, 64, 3
+# tests that build a library of their own; tests/arm64 runs the others in an arm64 root with
+# no compiler (it cross-compiles the library outside it)
+needs_compiler = pytest.mark.skipif(
+    shutil.which(kernel_build.compiler()) is None,
+    reason=f"no C++ compiler ({kernel_build.compiler()}) here to build a library with",
+)
 
 
 @pytest.fixture(scope="module")
@@ -275,6 +282,7 @@ def test_bad_arguments_are_refused(kernel):
     assert cpp_kernels.load("off") is None
 
 
+@needs_compiler
 def test_build_names_the_library_by_its_sources_and_flags(tmp_path):
     path = kernel_build.library_path(str(tmp_path))
     assert path.parent == tmp_path and not path.exists()
@@ -298,6 +306,7 @@ def test_a_build_without_a_compiler_says_so(tmp_path, monkeypatch):
         kernel_build.build(kernel_build.library_path(str(tmp_path)))
 
 
+@needs_compiler
 def test_a_library_of_another_interface_is_refused_at_load(tmp_path):
     flags = kernel_build.FLAGS + ("-DCHATTS_ABI_VERSION=99",)
     path = kernel_build.build(kernel_build.library_path(str(tmp_path), flags), flags)
@@ -305,6 +314,7 @@ def test_a_library_of_another_interface_is_refused_at_load(tmp_path):
         cpp_kernels.Kernels(path)
 
 
+@needs_compiler
 def test_two_fields_of_one_type_swapped_are_refused_at_load(tmp_path):
     """The same size, the same version: only the fields' offsets tell the structs apart."""
     flags = kernel_build.FLAGS + ("-DCHATTS_TEST_SWAPPED_FIELDS",)
@@ -468,10 +478,9 @@ def test_the_int8_product_on_aarch64_is_the_best_the_cpu_runs(kernel):
         if product not in expected:
             with pytest.raises(ValueError, match="this CPU runs only neon"):
                 cpp_kernels.load("on", product)
-    with pytest.raises(ValueError, match="lacks AVX512-VNNI"):
-        cpp_kernels.load("auto", "vnni")
-    with pytest.raises(ValueError, match="runs only"):
-        cpp_kernels.load("on", "avx2")
+    for product in ("vnni", "avx2"):
+        with pytest.raises(ValueError, match="runs only"):
+            cpp_kernels.load("on", product)
 
 
 @pytest.mark.skipif(cpp_kernels.arm(), reason="x86-64's int8 products")
@@ -531,6 +540,18 @@ def test_peak_loops_count_the_multiply_adds_they_do(kernel, loop):
             kernel.check(-kernel.library.chatts_peak_loop(*refused, None))
 
 
+def _the_check_tells(matches: bool, equal_here: bool) -> None:
+    """The decoder's check (``matches``, on 64 channels) against torch's bits on this test's
+    shape (``equal_here``). It must never pass a kernel that differs from torch. On x86-64 it
+    must also pass one that matches (oneDNN sums the taps alike at every channel count); on
+    aarch64 torch's convolution may sum 64 channels in another order than more, so the check
+    may refuse a kernel that matches here, and the decoder keeps torch's convolution."""
+    if matches:
+        assert equal_here
+    if not cpp_kernels.arm():
+        assert matches == equal_here
+
+
 def _depthwise_in_order(x, weight, bias, dilation, padding, float32=False):
     """The depthwise convolution as the kernel forms it, in float64 rounded to float32 after
     every tap: each output starts at its bias and adds the taps' products in tap order (a
@@ -579,7 +600,7 @@ def test_depthwise_conv1d_sums_its_taps_in_order_from_the_bias(
     with torch.autocast("cpu", dtype=torch.bfloat16):
         torchs = F.conv1d(x, weight, bias, padding=padding, dilation=dilation, groups=channels)
     if channels >= 64:  # the decoder's check runs on 64 channels; oneDNN may differ on fewer
-        assert _depthwise_matches(kernel, 7, dilation) == torch.equal(out, torchs)
+        _the_check_tells(_depthwise_matches(kernel, 7, dilation), torch.equal(out, torchs))
 
 
 @pytest.mark.parametrize(
@@ -615,7 +636,8 @@ def test_depthwise_conv1d_in_float32_fuses_each_tap_in_order_from_the_bias(
     assert not torch.equal(out, kernel.depthwise_conv1d(x, taps, bias, dilation, padding).float())
     torchs = F.conv1d(x, weight, bias, padding=padding, dilation=dilation, groups=channels)
     if channels >= 64:  # the decoder's check runs on 64 channels; oneDNN may differ on fewer
-        assert _depthwise_matches(kernel, 7, dilation, float32=True) == torch.equal(out, torchs)
+        matches = _depthwise_matches(kernel, 7, dilation, float32=True)
+        _the_check_tells(matches, torch.equal(out, torchs))
     with pytest.raises(ValueError, match="reads float32"):
         kernel.depthwise_conv1d(x.bfloat16(), taps, bias, dilation, padding, float32=True)
 

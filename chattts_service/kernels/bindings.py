@@ -549,7 +549,7 @@ def load(mode: str = "auto", int8_product: str = "auto", directory: str = "") ->
         raise ValueError(f"int8 product must be one of {INT8_PRODUCTS}, not {int8_product!r}")
     if mode == "off":
         return None
-    if int8_product == "vnni" and not cpu_supports(VNNI_CPU_FLAGS):
+    if int8_product == "vnni" and not arm() and not cpu_supports(VNNI_CPU_FLAGS):
         raise ValueError("CHATTTS_INT8_PRODUCT=vnni, but this CPU lacks AVX512-VNNI")
     try:
         if not arm() and not cpu_supports():

@@ -30,17 +30,24 @@ SOURCES = Path(__file__).parent / "csrc"
 MAIN_SOURCE = SOURCES / "kernels.cpp"
 # what each architecture's build asks of its CPUs at least; the rest is chosen at run time
 ARCHITECTURE_FLAGS = {"x86_64": ("-mavx2", "-mfma"), "aarch64": ("-march=armv8-a",)}
-FLAGS = (
-    "-O3",
-    *ARCHITECTURE_FLAGS.get(platform.machine(), ()),
-    "-fopenmp",
-    "-fno-math-errno",
-    "-fassociative-math",
-    "-fno-signed-zeros",
-    "-fno-trapping-math",
-    "-shared",
-    "-fPIC",
-)
+
+
+def flags_for(machine: str) -> tuple[str, ...]:
+    """The compiler's flags for a library that runs on ``machine`` (``platform.machine()``)."""
+    return (
+        "-O3",
+        *ARCHITECTURE_FLAGS.get(machine, ()),
+        "-fopenmp",
+        "-fno-math-errno",
+        "-fassociative-math",
+        "-fno-signed-zeros",
+        "-fno-trapping-math",
+        "-shared",
+        "-fPIC",
+    )
+
+
+FLAGS = flags_for(platform.machine())
 
 
 def kernel_dir(configured: str = "") -> Path:
@@ -63,16 +70,24 @@ def library_path(directory: str = "", flags: tuple[str, ...] = FLAGS) -> Path:
 
 
 def build(
-    path: Path | None = None, flags: tuple[str, ...] = FLAGS, source: Path = MAIN_SOURCE
+    path: Path | None = None,
+    flags: tuple[str, ...] = FLAGS,
+    source: Path = MAIN_SOURCE,
+    machine: str = "",
 ) -> Path:
     """Compile the kernels (``source``: their main file, by default this checkout's) into
-    ``path``; raise ``RuntimeError`` saying why it failed."""
+    ``path``, for ``machine`` (default: this one's; another: a cross build, with its
+    ``<machine>-linux-gnu-g++`` unless ``CXX`` says); raise ``RuntimeError`` saying why it
+    failed."""
+    machine = machine or platform.machine()
     path = path or library_path(flags=flags)
-    if platform.machine() not in ARCHITECTURE_FLAGS:
-        raise RuntimeError(f"no kernels for {platform.machine()}: only for x86-64 and aarch64")
-    found = shutil.which(compiler())
+    if machine not in ARCHITECTURE_FLAGS:
+        raise RuntimeError(f"no kernels for {machine}: only for x86_64 and aarch64")
+    cross = machine != platform.machine()
+    chosen = os.environ.get("CXX") or (f"{machine}-linux-gnu-g++" if cross else compiler())
+    found = shutil.which(chosen)
     if found is None:
-        raise RuntimeError(f"no C++ compiler ({compiler()}) to build the kernels")
+        raise RuntimeError(f"no C++ compiler ({chosen}) to build the kernels")
     path.parent.mkdir(parents=True, exist_ok=True)
     # build beside the target and rename: a concurrent builder never sees half a file
     with tempfile.TemporaryDirectory(dir=path.parent) as scratch:
@@ -89,13 +104,24 @@ def build(
     return path
 
 
-def main() -> int:
+def main(arguments: list[str] | None = None) -> int:
+    import argparse
+
     from chattts_service.config import Settings, SettingsError
 
+    parser = argparse.ArgumentParser(description="Build the C++ kernels.")
+    parser.add_argument(
+        "--machine",
+        default=platform.machine(),
+        help="the architecture the library is for (x86_64, aarch64): another than this "
+        "machine's is a cross build (tests/arm64 makes aarch64's on an x86-64 host)",
+    )
+    options = parser.parse_args(arguments)
     try:
         directory = Settings.from_env().kernel_dir
-        path = library_path(directory)
-        print(path if path.exists() else build(path))
+        flags = flags_for(options.machine)
+        path = library_path(directory, flags)
+        print(path if path.exists() else build(path, flags, machine=options.machine))
     except (SettingsError, RuntimeError, OSError, subprocess.SubprocessError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 1

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import functools
 import os
+import platform
 import threading
 import time
 
@@ -22,11 +23,14 @@ def available_cpus() -> int:
 
 @functools.cache
 def cpu_flags() -> frozenset[str]:
-    """The CPU's feature flags from /proc/cpuinfo (empty where it cannot be read). Read once:
-    the questions asked of it come on every request (cache key) and every decode."""
+    """The CPU's feature flags from /proc/cpuinfo (empty where it cannot be read): x86's
+    ``flags``, or on aarch64 its ``Features`` (asimddp, i8mm, bf16...; never x86's, which an
+    arm64 process under qemu-user would otherwise read off its x86 host). Read once: the
+    questions asked of it come on every request (cache key) and every decode."""
+    field = "Features" if platform.machine() == "aarch64" else "flags"
     try:
         with open("/proc/cpuinfo", encoding="ascii", errors="replace") as handle:
-            line = next((line for line in handle if line.startswith("flags")), "")
+            line = next((line for line in handle if line.startswith(field)), "")
     except OSError:
         return frozenset()
     return frozenset(line.partition(":")[2].split())

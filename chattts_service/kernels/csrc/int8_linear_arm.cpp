@@ -22,8 +22,12 @@
 //   8 zips shared by every row pair, and 8 smmla a row pair where DotProd needs 16 sdot. 4 rows
 //   (two pairs) a pass; a last odd row takes the DotProd loop.
 //
-// Integer sums are exact, so their order is free; the float epilogue is written with
-// intrinsics (no contraction into a fused multiply-add), as store_row is.
+// Integer sums are exact, so their order is free. The float epilogue's order is not: GCC's NEON
+// intrinsics are plain vector arithmetic to it, which -fassociative-math may regroup (the two
+// products, the channel's scale times the row's magnitude first: a last bit off in a third of
+// the outputs, seen under qemu) and -ffp-contract may fuse into a multiply-add. So every
+// function that holds the epilogue is built without either (CHATTS_EXACT_FLOAT), as store_row's
+// callers are.
 
 #ifndef HWCAP_ASIMDDP
 #define HWCAP_ASIMDDP (1UL << 20)
@@ -38,9 +42,12 @@
 using ArmGemm = void (*)(int64_t, int64_t, int64_t, const int8_t*, const int8_t*, const float*,
                          const float*, const float*, int64_t, float*, int64_t, int);
 
+#define CHATTS_EXACT_FLOAT \
+    optimize("no-associative-math", "signed-zeros", "trapping-math", "fp-contract=off")
+
 // One row's sums of 4 channels (from channel `channel` of the block) through the epilogue;
 // only the block's first `valid` channels are stored.
-inline void store_four(int32x4_t sums, const float* weight_scale, float row_max,
+__attribute__((CHATTS_EXACT_FLOAT, always_inline)) inline void store_four(int32x4_t sums, const float* weight_scale, float row_max,
                        const float* residual, float* out, int channel, int valid) {
     if (channel >= valid) return;
     float32x4_t result = vmulq_f32(vmulq_f32(vcvtq_f32_s32(sums), vld1q_f32(weight_scale + channel)),
@@ -58,6 +65,7 @@ inline void store_four(int32x4_t sums, const float* weight_scale, float row_max,
 
 // ROWS (1 or 2) rows of one block of 16 channels with smull and sadalp.
 template <int ROWS>
+__attribute__((CHATTS_EXACT_FLOAT))
 void block_neon(int64_t k_groups, const int8_t* x, int64_t x_stride, const int8_t* w,
                 const float* weight_scale, const float* row_max, const float* residual,
                 int64_t residual_stride, float* out, int64_t out_stride, int valid) {
@@ -87,7 +95,7 @@ void block_neon(int64_t k_groups, const int8_t* x, int64_t x_stride, const int8_
 
 // ROWS (1..4) rows of one block with sdot: 4 groups of inputs a 16-byte load, one lane each.
 template <int ROWS>
-__attribute__((target("arch=armv8.2-a+dotprod")))
+__attribute__((target("arch=armv8.2-a+dotprod"), CHATTS_EXACT_FLOAT))
 void block_dotprod(int64_t k_groups, const int8_t* x, int64_t x_stride, const int8_t* w,
                    const float* weight_scale, const float* row_max, const float* residual,
                    int64_t residual_stride, float* out, int64_t out_stride, int valid) {
@@ -140,7 +148,7 @@ inline int8x8_t eight_inputs(const int8_t* row, int64_t group, int64_t k_groups)
 // PAIRS (1 or 2) pairs of rows of one block with smmla (a pair's second row may repeat its
 // first: `rows` says how many are real).
 template <int PAIRS>
-__attribute__((target("arch=armv8.2-a+i8mm")))
+__attribute__((target("arch=armv8.2-a+i8mm"), CHATTS_EXACT_FLOAT))
 void block_i8mm(int64_t k_groups, const int8_t* x, int64_t x_stride, const int8_t* w,
                 const float* weight_scale, const float* row_max, const float* residual,
                 int64_t residual_stride, float* out, int64_t out_stride, int valid, int rows) {
@@ -239,6 +247,7 @@ void gemm_i8mm(int64_t rows, int64_t n, int64_t k, const int8_t* xq, const int8_
 }
 
 #undef CHATTS_BLOCK_ARGUMENTS
+#undef CHATTS_EXACT_FLOAT
 
 // The product for `instructions`, or nullptr where this CPU lacks them (or they are not Arm's).
 ArmGemm arm_product(int32_t instructions) {

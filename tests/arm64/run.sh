@@ -1,0 +1,192 @@
+#!/usr/bin/env bash
+# arm64 test, run by CI on an x86-64 machine: the aarch64 kernels' tests under qemu for each
+# int8 product qemu can run, and a real server synthesizing over HTTP on them.
+#
+# An arm64 Debian (trixie, Python 3.13) made by debootstrap runs through qemu-user (binfmt).
+# What would be slow under emulation is done natively: pip installs the pinned dependencies'
+# aarch64 wheels into a directory for it (torch 2.9.1: PyPI's newer aarch64 builds are CUDA
+# builds; the image takes Debian's arm64 torch instead, which tests/container/run.sh with
+# CT_ARCH=arm64 covers, too slow for every CI run), and the kernels are cross-compiled with
+# Debian's aarch64 g++. Then, for QEMU_CPU=max (DotProd and I8MM) and cortex-a53 (neither):
+# tests/test_kernels.py, and server.py on the tiny random-weight model, asked for speech on
+# /synthesize and /v1/audio/speech, whose /status and /metrics must name the product that
+# qemu's CPU should get. Emulation gives no timings: nothing here measures speed.
+#
+# Environment: ARM_WORK (kept between local runs, default /var/tmp/chattts-arm64), ARM_PORT
+# (loopback port, default 18290), ARM_CPUS (default "max cortex-a53"). Exits non-zero on failure.
+set -euo pipefail
+
+REPO="$(cd "$(dirname "$0")/../.." && pwd)"
+WORK="${ARM_WORK:-/var/tmp/chattts-arm64}"
+PORT="${ARM_PORT:-18290}"
+CPUS="${ARM_CPUS:-max cortex-a53}"
+PYTHON="${PYTHON:-$REPO/.venv/bin/python}"
+ROOT="$WORK/root"
+SITE="$WORK/site"
+mkdir -p "$WORK"
+
+log() { printf '[arm64-test %s] %s\n' "$(date +%H:%M:%S)" "$*"; }
+fail() { log "FAIL: $*"; exit 1; }
+seconds_since() { echo $(( $(date +%s) - $1 )); }
+began=$(date +%s)
+
+# -- tools and qemu ---------------------------------------------------------------------------
+need_apt=()
+for package in qemu-user-static binfmt-support debootstrap g++-aarch64-linux-gnu libsimde-dev; do
+    dpkg -s "$package" >/dev/null 2>&1 || need_apt+=("$package")
+done
+if [ "${#need_apt[@]}" -gt 0 ]; then
+    log "installing ${need_apt[*]} from Debian"
+    apt-get update -qq
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${need_apt[@]}" >/dev/null
+fi
+[ -e /proc/sys/fs/binfmt_misc/register ] \
+    || mount -t binfmt_misc binfmt_misc /proc/sys/fs/binfmt_misc
+update-binfmts --enable qemu-aarch64 >/dev/null 2>&1 || true
+grep -q enabled /proc/sys/fs/binfmt_misc/qemu-aarch64 || fail "qemu-aarch64 is not registered"
+
+# -- the arm64 root ---------------------------------------------------------------------------
+if [ ! -x "$ROOT/usr/bin/python3" ]; then
+    started=$(date +%s)
+    log "debootstrap arm64 trixie (its second stage runs under qemu)"
+    rm -rf "$ROOT"
+    debootstrap --arch arm64 --variant=minbase --include=python3,libgomp1,ca-certificates \
+        trixie "$ROOT" http://deb.debian.org/debian >"$WORK/debootstrap.log" 2>&1 \
+        || { tail -20 "$WORK/debootstrap.log"; fail "debootstrap"; }
+    log "root ready in $(seconds_since "$started") s"
+fi
+"$ROOT/usr/bin/python3" -c 'import platform; assert platform.machine() == "aarch64"' \
+    || fail "the root's Python does not run as aarch64"
+
+mounted=()
+cleanup() {
+    set +e
+    [ -z "${SERVER_PID:-}" ] || { kill "$SERVER_PID"; wait "$SERVER_PID"; } 2>/dev/null
+    for (( i=${#mounted[@]}-1; i>=0; i-- )); do umount -l "${mounted[$i]}" 2>/dev/null; done
+}
+trap cleanup EXIT
+for target in proc sys dev; do
+    mountpoint -q "$ROOT/$target" && continue
+    case "$target" in
+        proc) mount -t proc proc "$ROOT/proc" ;;
+        sys) mount -t sysfs sysfs "$ROOT/sys" ;;
+        dev) mount --bind /dev "$ROOT/dev" ;;
+    esac
+    mounted+=("$ROOT/$target")
+done
+
+# -- the dependencies' aarch64 wheels, installed natively -------------------------------------
+pins="$WORK/pins.txt"
+wanted="$(cat "$REPO/requirements.txt" "$0" | sha256sum | cut -d' ' -f1)"
+if [ "$(cat "$SITE/.wanted" 2>/dev/null)" != "$wanted" ]; then
+    started=$(date +%s)
+    log "resolving and installing the aarch64 wheels"
+    grep -v -E '^(torch|torchaudio)==' "$REPO/requirements.txt" > "$WORK/rest.txt"
+    echo "pytest==$(grep -E '^pytest==' "$REPO/requirements-test.txt" | cut -d= -f3)" >> "$WORK/rest.txt"
+    # the versions pip picks with torch 2.9.1 (markers resolved on this host: the CUDA
+    # packages torch asks for on x86-64 are left out, as they are on aarch64)
+    "$PYTHON" -m pip install -q --dry-run --ignore-installed --report "$WORK/report.json" \
+        -r "$WORK/rest.txt" torch==2.9.1 torchaudio==2.9.1 2>/dev/null \
+        || fail "resolving the dependencies"
+    "$PYTHON" - "$WORK/report.json" "$pins" <<'PY'
+import json, sys
+report = json.load(open(sys.argv[1]))
+names = [f"{item['metadata']['name']}=={item['metadata']['version']}" for item in report["install"]]
+keep = [name for name in names if not name.lower().startswith(("nvidia", "triton", "cuda"))]
+open(sys.argv[2], "w").write("\n".join(keep) + "\n")
+PY
+    rm -rf "$SITE" "$WORK/wheels" && mkdir -p "$WORK/wheels"
+    install_site() {
+        "$PYTHON" -m pip install -q --no-deps --target "$SITE" --find-links "$WORK/wheels" \
+            --platform manylinux_2_28_aarch64 --platform manylinux_2_17_aarch64 \
+            --platform manylinux2014_aarch64 --platform linux_aarch64 --platform any \
+            --python-version 3.13 --implementation cp --only-binary=:all: -r "$pins" 2>&1
+    }
+    # the pure-Python packages published only as source (ChatTTS, encodec) become wheels here
+    for _ in 1 2 3 4 5 6; do
+        missing=$(install_site | sed -n 's/.*No matching distribution found for //p')
+        [ -z "$missing" ] && break
+        "$PYTHON" -m pip wheel -q --no-deps "$missing" -w "$WORK/wheels" >/dev/null 2>&1 \
+            || fail "no aarch64 wheel of $missing, and it does not build as pure Python"
+    done
+    [ -z "$missing" ] || fail "still missing: $missing"
+    echo "$wanted" > "$SITE/.wanted"
+    log "wheels installed in $(seconds_since "$started") s ($(du -sh "$SITE" | cut -f1))"
+fi
+
+# -- the checkout and its kernels, cross-compiled ---------------------------------------------
+rm -rf "$ROOT/app" && mkdir -p "$ROOT/app"
+(cd "$REPO" && git ls-files -z | xargs -0 tar -cf - --no-recursion) | tar -x -C "$ROOT/app"
+library=$(cd "$ROOT/app" && CHATTTS_KERNEL_DIR="$ROOT/app/chattts_service/kernels/_build" \
+    PYTHONPATH="$ROOT/app" "$PYTHON" -m chattts_service.kernels.build --machine aarch64) \
+    || fail "cross-compiling the kernels"
+log "kernels cross-compiled: $(basename "$library")"
+(cd "$REPO" && "$PYTHON" -m chattts_service.tools.testmodel "$ROOT/model" --size tiny >/dev/null) \
+    || fail "building the tiny model"
+inside() {  # inside CPU COMMAND...: a command in the root, on qemu's CPU model CPU
+    local cpu="$1"; shift
+    chroot "$ROOT" /usr/bin/env -i PATH=/usr/bin:/bin HOME=/tmp LANG=C.UTF-8 \
+        PYTHONPATH=/opt/site QEMU_CPU="$cpu" "$@"
+}
+mkdir -p "$ROOT/opt/site"
+mountpoint -q "$ROOT/opt/site" || { mount --bind "$SITE" "$ROOT/opt/site"; mounted+=("$ROOT/opt/site"); }
+
+# -- for each CPU: the kernel tests, then speech over HTTP ------------------------------------
+for cpu in $CPUS; do
+    case "$cpu" in
+        max) want=i8mm ;;
+        cortex-a53) want=neon ;;
+        *) want="" ;;
+    esac
+    started=$(date +%s)
+    log "QEMU_CPU=$cpu: tests/test_kernels.py"
+    inside "$cpu" sh -c 'cd /app && python3 -m pytest -q -p no:cacheprovider -rs tests/test_kernels.py' \
+        > "$WORK/kernels-$cpu.log" 2>&1 \
+        || { tail -60 "$WORK/kernels-$cpu.log"; fail "the kernel tests on $cpu"; }
+    log "QEMU_CPU=$cpu: $(grep -E '[0-9]+ passed' "$WORK/kernels-$cpu.log" | tail -1) ($(seconds_since "$started") s)"
+    grep -E '^SKIPPED' "$WORK/kernels-$cpu.log" | sed 's/^/    /' || true
+
+    started=$(date +%s)
+    log "QEMU_CPU=$cpu: server.py on the tiny model"
+    inside "$cpu" sh -c "cd /app && exec env CHATTTS_MODEL_DIR=/model CHATTTS_VERIFY_MODEL=0 \
+        CHATTTS_HOST=127.0.0.1 CHATTTS_PORT=$PORT CHATTTS_WYOMING_PORT=0 CHATTTS_CACHE_SIZE=0 \
+        CHATTTS_MAX_NEW_TOKENS=24 python3 server.py" > "$WORK/server-$cpu.log" 2>&1 &
+    SERVER_PID=$!
+    ready=""
+    for _ in $(seq 1 900); do
+        if [ "$(curl -s -o /dev/null -w '%{http_code}' "http://127.0.0.1:$PORT/readyz")" = 200 ]; then
+            ready=yes; break
+        fi
+        kill -0 "$SERVER_PID" 2>/dev/null || break
+        sleep 1
+    done
+    [ -n "$ready" ] || { tail -40 "$WORK/server-$cpu.log"; fail "the server on $cpu never became ready"; }
+    log "QEMU_CPU=$cpu: ready in $(seconds_since "$started") s"
+    curl -sf -X POST -H 'Content-Type: application/json' -d '{"text":"你好，arm64。","seed":3}' \
+        "http://127.0.0.1:$PORT/synthesize" -o "$WORK/out-$cpu.wav" || fail "POST /synthesize on $cpu"
+    curl -sf -X POST -H 'Content-Type: application/json' \
+        -d '{"model":"tts-1","voice":"alloy","input":"Hello from arm64.","response_format":"wav","stream":false}' \
+        "http://127.0.0.1:$PORT/v1/audio/speech" -o "$WORK/speech-$cpu.wav" \
+        || fail "POST /v1/audio/speech on $cpu"
+    curl -sf "http://127.0.0.1:$PORT/status" -o "$WORK/status-$cpu.json" || fail "GET /status"
+    curl -sf "http://127.0.0.1:$PORT/metrics" -o "$WORK/metrics-$cpu.txt" || fail "GET /metrics"
+    "$PYTHON" - "$WORK" "$cpu" "$want" <<'PY' || fail "the answers on $cpu"
+import json, sys, wave
+work, cpu, want = sys.argv[1:]
+for name in (f"out-{cpu}.wav", f"speech-{cpu}.wav"):
+    with wave.open(f"{work}/{name}") as w:
+        assert (w.getframerate(), w.getnchannels(), w.getsampwidth()) == (24000, 1, 2)
+        assert w.getnframes() > 0, name
+status = json.load(open(f"{work}/status-{cpu}.json"))
+assert status["architecture"] == "aarch64" and status["kernels"] == "on", status
+assert not want or status["linears"] == want, (status["linears"], want)
+metrics = open(f"{work}/metrics-{cpu}.txt").read()
+line = f'chatts_kernels_info{{architecture="aarch64",kernels="on",linears="{status["linears"]}"}} 1.0'
+assert line in metrics, line
+print(f"speech ok on {cpu}: linears {status['linears']}, tuning {status['kernel_tuning']}")
+PY
+    kill "$SERVER_PID"; wait "$SERVER_PID" 2>/dev/null || true; SERVER_PID=""
+    log "QEMU_CPU=$cpu: speech over HTTP on $want ($(seconds_since "$started") s)"
+done
+
+log "PASS in $(seconds_since "$began") s"
