@@ -391,9 +391,13 @@ def _write(path: Path, tuning: KernelTuning, identity: dict, report: dict) -> bo
 @dataclass
 class Choice:
     tuning: KernelTuning
-    source: str  # "measured", "kept" (an earlier start's measurement), "table", "default"
+    # "measured", "kept" (an earlier start's measurement), "table", "default", or "untuned"
+    # (aarch64's products, which read every weight with the hardware prefetcher alone)
+    source: str
 
     def describe(self) -> str:
+        if self.source == "untuned":
+            return "the hardware prefetcher alone (aarch64's products take no tuning)"
         return f"{self.tuning.describe()}, {self.source}"
 
 
@@ -403,8 +407,9 @@ def choose(kernels, packings, mode: str, directory: Path | None) -> Choice:
     if mode not in MODES:
         raise ValueError(f"kernel tuning must be one of {MODES}, not {mode!r}")
     identity = cpu_identity()
-    untuned = kernels.int8_instructions in UNTUNED_PRODUCTS
-    if mode == "default" or (mode == "measure" and not packings) or untuned:  # nothing to time
+    if kernels.int8_instructions in UNTUNED_PRODUCTS:
+        choice = Choice(DEFAULT, "untuned")
+    elif mode == "default" or (mode == "measure" and not packings):  # nothing to time
         choice = Choice(DEFAULT, "default")
     elif mode == "table":
         tuning = from_table(identity)

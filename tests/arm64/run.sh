@@ -55,7 +55,7 @@ if [ ! -x "$ROOT/usr/bin/python3" ]; then
         || { tail -20 "$WORK/debootstrap.log"; fail "debootstrap"; }
     log "root ready in $(seconds_since "$started") s"
 fi
-"$ROOT/usr/bin/python3" -c 'import platform; assert platform.machine() == "aarch64"' \
+chroot "$ROOT" /usr/bin/python3 -c 'import platform; assert platform.machine() == "aarch64"' \
     || fail "the root's Python does not run as aarch64"
 
 mounted=()
@@ -104,7 +104,7 @@ PY
     }
     # the pure-Python packages published only as source (ChatTTS, encodec) become wheels here
     for _ in 1 2 3 4 5 6; do
-        missing=$(install_site | sed -n 's/.*No matching distribution found for //p')
+        missing=$(install_site | sed -n 's/.*No matching distribution found for //p' || true)
         [ -z "$missing" ] && break
         "$PYTHON" -m pip wheel -q --no-deps "$missing" -w "$WORK/wheels" >/dev/null 2>&1 \
             || fail "no aarch64 wheel of $missing, and it does not build as pure Python"
@@ -123,16 +123,17 @@ library=$(cd "$ROOT/app" && CHATTTS_KERNEL_DIR="$ROOT/app/chattts_service/kernel
 log "kernels cross-compiled: $(basename "$library")"
 (cd "$REPO" && "$PYTHON" -m chattts_service.tools.testmodel "$ROOT/model" --size tiny >/dev/null) \
     || fail "building the tiny model"
+ENVIRONMENT=(PATH=/usr/bin:/bin HOME=/tmp LANG=C.UTF-8 PYTHONPATH=/opt/site)
 inside() {  # inside CPU COMMAND...: a command in the root, on qemu's CPU model CPU
     local cpu="$1"; shift
-    chroot "$ROOT" /usr/bin/env -i PATH=/usr/bin:/bin HOME=/tmp LANG=C.UTF-8 \
-        PYTHONPATH=/opt/site QEMU_CPU="$cpu" "$@"
+    chroot "$ROOT" /usr/bin/env -i "${ENVIRONMENT[@]}" QEMU_CPU="$cpu" "$@"
 }
 mkdir -p "$ROOT/opt/site"
 mountpoint -q "$ROOT/opt/site" || { mount --bind "$SITE" "$ROOT/opt/site"; mounted+=("$ROOT/opt/site"); }
 
 # -- for each CPU: the kernel tests, then speech over HTTP ------------------------------------
 for cpu in $CPUS; do
+    PORT=$((PORT + 1))  # a port of its own: an earlier CPU's server can never answer for it
     case "$cpu" in
         max) want=i8mm ;;
         cortex-a53) want=neon ;;
@@ -148,9 +149,12 @@ for cpu in $CPUS; do
 
     started=$(date +%s)
     log "QEMU_CPU=$cpu: server.py on the tiny model"
-    inside "$cpu" sh -c "cd /app && exec env CHATTTS_MODEL_DIR=/model CHATTTS_VERIFY_MODEL=0 \
-        CHATTTS_HOST=127.0.0.1 CHATTTS_PORT=$PORT CHATTTS_WYOMING_PORT=0 CHATTTS_CACHE_SIZE=0 \
-        CHATTTS_MAX_NEW_TOKENS=24 python3 server.py" > "$WORK/server-$cpu.log" 2>&1 &
+    # chroot itself in the background (not a function, whose subshell $! would name): the
+    # server's PID, which a SIGTERM stops as the container's stop does
+    chroot "$ROOT" /usr/bin/env -i "${ENVIRONMENT[@]}" QEMU_CPU="$cpu" sh -c "cd /app && exec env \
+        CHATTTS_MODEL_DIR=/model CHATTTS_VERIFY_MODEL=0 CHATTTS_HOST=127.0.0.1 CHATTTS_PORT=$PORT \
+        CHATTTS_WYOMING_PORT=0 CHATTTS_CACHE_SIZE=0 CHATTTS_MAX_NEW_TOKENS=24 python3 server.py" \
+        > "$WORK/server-$cpu.log" 2>&1 &
     SERVER_PID=$!
     ready=""
     for _ in $(seq 1 900); do
@@ -180,12 +184,18 @@ for name in (f"out-{cpu}.wav", f"speech-{cpu}.wav"):
 status = json.load(open(f"{work}/status-{cpu}.json"))
 assert status["architecture"] == "aarch64" and status["kernels"] == "on", status
 assert not want or status["linears"] == want, (status["linears"], want)
+assert "take no tuning" in status["kernel_tuning"], status["kernel_tuning"]
 metrics = open(f"{work}/metrics-{cpu}.txt").read()
 line = f'chatts_kernels_info{{architecture="aarch64",kernels="on",linears="{status["linears"]}"}} 1.0'
 assert line in metrics, line
 print(f"speech ok on {cpu}: linears {status['linears']}, tuning {status['kernel_tuning']}")
 PY
     kill "$SERVER_PID"; wait "$SERVER_PID" 2>/dev/null || true; SERVER_PID=""
+    for _ in $(seq 1 60); do
+        curl -s -o /dev/null "http://127.0.0.1:$PORT/healthz" || break
+        sleep 1
+    done
+    ! curl -s -o /dev/null "http://127.0.0.1:$PORT/healthz" || fail "the server on $cpu did not stop"
     log "QEMU_CPU=$cpu: speech over HTTP on $want ($(seconds_since "$started") s)"
 done
 
