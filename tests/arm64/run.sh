@@ -24,15 +24,14 @@ PYTHON="${PYTHON:-$REPO/.venv/bin/python}"
 ROOT="$WORK/root"
 SITE="$WORK/site"
 mkdir -p "$WORK"
-
-log() { printf '[arm64-test %s] %s\n' "$(date +%H:%M:%S)" "$*"; }
-fail() { log "FAIL: $*"; exit 1; }
-seconds_since() { echo $(( $(date +%s) - $1 )); }
+LOG_TAG=arm64-test
+# shellcheck source=tests/common.sh
+. "$REPO/tests/common.sh"
 began=$(date +%s)
 
 # -- tools and qemu ---------------------------------------------------------------------------
 need_apt=()
-for package in qemu-user-static binfmt-support debootstrap g++-aarch64-linux-gnu libsimde-dev; do
+for package in debootstrap g++-aarch64-linux-gnu libsimde-dev; do
     dpkg -s "$package" >/dev/null 2>&1 || need_apt+=("$package")
 done
 if [ "${#need_apt[@]}" -gt 0 ]; then
@@ -40,10 +39,7 @@ if [ "${#need_apt[@]}" -gt 0 ]; then
     apt-get update -qq
     DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${need_apt[@]}" >/dev/null
 fi
-[ -e /proc/sys/fs/binfmt_misc/register ] \
-    || mount -t binfmt_misc binfmt_misc /proc/sys/fs/binfmt_misc
-update-binfmts --enable qemu-aarch64 >/dev/null 2>&1 || true
-grep -q enabled /proc/sys/fs/binfmt_misc/qemu-aarch64 || fail "qemu-aarch64 is not registered"
+enable_qemu_aarch64
 
 # -- the arm64 root ---------------------------------------------------------------------------
 if [ ! -x "$ROOT/usr/bin/python3" ]; then

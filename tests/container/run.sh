@@ -35,22 +35,16 @@ if [ "$ARCH" != "$HOST_ARCH" ]; then
     PATIENCE=8
     WORK="${CT_WORK:-/var/tmp/chattts-ct-$ARCH}"  # an image store of its own
     CT_SUITE=0
-    if ! grep -q enabled "/proc/sys/fs/binfmt_misc/qemu-aarch64" 2>/dev/null; then
-        DEBIAN_FRONTEND=noninteractive apt-get install -y -qq qemu-user-static binfmt-support >/dev/null
-        [ -e /proc/sys/fs/binfmt_misc/register ] \
-            || mount -t binfmt_misc binfmt_misc /proc/sys/fs/binfmt_misc
-        update-binfmts --enable qemu-aarch64
-    fi
 fi
 BASE_IMAGE="docker.io/library/debian:trixie-slim"
 IMAGE="chattts-service:latest"
 PROJECT="chattts-ct"
 PYTHON="${PYTHON:-$REPO/.venv/bin/python}"
 mkdir -p "$WORK"
-
-log() { printf '[container-test %s] %s\n' "$(date +%H:%M:%S)" "$*"; }
-fail() { log "FAIL: $*"; exit 1; }
-seconds_since() { echo $(( $(date +%s) - $1 )); }
+LOG_TAG=container-test
+# shellcheck source=tests/common.sh
+. "$REPO/tests/common.sh"
+[ "$ARCH" = "$HOST_ARCH" ] || enable_qemu_aarch64
 
 # -- podman settings for this sandbox, without touching the host's configuration -------------
 export CONTAINERS_CONF="$HERE/containers.conf"
