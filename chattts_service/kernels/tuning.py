@@ -47,7 +47,7 @@ import torch
 
 from chattts_service.kernels import abi
 from chattts_service.kernels.int4 import Int4Packing, int4_linear
-from chattts_service.kernels.int8 import Int8Packing
+from chattts_service.kernels.int8 import ARM_PRODUCTS, Int8Packing
 from chattts_service.runtime.cpu import cpu_fields, cpu_flags
 from chattts_service.runtime.files import identity_key, replace_atomically
 
@@ -55,7 +55,6 @@ log = logging.getLogger(__name__)
 
 HINTS = {"nta": 0, "t0": 1}
 MODES = ("measure", "table", "default")
-UNTUNED_PRODUCTS = ("i8mm", "dotprod", "neon")  # aarch64's: no parameters to tune
 ROWS = (1, 8)  # a step alone, and a full batch
 PAIRING_ROWS = ROWS  # pairs from 1 row or 2 differ at one row, pairs or not at 8
 BETTER_BY = 0.05  # a candidate replaces the default only when this much faster: runs on a
@@ -407,7 +406,7 @@ def choose(kernels, packings, mode: str, directory: Path | None) -> Choice:
     if mode not in MODES:
         raise ValueError(f"kernel tuning must be one of {MODES}, not {mode!r}")
     identity = cpu_identity()
-    if kernels.int8_instructions in UNTUNED_PRODUCTS:
+    if kernels.int8_instructions in ARM_PRODUCTS:  # nothing to tune
         choice = Choice(DEFAULT, "untuned")
     elif mode == "default" or (mode == "measure" and not packings):  # nothing to time
         choice = Choice(DEFAULT, "default")
