@@ -302,3 +302,57 @@ def test_a_stream_a_segment_at_a_time_sends_each_segments_whole_audio(tiny_model
     segments = whole.segments
     assert len(pieces) == 2 * segments - 1  # each segment's audio, the pauses between them
     assert b"".join(piece.tobytes() for piece in pieces) == whole.audio.tobytes()
+
+
+def test_a_rounds_cost_is_fitted_as_a_fixed_part_and_a_part_a_step():
+    """Rounds of 10 ms plus 0.5 ms a step: the fit finds both, and so how many steps fit a
+    budget; with one size seen only, the time is taken as proportional to the steps."""
+    from chattts_service.inference.decode_queue import RoundCost
+
+    cost = RoundCost(0.001)
+    cost.observe(40, 0.030)
+    assert cost.fixed == 0 and cost.per_step == pytest.approx(0.030 / 40)
+    for steps in (12, 32, 64, 20, 128, 16):
+        cost.observe(steps, 0.010 + 0.0005 * steps)
+    assert cost.fixed == pytest.approx(0.010) and cost.per_step == pytest.approx(0.0005)
+    assert cost.seconds(60) == pytest.approx(0.040)
+    assert cost.steps_within(0.0401) == 60
+
+
+def test_decode_rounds_keep_within_the_stall_budget_and_streams_stay_exact(tiny_model_dir):
+    """Four streams at once, each chunk's decode made to cost what a full-size one does per
+    step (~0.5 ms): while rows step, no round of chunks goes past the 20 ms stall budget at
+    that cost (40 new steps), where joined rounds of four streams' chunks did (512); chunks left
+    by a round come in the next, in order, and every stream is its whole answer still."""
+    import numpy as np
+    from engines import read_streams
+
+    requests_ = [SynthesisRequest("预算之内的解码。", seed=40 + i) for i in range(4)]
+    with engine_on(tiny_model_dir, max_batch=4, stall_budget_ms=20) as engine:
+        wholes = [engine.synthesize(request, fixed_steps=200).audio for request in requests_]
+        decoder = engine.model.decoder
+        advance_many = decoder.advance_many
+        rounds: list = []
+
+        def timed_advance_many(items):
+            steps = [item.hiddens.shape[0] - item.state.fed for item in items]
+            time.sleep(0.0005 * sum(steps))
+            rounds.append((steps, any(item.final for item in items)))
+            return advance_many(items)
+
+        decoder.advance_many = timed_advance_many
+        try:
+            runs = [engine.start(r, fixed_steps=200, stream=True) for r in requests_]
+            results = read_streams(runs)
+        finally:
+            del decoder.advance_many
+    bound = 1e-3 if decoder.dtype == "fp32" else 0.03
+    for whole, chunks in zip(wholes, results, strict=True):
+        streamed = np.concatenate(chunks)
+        assert len(streamed) == len(whole)
+        assert np.linalg.norm(streamed - whole) <= bound * np.linalg.norm(whole)
+    # the first round is sized at the first pace assumed, the last ones finish the streams
+    # (no row waits then); the cost is fitted to timed rounds: within a quarter of 40 steps
+    steady = [sum(steps) for steps, final in rounds[1:] if not final]
+    assert steady and max(steady) <= 50, rounds
+    assert any(len(steps) > 1 for steps, _ in rounds), rounds  # rounds are still shared
