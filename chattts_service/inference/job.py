@@ -15,8 +15,7 @@ next when what has been sent runs low (``low_water_seconds`` of audio ahead of a
 started at the first chunk: more where its steps come slower or stall), or when a decode runs
 anyway and joining it pays, or when the chunk has grown to ``MAX_CHUNK_STEPS``. A stream
 ahead of its listener waits for a bigger piece, so the fixed cost of each decode round weighs
-less per second of audio; no chunk takes more steps than a decode round decodes within the
-scheduler's stall budget (``DecodeQueue.chunk_steps``): the rest follows in the next ones.
+less per second of audio.
 
 With a look-ahead (CHATTTS_STREAM_LOOKAHEAD, opt-in) a stream starts sooner: its chunks are
 decoded as windows that end where generation is, that many steps after the chunk, instead of
@@ -261,9 +260,7 @@ class SynthesisJob:
             return False
         if due:
             self._asked += 1
-            cap = self.decodes.chunk_steps() if self._stream is not None else None
-            # within the round's budget: the rest of what waits goes in the next chunks
-            self._emit(sequence, self._emitted + min(waiting, cap or waiting), final=False)
+            self._emit(sequence, self._emitted + waiting, final=False)
         return due
 
     def _time_step(self) -> None:
@@ -311,10 +308,8 @@ class SynthesisJob:
                 given, self._exact_samples = self._exact_samples, self._exact_samples + len(chunk)
                 sent(chunk[max(0, min(len(chunk), sent_already - given)) :])
 
-            # fed the steps its samples up to ``until`` read (all of them at the end)
-            fed = sequence.steps if final else min(sequence.steps, until + self.context_steps)
             self.decodes.submit_stream(
-                self._stream, sequence.hiddens[:fed], until, final, exact, self._failed
+                self._stream, sequence.hiddens[: sequence.steps], until, final, exact, self._failed
             )
         else:
             self.decodes.submit(

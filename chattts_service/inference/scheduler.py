@@ -16,8 +16,7 @@ policy (classes, shares per key and request, the bulk floor). A sequence that gi
 is paused with its KV cache and resumes where it was. Nothing holds the running rows for much
 longer than the policy's ``stall_budget_ms`` between two steps: prompts are prefilled a piece at
 a time (where the kernels run the layers), as many positions as fit the budget at the measured
-pace; audio is decoded in rounds kept within the same budget (``DecodeQueue``); the gaps
-between steps are timed (``on_stall``).
+pace; the gaps between steps are timed (``on_stall``).
 
 A job is a small state machine supplied by the engine: ``start()`` gives its first sequence,
 ``advance(sequence)`` either gives the next one (text refinement, then speech) or finishes the
@@ -220,11 +219,9 @@ class Scheduler:
                 else:
                     self._last_step_end = None  # no rows wait on what comes next
                 if self.decodes is not None:
-                    # what the jobs asked for in this iteration, together, within the stall
-                    # budget while rows wait; bulk segments' audio when the streams can spare
-                    # the time
-                    budget = self._stall_budget if len(self._batch) else None
-                    self.decodes.run(self._decode_slack(), budget)
+                    # what the jobs asked for in this iteration, together; bulk segments'
+                    # audio when the streams can spare the time
+                    self.decodes.run(self._decode_slack())
             except Exception:  # pragma: no cover - a bug: fail what is running, keep serving
                 log.exception("scheduler iteration failed; failing the running jobs")
                 self._fail_all(RuntimeError("internal error in the scheduler"))
@@ -307,8 +304,8 @@ class Scheduler:
             while self._take_row_for(None, bulk_cap):
                 pass
         deadline = None
-        if self._someone_playing():  # the budget is the gap's: the decode round since counts
-            deadline = (self._last_step_end or time.perf_counter()) + self._stall_budget
+        if self._someone_playing():
+            deadline = time.perf_counter() + self._stall_budget
         for sequence in list(batch.filling):  # prefills under way hold their rows: go on first
             if not self._fill(sequence, deadline):
                 return
@@ -508,7 +505,7 @@ class Scheduler:
         for sequence in self._batch.active:
             if not self._progress(sequence, joining=False):
                 not_yet.append(sequence)
-        if self.decodes is not None and self.decodes.worth_joining():  # e.g. streams' chunks
+        if self.decodes is not None and len(self.decodes):  # e.g. streams' chunks worth joining
             for sequence in not_yet:
                 self._progress(sequence, joining=True)
         self._last_step_end = time.perf_counter() if len(self._batch) else None
