@@ -302,14 +302,6 @@ uid=$(inside 'id -u')
 [ "$uid" != 0 ] || fail "the service runs as root"
 cmdline=$(inside 'tr "\0" " " < /proc/1/cmdline')
 case "$cmdline" in *server.py*) ;; *) fail "PID 1 is not the server ($cmdline)" ;; esac
-if [ "$ARCH" = "$HOST_ARCH" ]; then
-    inside 'grep -q "bind:0" /proc/1/numa_maps' || fail "the server's memory is not bound to node 0 (numactl)"
-else  # qemu-user implements no NUMA policy calls: numactl refuses, the entrypoint says so
-    podman logs "$CONTAINER" 2>&1 | grep -c "numactl cannot bind here" > "$WORK/numactl.txt" || true
-    [ "$(cat "$WORK/numactl.txt")" -gt 0 ] \
-        || fail "under qemu-user numactl cannot bind, and the entrypoint does not say it starts unpinned"
-    log "numactl binding not checked: qemu-user has no NUMA policy calls (the entrypoint says it starts unpinned)"
-fi
 inside 'grep -q libjemalloc /proc/1/maps' || fail "the server does not run on jemalloc"
 if inside 'test -f /sys/fs/cgroup/memory/memory.limit_in_bytes'; then
     limit=$(inside 'cat /sys/fs/cgroup/memory/memory.limit_in_bytes')
@@ -330,6 +322,13 @@ podman healthcheck run "$CONTAINER" >/dev/null || fail "the image's HEALTHCHECK 
 # the log goes to a file first: under pipefail, `podman logs | grep -q` fails whenever grep
 # stops reading before podman has written everything (SIGPIPE), whatever the log says
 podman logs "$CONTAINER" > "$WORK/server.log" 2>&1 || fail "podman logs failed"
+if [ "$ARCH" = "$HOST_ARCH" ]; then
+    inside 'grep -q "bind:0" /proc/1/numa_maps' || fail "the server's memory is not bound to node 0 (numactl)"
+else  # qemu-user implements no NUMA policy calls: numactl refuses, the entrypoint says so
+    grep -q "numactl cannot bind here" "$WORK/server.log" \
+        || fail "under qemu-user numactl cannot bind, and the entrypoint does not say it starts unpinned"
+    log "numactl binding not checked: qemu-user has no NUMA policy calls (the entrypoint says it starts unpinned)"
+fi
 if [ "$ARCH" = arm64 ] || { grep -qw avx2 /proc/cpuinfo && grep -qw fma /proc/cpuinfo; }; then
     grep -q "C++ kernels on" "$WORK/server.log" || {
         grep -i -e kernel -e "loaded from" "$WORK/server.log" | tail -20
