@@ -95,5 +95,6 @@ def build_service(settings: Settings, engine: Engine | None = None) -> Service:
         platform.machine(),
         engine.kernels,
         engine.gpt_linear_kernel or "none",
+        engine.kernel_instructions,
     )
     return service

@@ -102,7 +102,9 @@ def test_status_names_what_multiplies_the_int8_layers(server):
     assert status["linears"] == ("vnni" if vnni else "avx2")
     assert status["architecture"] == "x86_64"
     metrics = requests.get(server.url + "/metrics", timeout=5).text
-    labels = f'architecture="x86_64",kernels="on",linears="{status["linears"]}"'
+    assert status["instructions"] == status["linears"]  # the product int8 runs on
+    product = status["linears"]
+    labels = f'architecture="x86_64",instructions="{product}",kernels="on",linears="{product}"'
     assert f"chatts_kernels_info{{{labels}}} 1.0" in metrics
     # the prefetching chosen for this CPU: measured at the first start, kept for later ones
     assert status["kernel_tuning"].endswith(("measured", "kept"))

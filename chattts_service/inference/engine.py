@@ -168,6 +168,10 @@ class Engine:
         return self.model.kernels if self.model is not None else "off"
 
     @property
+    def kernel_instructions(self) -> str:
+        return self.model.instructions if self.model is not None else "none"
+
+    @property
     def gpt_linear_kernel(self) -> str:
         return self.model.transformer.linear_kernel if self.model is not None else ""
 

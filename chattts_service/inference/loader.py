@@ -51,6 +51,13 @@ class LoadedModel:
     def kernels(self) -> str:
         return "on" if self.transformer.kernels is not None else "off"
 
+    @property
+    def instructions(self) -> str:
+        """The kernels' product (vnni, avx2, i8mm, dotprod, neon), which their int8 and int4
+        linears both run on; "none" with the kernels off."""
+        kernels = self.transformer.kernels
+        return kernels.int8_instructions if kernels is not None else "none"
+
 
 def load_model(settings: Settings) -> LoadedModel:
     """Verify (unless disabled) and load the model files; raise ModelFilesError when bad.

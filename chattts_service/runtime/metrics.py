@@ -31,10 +31,11 @@ class HeapCollector:
 
 
 class KernelsCollector:
-    """``chatts_kernels_info{architecture, kernels, linears}`` = 1: the machine's architecture
-    (x86_64, aarch64), whether the C++ kernels run, and what multiplies the GPT's linears (the
-    int8 product's variant: vnni, avx2, i8mm, dotprod, neon; or torch's). ``describe`` (set
-    once the engine exists) gives the three at each scrape; nothing before."""
+    """``chatts_kernels_info{architecture, kernels, linears, instructions}`` = 1: the machine's
+    architecture (x86_64, aarch64), whether the C++ kernels run, what multiplies the GPT's
+    linears (the int8 product's variant: vnni, avx2, i8mm, dotprod, neon; int4; or torch's)
+    and the kernels' product, which int4 runs on too (none with the kernels off).
+    ``describe`` (set once the engine exists) gives the four at each scrape; nothing before."""
 
     def __init__(self):
         self.describe = None
@@ -44,9 +45,10 @@ class KernelsCollector:
             return
         family = GaugeMetricFamily(
             "chatts_kernels_info",
-            "1, labelled with the architecture, whether the C++ kernels run, and what "
-            "multiplies the GPT's linear layers (the int8 product's variant)",
-            labels=["architecture", "kernels", "linears"],
+            "1, labelled with the architecture, whether the C++ kernels run, what "
+            "multiplies the GPT's linear layers (the int8 product's variant, int4 or torch's) "
+            "and the kernels' product (which int4 runs on too)",
+            labels=["architecture", "kernels", "linears", "instructions"],
         )
         family.add_metric(list(self.describe()), 1.0)
         yield family

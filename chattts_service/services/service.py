@@ -117,6 +117,7 @@ class Service:
             "architecture": platform.machine(),  # x86_64 or aarch64
             "linears": engine.gpt_linear_kernel,  # what multiplies them: vnni, i8mm, fbgemm...
             "kernels": engine.kernels,
+            "instructions": engine.kernel_instructions,  # the kernels' product, int4's too
             "kernel_tuning": engine.kernel_tuning,  # the int8 product's prefetching, and why
             "decoder": settings.resolved_decoder_dtype,
             "allocator": heap.allocator(),  # jemalloc, or the system's (glibc)
