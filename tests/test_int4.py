@@ -7,21 +7,14 @@ import torch
 from chattts_service.kernels import bindings as cpp_kernels
 from chattts_service.kernels import int4
 
-PRODUCTS = [
-    pytest.param(
-        "vnni",
-        marks=pytest.mark.skipif(
-            not cpp_kernels.cpu_supports(cpp_kernels.VNNI_CPU_FLAGS),
-            reason="this CPU lacks AVX512-VNNI",
-        ),
-    ),
-    "avx2",
-]
 
-
-@pytest.fixture(scope="module", params=PRODUCTS)
+@pytest.fixture(scope="module", params=cpp_kernels.PRODUCT_PREFERENCE)
 def kernels(request):
-    """The kernels with each int4 product this CPU can run (it takes the int8 product's)."""
+    """The kernels with each int4 product this CPU can run (it takes the int8 product's: on
+    x86-64 VNNI and AVX2, on aarch64 I8MM, DotProd and NEON), each held to the same reference."""
+    runs = cpp_kernels.load("on").int8_products
+    if request.param not in runs:
+        pytest.skip(f"this CPU lacks the {request.param} product's instructions")
     return cpp_kernels.load("on", int8_product=request.param)
 
 

@@ -37,7 +37,7 @@ import torch.nn.functional as F
 
 from chattts_service.config import QUANTIZATIONS
 from chattts_service.kernels import int4
-from chattts_service.kernels.int8 import ARM_PRODUCTS, Int8Packing
+from chattts_service.kernels.int8 import Int8Packing
 from chattts_service.runtime.cpu import cpu_flags
 
 
@@ -268,8 +268,6 @@ def make_linear(weight: torch.Tensor, quantization: str, kernels=None) -> Linear
     if quantization == "int4":
         if kernels is None:
             raise ValueError("CHATTTS_QUANTIZE=int4 needs the C++ kernels (CHATTTS_KERNELS)")
-        if kernels.int8_instructions in ARM_PRODUCTS:
-            raise ValueError("CHATTTS_QUANTIZE=int4 has no aarch64 product yet: use int8")
         return KernelLinear.int4(weight, kernels)
     if quantization == "none":
         return FloatLinear(weight)

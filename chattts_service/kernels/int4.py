@@ -5,7 +5,8 @@ reading the weights): each output channel's inputs in groups of ``GROUP``, each 
 to [-7, 7] times its own scale (its largest magnitude / 7). The activations are quantized per
 row as the AVX2 int8 product quantizes them (63 levels a side); see ``csrc/int4_linear.cpp``
 for the product and why its integer sums are exact. The product runs on the instructions the
-kernels chose for int8 (``Kernels.int8_instructions``: VNNI or AVX2), with the same bits.
+kernels chose for int8 (``Kernels.int8_instructions``: VNNI or AVX2 on x86-64, I8MM, DotProd
+or NEON on aarch64), with the same bits on every one.
 Fidelity against fp32 is measured by ``benchmarks/engine.py --quantize int4``; the default
 stays int8.
 """

@@ -20,7 +20,7 @@ INT8_INSTRUCTIONS = {
     "neon": (abi.PRODUCT_NEON, 127),
 }
 assert set(INT8_INSTRUCTIONS) == set(INT8_PRODUCTS) - {"auto"}
-ARM_PRODUCTS = ("i8mm", "dotprod", "neon")  # aarch64's: no tuning, no int4 product yet
+ARM_PRODUCTS = ("i8mm", "dotprod", "neon")  # aarch64's: they take no tuning
 
 
 class Int8Packing:

@@ -19,12 +19,17 @@
 // times the signed levels, four inputs added into each channel's int32 lane, so a group's sum
 // is the same exact integer, and the float steps after it are the same operations lane by
 // lane: the AVX2 variant's bits, on 16 channels a register and up to 4 rows a pass.
+//
+// On aarch64 (int4_linear_arm.cpp) NEON, DotProd and I8MM form the same integers and give the
+// same bits.
+
+namespace {
+constexpr int kInt4Zero = 8;  // nibble = q + 8
+constexpr int64_t kInt4MaxGroup = 64;
+}  // namespace
 
 #if CHATTS_X86
 namespace {
-
-constexpr int kInt4Zero = 8;  // nibble = q + 8
-constexpr int64_t kInt4MaxGroup = 64;
 
 // ROWS (1 or 2) rows of one block of 16 channels: 2 * ROWS int16 sums within a group and
 // 2 * ROWS float sums across groups stay in registers.
@@ -238,12 +243,7 @@ static int32_t int4_linear(const ChattsInt4LinearArgs& a) {
 }
 
 #else
-// aarch64: no int4 product yet (the opt-in CHATTTS_QUANTIZE=int4 says so at start)
-static int32_t int4_linear(const ChattsInt4LinearArgs& a) {
-    const int64_t k = a.k, group = a.group;
-    if (group < 8 || group > 64 || group % 8 != 0 || k % group != 0) return CHATTS_BAD_GROUP;
-    return CHATTS_CPU_LACKS_PRODUCT;
-}
+#include "int4_linear_arm.cpp"
 #endif  // CHATTS_X86
 
 extern "C" int32_t chatts_int4_linear(const ChattsInt4LinearArgs* a) { return int4_linear(*a); }
