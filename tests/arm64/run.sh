@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # arm64 test, run by CI on an x86-64 machine: the aarch64 kernels' tests under qemu for each
-# int8 product qemu can run, and a real server synthesizing over HTTP on them.
+# int8 and int4 product qemu can run, and a real server synthesizing over HTTP on them.
 #
 # An arm64 Debian (trixie, Python 3.13) made by debootstrap runs through qemu-user (binfmt).
 # What would be slow under emulation is done natively: pip installs the pinned dependencies'
@@ -8,9 +8,10 @@
 # builds; the image takes Debian's arm64 torch instead, which tests/container/run.sh with
 # CT_ARCH=arm64 covers, too slow for every CI run), and the kernels are cross-compiled with
 # Debian's aarch64 g++. Then, for QEMU_CPU=max (DotProd and I8MM) and cortex-a53 (neither):
-# tests/test_kernels.py, and server.py on the tiny random-weight model, asked for speech on
-# /synthesize and /v1/audio/speech, whose /status and /metrics must name the product that
-# qemu's CPU should get. Emulation gives no timings: nothing here measures speed.
+# tests/test_kernels.py and tests/test_int4.py, and server.py on the tiny random-weight model
+# (int8; on max int4 too), asked for speech on /synthesize and /v1/audio/speech, whose
+# /status and /metrics must name the product that qemu's CPU should get. Emulation gives no
+# timings: nothing here measures speed.
 #
 # Environment: ARM_WORK (kept between local runs, default /var/tmp/chattts-arm64), ARM_PORT
 # (loopback port, default 18290), ARM_CPUS (default "max cortex-a53"). Exits non-zero on failure.
@@ -128,31 +129,20 @@ mkdir -p "$ROOT/opt/site"
 mountpoint -q "$ROOT/opt/site" || { mount --bind "$SITE" "$ROOT/opt/site"; mounted+=("$ROOT/opt/site"); }
 
 # -- for each CPU: the kernel tests, then speech over HTTP ------------------------------------
-for cpu in $CPUS; do
-    PORT=$((PORT + 1))  # a port of its own: an earlier CPU's server can never answer for it
-    case "$cpu" in
-        max) want=i8mm ;;
-        cortex-a53) want=neon ;;
-        *) want="" ;;
-    esac
+serve() {  # serve CPU QUANTIZE WANT: a server on qemu's CPU, asked for speech; WANT its product
+    local cpu="$1" quantize="$2" want="$3" tag="$1-$2" started
+    PORT=$((PORT + 1))  # a port of its own: an earlier server can never answer for this one
     started=$(date +%s)
-    log "QEMU_CPU=$cpu: tests/test_kernels.py"
-    inside "$cpu" sh -c 'cd /app && python3 -m pytest -q -p no:cacheprovider -rs tests/test_kernels.py' \
-        > "$WORK/kernels-$cpu.log" 2>&1 \
-        || { tail -60 "$WORK/kernels-$cpu.log"; fail "the kernel tests on $cpu"; }
-    log "QEMU_CPU=$cpu: $(grep -E '[0-9]+ passed' "$WORK/kernels-$cpu.log" | tail -1) ($(seconds_since "$started") s)"
-    grep -E '^SKIPPED' "$WORK/kernels-$cpu.log" | sed 's/^/    /' || true
-
-    started=$(date +%s)
-    log "QEMU_CPU=$cpu: server.py on the tiny model"
+    log "QEMU_CPU=$cpu: server.py on the tiny model, CHATTTS_QUANTIZE=$quantize"
     # chroot itself in the background (not a function, whose subshell $! would name): the
     # server's PID, which a SIGTERM stops as the container's stop does
     chroot "$ROOT" /usr/bin/env -i "${ENVIRONMENT[@]}" QEMU_CPU="$cpu" sh -c "cd /app && exec env \
         CHATTTS_MODEL_DIR=/model CHATTTS_VERIFY_MODEL=0 CHATTTS_HOST=127.0.0.1 CHATTTS_PORT=$PORT \
-        CHATTTS_WYOMING_PORT=0 CHATTTS_CACHE_SIZE=0 CHATTTS_MAX_NEW_TOKENS=24 python3 server.py" \
-        > "$WORK/server-$cpu.log" 2>&1 &
+        CHATTTS_WYOMING_PORT=0 CHATTTS_CACHE_SIZE=0 CHATTTS_MAX_NEW_TOKENS=24 \
+        CHATTTS_QUANTIZE=$quantize python3 server.py" \
+        > "$WORK/server-$tag.log" 2>&1 &
     SERVER_PID=$!
-    ready=""
+    local ready=""
     for _ in $(seq 1 900); do
         if [ "$(curl -s -o /dev/null -w '%{http_code}' "http://127.0.0.1:$PORT/readyz")" = 200 ]; then
             ready=yes; break
@@ -160,39 +150,64 @@ for cpu in $CPUS; do
         kill -0 "$SERVER_PID" 2>/dev/null || break
         sleep 1
     done
-    [ -n "$ready" ] || { tail -40 "$WORK/server-$cpu.log"; fail "the server on $cpu never became ready"; }
+    [ -n "$ready" ] || { tail -40 "$WORK/server-$tag.log"; fail "the server on $cpu ($quantize) never became ready"; }
     log "QEMU_CPU=$cpu: ready in $(seconds_since "$started") s"
     curl -sf -X POST -H 'Content-Type: application/json' -d '{"text":"你好，arm64。","seed":3}' \
-        "http://127.0.0.1:$PORT/synthesize" -o "$WORK/out-$cpu.wav" || fail "POST /synthesize on $cpu"
+        "http://127.0.0.1:$PORT/synthesize" -o "$WORK/out-$tag.wav" || fail "POST /synthesize on $tag"
     curl -sf -X POST -H 'Content-Type: application/json' \
         -d '{"model":"tts-1","voice":"alloy","input":"Hello from arm64.","response_format":"wav","stream":false}' \
-        "http://127.0.0.1:$PORT/v1/audio/speech" -o "$WORK/speech-$cpu.wav" \
-        || fail "POST /v1/audio/speech on $cpu"
-    curl -sf "http://127.0.0.1:$PORT/status" -o "$WORK/status-$cpu.json" || fail "GET /status"
-    curl -sf "http://127.0.0.1:$PORT/metrics" -o "$WORK/metrics-$cpu.txt" || fail "GET /metrics"
-    "$PYTHON" - "$WORK" "$cpu" "$want" <<'PY' || fail "the answers on $cpu"
+        "http://127.0.0.1:$PORT/v1/audio/speech" -o "$WORK/speech-$tag.wav" \
+        || fail "POST /v1/audio/speech on $tag"
+    curl -sf "http://127.0.0.1:$PORT/status" -o "$WORK/status-$tag.json" || fail "GET /status"
+    curl -sf "http://127.0.0.1:$PORT/metrics" -o "$WORK/metrics-$tag.txt" || fail "GET /metrics"
+    "$PYTHON" - "$WORK" "$tag" "$quantize" "$want" <<'PY' || fail "the answers on $tag"
 import json, sys, wave
-work, cpu, want = sys.argv[1:]
-for name in (f"out-{cpu}.wav", f"speech-{cpu}.wav"):
+work, tag, quantize, want = sys.argv[1:]
+for name in (f"out-{tag}.wav", f"speech-{tag}.wav"):
     with wave.open(f"{work}/{name}") as w:
         assert (w.getframerate(), w.getnchannels(), w.getsampwidth()) == (24000, 1, 2)
         assert w.getnframes() > 0, name
-status = json.load(open(f"{work}/status-{cpu}.json"))
+status = json.load(open(f"{work}/status-{tag}.json"))
 assert status["architecture"] == "aarch64" and status["kernels"] == "on", status
-assert not want or status["linears"] == want, (status["linears"], want)
+assert status["quantization"] == quantize, status["quantization"]
+# int8 multiplies with the product itself; int4 runs on it
+linears = "int4" if quantize == "int4" else status["instructions"]
+assert status["linears"] == linears, (status["linears"], linears)
+assert not want or status["instructions"] == want, (status["instructions"], want)
 assert "take no tuning" in status["kernel_tuning"], status["kernel_tuning"]
-metrics = open(f"{work}/metrics-{cpu}.txt").read()
-line = f'chatts_kernels_info{{architecture="aarch64",kernels="on",linears="{status["linears"]}"}} 1.0'
-assert line in metrics, line
-print(f"speech ok on {cpu}: linears {status['linears']}, tuning {status['kernel_tuning']}")
+metrics = open(f"{work}/metrics-{tag}.txt").read()
+labels = (f'architecture="aarch64",instructions="{status["instructions"]}",kernels="on",'
+          f'linears="{linears}"')
+assert f"chatts_kernels_info{{{labels}}} 1.0" in metrics, labels
+print(f"speech ok on {tag}: linears {linears} on {status['instructions']}, "
+      f"tuning {status['kernel_tuning']}")
 PY
     kill "$SERVER_PID"; wait "$SERVER_PID" 2>/dev/null || true; SERVER_PID=""
     for _ in $(seq 1 60); do
         curl -s -o /dev/null "http://127.0.0.1:$PORT/healthz" || break
         sleep 1
     done
-    ! curl -s -o /dev/null "http://127.0.0.1:$PORT/healthz" || fail "the server on $cpu did not stop"
-    log "QEMU_CPU=$cpu: speech over HTTP on $want ($(seconds_since "$started") s)"
+    ! curl -s -o /dev/null "http://127.0.0.1:$PORT/healthz" || fail "the server on $tag did not stop"
+    log "QEMU_CPU=$cpu: speech over HTTP, $quantize on $want ($(seconds_since "$started") s)"
+}
+
+for cpu in $CPUS; do
+    case "$cpu" in
+        max) want=i8mm ;;
+        cortex-a53) want=neon ;;
+        *) want="" ;;
+    esac
+    started=$(date +%s)
+    log "QEMU_CPU=$cpu: tests/test_kernels.py tests/test_int4.py"
+    inside "$cpu" sh -c 'cd /app && python3 -m pytest -q -p no:cacheprovider -rs tests/test_kernels.py tests/test_int4.py' \
+        > "$WORK/kernels-$cpu.log" 2>&1 \
+        || { tail -60 "$WORK/kernels-$cpu.log"; fail "the kernel tests on $cpu"; }
+    log "QEMU_CPU=$cpu: $(grep -E '[0-9]+ passed' "$WORK/kernels-$cpu.log" | tail -1) ($(seconds_since "$started") s)"
+    grep -E '^SKIPPED' "$WORK/kernels-$cpu.log" | sed 's/^/    /' || true
+    serve "$cpu" int8 "$want"
+    # the int4 opt-in on the best product (on qemu's max: I8MM); the tests above hold every
+    # product's int4 sums to the same reference
+    [ "$cpu" != max ] || serve "$cpu" int4 "$want"
 done
 
 log "PASS in $(seconds_since "$began") s"
