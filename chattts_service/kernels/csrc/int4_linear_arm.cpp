@@ -51,19 +51,8 @@ __attribute__((CHATTS_EXACT_FLOAT, always_inline)) inline void add_group(
 // `valid` channels are stored.
 __attribute__((CHATTS_EXACT_FLOAT, always_inline)) inline void store_int4_row(
     const float32x4_t totals[4], float row_max, const float* residual, float* out, int valid) {
-    for (int j = 0; j < 4 && 4 * j < valid; ++j) {
-        const int channel = 4 * j;
-        float32x4_t result = vmulq_f32(totals[j], vdupq_n_f32(row_max));
-        if (channel + 4 <= valid) {
-            if (residual != nullptr) result = vaddq_f32(vld1q_f32(residual + channel), result);
-            vst1q_f32(out + channel, result);
-            continue;
-        }
-        float lanes[4];
-        vst1q_f32(lanes, result);
-        for (int c = channel; c < valid; ++c)
-            out[c] = residual != nullptr ? residual[c] + lanes[c - channel] : lanes[c - channel];
-    }
+    for (int j = 0; j < 4 && 4 * j < valid; ++j)
+        store_lanes(vmulq_f32(totals[j], vdupq_n_f32(row_max)), residual, out, 4 * j, valid);
 }
 
 // The arguments every block function takes: k, group, the s8 rows from the pass's first and

@@ -45,13 +45,10 @@ using ArmGemm = void (*)(int64_t, int64_t, int64_t, const int8_t*, const int8_t*
 #define CHATTS_EXACT_FLOAT \
     optimize("no-associative-math", "signed-zeros", "trapping-math", "fp-contract=off")
 
-// One row's sums of 4 channels (from channel `channel` of the block) through the epilogue;
-// only the block's first `valid` channels are stored.
-__attribute__((CHATTS_EXACT_FLOAT, always_inline)) inline void store_four(int32x4_t sums, const float* weight_scale, float row_max,
-                       const float* residual, float* out, int channel, int valid) {
-    if (channel >= valid) return;
-    float32x4_t result = vmulq_f32(vmulq_f32(vcvtq_f32_s32(sums), vld1q_f32(weight_scale + channel)),
-                                   vdupq_n_f32(row_max));
+// One row's results of 4 channels (from channel `channel` of the block) plus the residual, as
+// torch adds it; only the block's first `valid` channels are stored. The int4 product's too.
+__attribute__((CHATTS_EXACT_FLOAT, always_inline)) inline void store_lanes(
+    float32x4_t result, const float* residual, float* out, int channel, int valid) {
     if (channel + 4 <= valid) {
         if (residual != nullptr) result = vaddq_f32(vld1q_f32(residual + channel), result);
         vst1q_f32(out + channel, result);
@@ -61,6 +58,15 @@ __attribute__((CHATTS_EXACT_FLOAT, always_inline)) inline void store_four(int32x
     vst1q_f32(lanes, result);
     for (int c = channel; c < valid; ++c)
         out[c] = residual != nullptr ? residual[c] + lanes[c - channel] : lanes[c - channel];
+}
+
+// One row's sums of 4 channels (from channel `channel` of the block) through the epilogue.
+__attribute__((CHATTS_EXACT_FLOAT, always_inline)) inline void store_four(int32x4_t sums, const float* weight_scale, float row_max,
+                       const float* residual, float* out, int channel, int valid) {
+    if (channel >= valid) return;
+    store_lanes(vmulq_f32(vmulq_f32(vcvtq_f32_s32(sums), vld1q_f32(weight_scale + channel)),
+                          vdupq_n_f32(row_max)),
+                residual, out, channel, valid);
 }
 
 // ROWS (1 or 2) rows of one block of 16 channels with smull and sadalp.
