@@ -11,6 +11,7 @@ from engines import engine_on
 from chattts_service.domain.speech import BULK, INTERACTIVE, SynthesisRequest
 from chattts_service.inference import scheduler as scheduler_module
 from chattts_service.inference.fairness import (
+    SHORT_WHOLE_SEGMENTS,
     Share,
     next_share,
     segment_priority,
@@ -28,11 +29,12 @@ def share(priority, request, index=0, tenant=None, arrival=0):
 
 
 def test_a_segments_class_follows_its_request():
-    assert segment_priority(None, stream=True, index=3) == INTERACTIVE
-    assert segment_priority(None, stream=False, index=0) == INTERACTIVE
-    assert segment_priority(None, stream=False, index=1) == BULK
-    assert segment_priority(BULK, stream=True, index=0) == BULK
-    assert segment_priority(INTERACTIVE, stream=False, index=5) == INTERACTIVE
+    assert segment_priority(None, stream=True, segments=30) == INTERACTIVE
+    assert segment_priority(None, stream=False, segments=1) == INTERACTIVE
+    assert segment_priority(None, stream=False, segments=SHORT_WHOLE_SEGMENTS) == INTERACTIVE
+    assert segment_priority(None, stream=False, segments=SHORT_WHOLE_SEGMENTS + 1) == BULK
+    assert segment_priority(BULK, stream=True, segments=1) == BULK
+    assert segment_priority(INTERACTIVE, stream=False, segments=30) == INTERACTIVE
 
 
 def test_interactive_goes_first_then_the_request_holding_fewest_rows():
@@ -200,17 +202,21 @@ def test_a_long_prompt_is_prefilled_in_pieces_between_steps(tiny_endless_model_d
 
 @pytest.mark.parametrize("priority", [None, BULK])
 def test_queue_wait_is_observed_per_class(tiny_model_dir, priority):
+    """Unmarked, a whole answer of two segments is interactive and a longer one bulk, all its
+    segments; marked bulk, both are bulk."""
+    short_text = "今天的天气很好。明天也会很好的。"
     waits: list = []
-    with engine_on(tiny_model_dir) as engine:
+    with engine_on(tiny_model_dir, max_segment_chars=10) as engine:
+        assert len(engine.segments(SynthesisRequest(short_text, seed=4))) == SHORT_WHOLE_SEGMENTS
+        assert len(engine.segments(SynthesisRequest(LONG_TEXT, seed=4))) > SHORT_WHOLE_SEGMENTS
         engine.scheduler._on_admitted = lambda cls, seconds: waits.append((cls, seconds))
-        engine.start(SynthesisRequest(LONG_TEXT, seed=4), fixed_steps=3, priority=priority).result(
-            60
-        )
+        for text in (short_text, LONG_TEXT):
+            run = engine.start(SynthesisRequest(text, seed=4), fixed_steps=3, priority=priority)
+            run.result(60)
     classes = [cls for cls, _ in waits]
-    if priority is None:
-        assert classes[0] == INTERACTIVE and set(classes[1:]) == {BULK}
-    else:
-        assert set(classes) == {BULK}
+    short, long = classes[:SHORT_WHOLE_SEGMENTS], classes[SHORT_WHOLE_SEGMENTS:]
+    assert set(short) == {INTERACTIVE if priority is None else BULK}
+    assert len(long) > SHORT_WHOLE_SEGMENTS and set(long) == {BULK}
     assert all(seconds >= 0 for _, seconds in waits)
 
 

@@ -68,8 +68,8 @@ MAX_INSTRUCTIONS_CHARS = 4096
 STREAM_FORMAT_CHOICES = ("audio", "sse")  # OpenAI's: raw audio, or Server-Sent Events
 PRIORITY_DESCRIPTION = (
     "How the box shares itself: `interactive` goes before `bulk` (a nightly batch, a long "
-    "document nobody listens to yet). Default (or the `X-Priority` header): streams and the "
-    "first segment of a whole answer interactive, a whole answer's later segments bulk."
+    "document nobody listens to yet). Default (or the `X-Priority` header): streams and whole "
+    "answers of up to 2 segments interactive, longer whole answers bulk."
 )
 # SSML's markup may make a text this many times as long as the text limit (the text inside no
 # longer); what the schema says begins SSML

@@ -267,19 +267,20 @@ class Engine:
         voice = request.voice if request.voice is not None else voices.from_seed(request.seed)
         speaker = voice.speaker
         number, first = share if share is not None else (self.request_number(), 0)
+        # the request's class; a part of a script counts the segments of the parts before it
+        klass = segment_priority(priority, stream, first + len(segments))
         if (
             self.settings.long_text_voice == "first_segment"
             and len(segments) > 1
             and voice.sample is None
         ):
             speaker = self._first_segment_sample(
-                segments[0], request, voice, fixed_steps, step_cap, (priority, tenant, number)
+                segments[0], request, voice, fixed_steps, step_cap, (klass, tenant, number)
             )
         jobs = []
         for index, text in enumerate(segments):
             job = self._job(text, request, speaker, fixed_steps, stream, step_cap, early)
-            place = first + index
-            job.placement = (segment_priority(priority, stream, place), tenant, number, place)
+            job.placement = (klass, tenant, number, first + index)
             jobs.append(job)
         self.admission.check(self.scheduler, len(jobs))
         run = Run(jobs, self.settings.segment_pause_ms / 1000.0, layout)
@@ -331,8 +332,8 @@ class Engine:
         the first segment's words as the sample every segment is then spoken from, the
         embedding kept as well. Waits for that segment here, on the caller's thread."""
         reference = self._job(text, request, voice.embedding, fixed_steps, False, step_cap)
-        priority, tenant, number = placement
-        reference.placement = (segment_priority(priority, False, 0), tenant, number, 0)
+        klass, tenant, number = placement
+        reference.placement = (klass, tenant, number, 0)
         self.admission.check(self.scheduler, 1)
         run = Run([reference], 0.0)
         try:

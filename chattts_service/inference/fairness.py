@@ -3,8 +3,9 @@
 The scheduler's policy, kept apart from its thread so it reads (and is tested) as rules:
 
 1. **Classes.** A segment is ``interactive`` (someone is waiting for its sound: every segment
-   of a stream, the first segment of a whole answer) or ``bulk`` (the later segments of a
-   whole answer, or every segment of a request marked ``bulk``). Interactive goes first.
+   of a stream, every segment of a short whole answer) or ``bulk`` (every segment of a long
+   whole answer, whose sound nobody hears before its last segment ends, or of a request
+   marked ``bulk``). Interactive goes first.
 2. **Shares.** Within a class, the next row goes to the API key (where keys are configured)
    holding the fewest rows, then to the request holding the fewest, then to its earliest
    segment, then to the earliest arrival: requests take rows in turn, so one request's
@@ -27,10 +28,14 @@ from dataclasses import dataclass
 from chattts_service.domain.speech import BULK, INTERACTIVE
 
 _RANK = {INTERACTIVE: 0, BULK: 1}
+# A whole answer of at most this many segments (a sentence or two) is interactive; a longer one
+# is bulk: its first segment going first gets nobody sound sooner, and took the rows of streams
+# starting beside it.
+SHORT_WHOLE_SEGMENTS = 2
 # the policy in the words /admin/config shows
 ORDER = (
-    "interactive (streams; the first segment of a whole answer) before bulk (later segments; "
-    "requests marked bulk)",
+    f"interactive (streams; whole answers of up to {SHORT_WHOLE_SEGMENTS} segments) before bulk "
+    "(longer whole answers; requests marked bulk)",
     "within a class: the API key, then the request, holding the fewest rows; then the "
     "earliest segment, then the earliest arrival",
     "a waiting segment takes the row of one it outranks (interactive over bulk; a key or "
@@ -54,12 +59,13 @@ class Share:
     arrival: int
 
 
-def segment_priority(asked: str | None, stream: bool, index: int) -> str:
-    """A segment's class: as the request asked, else interactive for a stream's segments and
-    a whole answer's first, bulk for a whole answer's later ones."""
+def segment_priority(asked: str | None, stream: bool, segments: int) -> str:
+    """The class of a request's segments: as the request asked, else interactive for a
+    stream's and for a whole answer of up to ``SHORT_WHOLE_SEGMENTS`` ``segments``, bulk for
+    a longer whole answer's."""
     if asked is not None:
         return asked
-    return INTERACTIVE if stream or index == 0 else BULK
+    return INTERACTIVE if stream or segments <= SHORT_WHOLE_SEGMENTS else BULK
 
 
 class Holdings:
