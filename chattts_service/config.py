@@ -340,8 +340,8 @@ class Settings:
     stall_budget_ms: int = _env_field(
         "STALL_BUDGET_MS",
         40,
-        "how long the running rows may wait between two steps for a prompt's prefill, which "
-        "runs a piece at a time within it",
+        "how long the running rows may wait between two steps for a prompt's prefill (a piece "
+        "at a time within it) or streams' audio (a decode round a stage at a time)",
         low=5,
         high=10_000,
     )

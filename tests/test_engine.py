@@ -888,6 +888,70 @@ def test_a_failed_decode_fails_its_own_request_only(engine):
     assert len(queue) == 0
 
 
+def test_a_round_of_chunks_runs_a_stage_an_iteration_within_its_budget(engine):
+    """With a budget of nothing, each ``run`` runs one part of a round (its frames, a stage,
+    the head), so the rows wait for one stage at most; the round's chunks arrive together at
+    its end with the samples of one ``advance_many`` of the same batch. A stream's second
+    chunk, asked for while its first waits, goes in the next round; without a budget one
+    ``run`` decodes both rounds."""
+    from chattts_service.inference.decode_queue import DecodeQueue
+    from chattts_service.inference.decoding import Advance
+
+    decoder = engine.model.decoder
+    context = decoder.context_steps
+    generator = torch.Generator().manual_seed(11)
+    hidden = engine.model.heads.hidden_size
+    streams = [torch.randn(steps, hidden, generator=generator) for steps in (90, 70, 60)]
+    firsts = [(0, 80, False), (1, 70, True), (2, 40, False)]  # (stream, steps fed, final)
+    second = (0, 90, True)
+    parts = len(decoder._stages) + 2  # the frames, every stage, the head
+
+    def chunk(states, stream, steps, final):
+        until = steps if final else steps - context
+        return Advance(states[stream], streams[stream][:steps], until, final)
+
+    def expected():
+        states = [decoder.stream() for _ in streams]
+        round_one = decoder.advance_many([chunk(states, *one) for one in firsts])
+        return round_one, decoder.advance_many([chunk(states, *second)])[0]
+
+    def queued(budget):
+        queue = DecodeQueue(decoder)
+        states = [decoder.stream() for _ in streams]
+        got: list[tuple[int, int, np.ndarray]] = []
+        for index, one in enumerate([*firsts, second]):
+            work = chunk(states, *one)
+            queue.submit_stream(
+                work.state,
+                work.hiddens,
+                work.until,
+                work.final,
+                lambda samples, index=index: got.append((calls, index, samples)),
+                lambda error: got.append((calls, -1, error)),
+            )
+        calls = 0
+        while queue.pending or len(queue):
+            calls += 1
+            queue.run(budget=budget)
+            assert calls <= 3 * parts
+        return got, calls
+
+    (round_one, tail), (sliced, calls), (whole, one_call) = engine.scheduler.call(
+        lambda: (expected(), queued(0.0), queued(None))
+    ).result()
+    assert calls == 2 * parts and one_call == 1
+    assert [(call, index) for call, index, _ in sliced] == [
+        (parts, 0),
+        (parts, 1),
+        (parts, 2),
+        (2 * parts, 3),
+    ]
+    assert [index for _, index, _ in whole] == [0, 1, 2, 3]
+    for got in (sliced, whole):
+        for (_, _, samples), wanted in zip(got, [*round_one, tail], strict=True):
+            assert len(wanted) and np.array_equal(samples, wanted)
+
+
 def test_concurrent_streams_are_their_whole_answers_and_chunks_follow_the_listener(engine):
     """Four streams decoded together (their chunks batched) give what each gives whole, and a
     stream's chunks grow: the second as large as the first at least, and no chunk after it but

@@ -1,5 +1,6 @@
 """The decode queue: the audio decoding a scheduler iteration asked for, gathered and done
-together on the model's thread, with bulk segments' windows decoded in the streams' slack."""
+together on the model's thread, streams' chunks a stage at a time within the stall budget while
+rows wait, with bulk segments' windows decoded in the streams' slack."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ from collections.abc import Callable
 
 import numpy as np
 
-from chattts_service.inference.decoding import Advance, AudioDecoder, Span, every_one
+from chattts_service.inference.decoding import Advance, AudioDecoder, Round, Span
 
 # what to decode (a window's span, or a stream's ``Advance``), then done(samples), failed(error)
 Item = tuple[Span | Advance, Callable[[np.ndarray], None], Callable[[Exception], None]]
@@ -26,23 +27,35 @@ class DecodeQueue:
     ride out. ``run(slack)`` decodes such windows only as far as their estimated time (at the
     measured pace) fits ``slack``, the seconds the streams can spare, oldest first, and one
     anyway once the oldest has waited ``MAX_DEFER_SECONDS``; ``slack`` None decodes them all.
-    Each window is decoded whole, as when nobody listens: the same samples."""
+    Each window is decoded whole, as when nobody listens: the same samples.
+
+    Streams' chunks are decoded together as a ``Round``, every chunk waiting at the start of
+    one in one batch a stage. With a ``budget`` (seconds: the scheduler's stall budget while
+    rows step) a round runs a stage at a time, as many stages an iteration as fit the budget at
+    the pace of the last one, one at least: its batch and its samples are the same, its
+    chunks arrive some steps later, and the rows wait no longer than the budget (where one
+    round of many chunks held them hundreds of ms). Chunks asked for while a round runs wait
+    for the next one, a stream's next chunk after its last."""
 
     def __init__(self, decoder: AudioDecoder, on_run=None):
         self.decoder = decoder
         self.on_run = on_run  # on_run(items, seconds): the time spent decoding
         self._items: list[Item] = []
+        self._chunks: list[Item] = []  # streams' chunks waiting for the next round
+        self._round: tuple[Round, list[Item]] | None = None  # a round under way
         self._deferred: list[tuple[float, Item]] = []  # (since, item): bulk windows waiting
-        self._seconds_per_step = FIRST_DECODE_PACE_SECONDS  # recent pace of a round, a step
+        self._seconds_per_step = FIRST_DECODE_PACE_SECONDS  # recent pace of a window, a step
 
     def __len__(self) -> int:
-        """Items asked for since the last round (a decode runs this iteration)."""
-        return len(self._items)
+        """Items asked for and not yet decoding (a decode runs this iteration, or the chunks
+        wait for the next round)."""
+        return len(self._items) + len(self._chunks)
 
     @property
     def pending(self) -> bool:
-        """Bulk windows waiting for streams to have time to spare."""
-        return bool(self._deferred)
+        """Work left for a later iteration: bulk windows waiting for streams to have time to
+        spare, a round under way, or chunks waiting for the next."""
+        return bool(self._deferred or self._round or self._chunks)
 
     def submit(
         self, hiddens, first: int, last: int | None, done, failed, deferrable: bool = False
@@ -59,10 +72,14 @@ class DecodeQueue:
         """A stream's next chunk: ``AudioDecoder.advance_many`` on its steps so far."""
         self._items.append((Advance(state, hiddens, until, final), done, failed))
 
-    def run(self, slack: float | None = None) -> None:
-        """Decode what was asked for, and the deferred windows that ``slack`` allows (all of
-        them with None)."""
+    def run(self, slack: float | None = None, budget: float | None = None) -> None:
+        """Decode what was asked for, the deferred windows that ``slack`` allows (all of them
+        with None), and streams' chunks: with a ``budget``, stages of rounds until it is spent
+        (at least one); without, every round to its end."""
+        started = time.perf_counter()
         items, self._items = self._items, []
+        self._chunks += [item for item in items if isinstance(item[0], Advance)]
+        windows = [item for item in items if not isinstance(item[0], Advance)]
         now = time.monotonic()
         while self._deferred:
             since, item = self._deferred[0]
@@ -71,47 +88,89 @@ class DecodeQueue:
             if slack is not None and cost > slack and not overdue:
                 break
             self._deferred.pop(0)
-            items.append(item)
+            windows.append(item)
             if slack is not None:
                 slack -= cost
                 if overdue:
                     slack = min(slack, 0.0)  # one overdue window a round
-        if not items:
-            return
+        delivered, rounds = len(windows), self._round is not None or bool(self._chunks)
+        if windows:
+            self._decode_windows(windows)
+        if rounds:
+            delivered += self._run_rounds(None if budget is None else started + budget)
+        if (windows or rounds) and self.on_run is not None:
+            self.on_run(delivered, time.perf_counter() - started)
+
+    def _decode_windows(self, items: list[Item]) -> None:
+        """Windows, decoded at once (``decode_many``)."""
         started = time.perf_counter()
         try:
-            decoded = self._decode([work for work, _, _ in items])
+            decoded = self.decoder.decode_many(
+                [work for work, _, _ in items if not isinstance(work, Advance)]
+            )
         except Exception as error:  # every item of the batch fails; the thread goes on
             for _, _, failed in items:
                 failed(error)
             return
-        finally:
-            seconds = time.perf_counter() - started
-            if self.on_run is not None:
-                self.on_run(len(items), seconds)
         steps = sum(_steps(work) for work, _, _ in items)
         if steps:
+            seconds = time.perf_counter() - started
             self._seconds_per_step = 0.8 * self._seconds_per_step + 0.2 * seconds / steps
-        for (_, done, failed), samples in zip(items, decoded, strict=True):
-            try:
-                done(samples)
-            except Exception as error:  # the item's own failure, not its neighbours'
-                failed(error)
+        _deliver(items, decoded)
 
-    def _decode(self, work: list) -> list[np.ndarray]:
-        """Windows through ``decode_many`` and streams' chunks through ``advance_many``, the
-        results in the order of ``work``."""
-        chunks = [index for index, item in enumerate(work) if isinstance(item, Advance)]
-        windows = [index for index, item in enumerate(work) if not isinstance(item, Advance)]
-        results: list[np.ndarray | None] = [None] * len(work)
-        for indices, decode in (
-            (windows, self.decoder.decode_many),
-            (chunks, self.decoder.advance_many),
-        ):
-            if indices:
-                for index, samples in zip(indices, decode([work[i] for i in indices]), strict=True):
-                    results[index] = samples
-        return every_one(results)
+    def _run_rounds(self, deadline: float | None) -> int:
+        """Stages of the round under way, then of new ones, until ``deadline`` would pass
+        (None: to the end of every chunk waiting); the chunks delivered."""
+        delivered = 0
+        while True:
+            if self._round is None:
+                if not self._chunks:
+                    return delivered
+                self._round = self._next_round()
+            work, items = self._round
+            began = time.perf_counter()
+            try:
+                finished = work.run_stage()
+            except Exception as error:  # the round's chunks fail; the thread goes on
+                self._round = None
+                for _, _, failed in items:
+                    failed(error)
+                continue
+            if finished:
+                self._round = None
+                _deliver(items, work.results)
+                delivered += len(items)
+            end = time.perf_counter()
+            if deadline is not None and end + (end - began) > deadline:
+                return delivered
+
+    def _next_round(self) -> tuple[Round, list[Item]]:
+        """A round of the chunks waiting, in order, one a stream: a stream's later chunk
+        waits for the round after its earlier one."""
+        taken: list[Item] = []
+        left: list[Item] = []
+        states: set[int] = set()
+        advances: list[Advance] = []
+        for item in self._chunks:
+            work = item[0]
+            assert isinstance(work, Advance)  # only streams' chunks wait for a round
+            if id(work.state) in states:
+                left.append(item)
+            else:
+                taken.append(item)
+                advances.append(work)
+            states.add(id(work.state))
+        self._chunks = left
+        return self.decoder.advancing(advances), taken
+
+
+def _deliver(items: list[Item], decoded: list[np.ndarray]) -> None:
+    """Each item's ``done(samples)``, in order; a failing one calls its own ``failed``."""
+    for (_, done, failed), samples in zip(items, decoded, strict=True):
+        try:
+            done(samples)
+        except Exception as error:  # the item's own failure, not its neighbours'
+            failed(error)
 
 
 # A bulk window waits at most this long for the streams to spare the time to decode it, and a
@@ -121,7 +180,5 @@ FIRST_DECODE_PACE_SECONDS = 0.0005
 
 
 def _steps(work) -> int:
-    """The steps an item's decode reads: a stream chunk's new ones, a window's all."""
-    if isinstance(work, Advance):
-        return max(0, work.hiddens.shape[0] - work.state.fed)
+    """The steps a window's decode reads: all of them."""
     return work[0].shape[0]

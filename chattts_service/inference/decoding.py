@@ -242,8 +242,26 @@ class AudioDecoder:
         four times the work of a 32-step chunk. Non-final items stop at step ``until``. The
         same samples as a decode of the whole, within the rounding of convolutions over other
         widths (fp32: 1e-6; tested). The windows of the rows that compute at a stage lie side
-        by side in one row, its width rounded to few (``bucket``): oneDNN keeps 256 kernels."""
+        by side in one row, its width rounded to few (``bucket``): oneDNN keeps 256 kernels.
+        All at once: ``advancing`` gives the same work a stage at a time."""
+        work = self.advancing(items)
+        while not work.run_stage():
+            pass
+        return work.results
+
+    def advancing(self, items: list[Advance]) -> Round:
+        """``advance_many``'s work on ``items`` as a ``Round`` run a stage at a time: other work
+        (a GPT step) may run between two of its stages, each stage is still one batch of every
+        item, and the samples are ``advance_many``'s."""
         assert self._stages is not None, "a decoder of another shape streams with span"
+        return Round(self._advance_stages(items))
+
+    def _advance_stages(self, items: list[Advance]):
+        """``advance_many`` as a generator that yields after its frames and each stage and
+        returns the samples; its torch modes are entered and left within each part, so whatever
+        runs between two parts runs outside them."""
+        stages = self._stages
+        assert stages is not None
         pending: list[torch.Tensor | None] = []
         with torch.inference_mode():
             for item in items:  # the new steps' frames: every stage's input starts there
@@ -254,9 +272,15 @@ class AudioDecoder:
                     else None
                 )
                 state.fed = max(state.fed, item.hiddens.shape[0])
-            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=self.dtype == "bf16"):
-                for index, (stage, radius) in enumerate(self._stages):
-                    pending = self._advance_stage(items, pending, index, stage, radius)
+        for index, (stage, radius) in enumerate(stages):
+            yield
+            with (
+                torch.inference_mode(),
+                torch.autocast("cpu", dtype=torch.bfloat16, enabled=self.dtype == "bf16"),
+            ):
+                pending = self._advance_stage(items, pending, index, stage, radius)
+        yield
+        with torch.inference_mode():
             return [self._advance_head(item, new) for item, new in zip(items, pending, strict=True)]
 
     def _advance_stage(self, items, pending, index: int, stage, radius: int) -> list:
@@ -399,6 +423,25 @@ class StreamState:
         """Drop stage ``index``'s inputs before frame ``start``: nothing later reads them."""
         kept = self.inputs[index]
         self.hold(index, [] if kept is None else [kept], start)
+
+
+class Round:
+    """A batch of streams' chunks decoded a stage at a time (``AudioDecoder.advancing``):
+    ``run_stage`` runs the next part and says whether the round is done; ``results`` then
+    holds each item's samples, in order."""
+
+    def __init__(self, work):
+        self._work = work
+        self.results: list[np.ndarray] = []
+        self.done = False
+
+    def run_stage(self) -> bool:
+        if not self.done:
+            try:
+                next(self._work)
+            except StopIteration as end:
+                self.results, self.done = end.value, True
+        return self.done
 
 
 class Advance:

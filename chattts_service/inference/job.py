@@ -73,8 +73,9 @@ LOW_WATER_SECONDS = 0.6
 HIGH_WATER_SECONDS = 2.0
 # On a busy box the low water rises with what the stream measures (``low_water_seconds``): the
 # time its next chunk of LOW_CHUNK_STEPS takes at its recent pace, slowed by PACE_MARGIN, plus
-# the longest gap between two of its steps lately (a stall: prefill pieces, decode rounds, its
-# row taken back), which halves every WORST_GAP_HALF_LIFE seconds, plus DRY_MARGIN_SECONDS.
+# the longest gap between two of its steps lately (a stall: prefill pieces, a decode round's
+# stages, its row taken back) or wait from asking for a chunk to its audio (the round's stages
+# run between steps), which halves every WORST_GAP_HALF_LIFE seconds, plus DRY_MARGIN_SECONDS.
 WORST_GAP_HALF_LIFE = 5.0
 # Below its low water a stream waits for its chunk's size only while its listener would still
 # hold DRY_MARGIN_SECONDS (about a decode round and a step) once the missing steps arrive at the
@@ -195,7 +196,9 @@ class SynthesisJob:
         self._exact_samples = 0  # samples the stream's exact decodes have given so far
         self._last_step: float | None = None
         self._step_seconds = 0.0  # recent time between two steps of this stream (smoothed)
-        self._worst_gap = 0.0  # the longest time between two of its steps lately (decaying)
+        # the longest time between two of its steps, or from asking for a chunk to its audio
+        # (a decode round runs a stage at a time between steps), lately (decaying)
+        self._worst_gap = 0.0
 
     def start(self):
         self.started = time.monotonic()
@@ -275,6 +278,7 @@ class SynthesisJob:
 
     def _emit(self, sequence, until: int, final: bool, then=None) -> None:
         start = max(0, self._emitted - self.context_steps)
+        asked = time.monotonic()
 
         chunks = self.chunks
         assert chunks is not None  # only streams emit
@@ -282,6 +286,7 @@ class SynthesisJob:
         def sent(chunk: np.ndarray) -> None:
             if len(chunk):
                 now = time.monotonic()
+                self._worst_gap = max(self._worst_gap, now - asked)
                 runs_out = self._runs_out
                 if runs_out is None or runs_out < now:  # (re)starts playing now
                     runs_out = now

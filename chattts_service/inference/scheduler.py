@@ -220,8 +220,10 @@ class Scheduler:
                     self._last_step_end = None  # no rows wait on what comes next
                 if self.decodes is not None:
                     # what the jobs asked for in this iteration, together; bulk segments'
-                    # audio when the streams can spare the time
-                    self.decodes.run(self._decode_slack())
+                    # audio when the streams can spare the time; streams' chunks within the
+                    # stall budget while rows step
+                    budget = self._stall_budget if len(self._batch) else None
+                    self.decodes.run(self._decode_slack(), budget)
             except Exception:  # pragma: no cover - a bug: fail what is running, keep serving
                 log.exception("scheduler iteration failed; failing the running jobs")
                 self._fail_all(RuntimeError("internal error in the scheduler"))
