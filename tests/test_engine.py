@@ -952,6 +952,44 @@ def test_a_round_of_chunks_runs_a_stage_an_iteration_within_its_budget(engine):
             assert len(wanted) and np.array_equal(samples, wanted)
 
 
+def test_a_bulk_window_waits_for_the_streams_slack_and_longer_while_one_starts(engine, monkeypatch):
+    """A bulk segment's whole audio waits while the streams cannot spare its time; once it has
+    waited ``MAX_DEFER_SECONDS`` it goes anyway, unless a stream waits for its first audio:
+    then until ``MAX_HOLD_SECONDS``. With time to spare it goes at once."""
+    from chattts_service.inference import decode_queue
+
+    queue = decode_queue.DecodeQueue(engine.model.decoder)
+    hiddens, first, last = _windows(engine, 12)[1]  # a whole segment's window
+    decoded: list[int] = []
+
+    def ask() -> None:
+        queue.submit(
+            hiddens,
+            first,
+            last,
+            lambda samples: decoded.append(len(samples)),
+            pytest.fail,
+            deferrable=True,
+        )
+
+    def run(slack, starting=False) -> int:
+        before = len(decoded)
+        engine.scheduler.call(lambda: queue.run(slack, None, starting)).result()
+        return len(decoded) - before
+
+    ask()
+    assert run(0.0) == 0 and queue.pending  # no slack, not overdue
+    assert run(10.0) == 1 and not queue.pending  # slack enough
+    monkeypatch.setattr(decode_queue, "MAX_DEFER_SECONDS", 0.0)  # every window overdue
+    ask()
+    assert run(0.0, starting=True) == 0 and queue.pending  # a stream starts: held
+    assert run(0.0) == 1 and not queue.pending
+    monkeypatch.setattr(decode_queue, "MAX_HOLD_SECONDS", 0.0)
+    ask()
+    assert run(0.0, starting=True) == 1  # held as long as it may be
+    assert decoded and all(length == decoded[0] > 0 for length in decoded)
+
+
 def test_concurrent_streams_are_their_whole_answers_and_chunks_follow_the_listener(engine):
     """Four streams decoded together (their chunks batched) give what each gives whole, and a
     stream's chunks grow: the second as large as the first at least, and no chunk after it but

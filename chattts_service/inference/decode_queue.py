@@ -26,7 +26,9 @@ class DecodeQueue:
     together, hundreds), which a stream that has little audio ahead of its listener cannot
     ride out. ``run(slack)`` decodes such windows only as far as their estimated time (at the
     measured pace) fits ``slack``, the seconds the streams can spare, oldest first, and one
-    anyway once the oldest has waited ``MAX_DEFER_SECONDS``; ``slack`` None decodes them all.
+    anyway once the oldest has waited ``MAX_DEFER_SECONDS`` (``MAX_HOLD_SECONDS`` while a
+    stream waits for its first audio, ``starting``: the window would add its whole time to
+    that wait); ``slack`` None decodes them all.
     Each window is decoded whole, as when nobody listens: the same samples.
 
     Streams' chunks are decoded together as a ``Round``, every chunk waiting at the start of
@@ -72,10 +74,13 @@ class DecodeQueue:
         """A stream's next chunk: ``AudioDecoder.advance_many`` on its steps so far."""
         self._items.append((Advance(state, hiddens, until, final), done, failed))
 
-    def run(self, slack: float | None = None, budget: float | None = None) -> None:
+    def run(
+        self, slack: float | None = None, budget: float | None = None, starting: bool = False
+    ) -> None:
         """Decode what was asked for, the deferred windows that ``slack`` allows (all of them
-        with None), and streams' chunks: with a ``budget``, stages of rounds until it is spent
-        (at least one); without, every round to its end."""
+        with None; ``starting``: a stream waits for its first audio), and streams' chunks:
+        with a ``budget``, stages of rounds until it is spent (at least one); without, every
+        round to its end."""
         started = time.perf_counter()
         items, self._items = self._items, []
         self._chunks += [item for item in items if isinstance(item[0], Advance)]
@@ -84,7 +89,7 @@ class DecodeQueue:
         while self._deferred:
             since, item = self._deferred[0]
             cost = self._seconds_per_step * _steps(item[0])
-            overdue = now - since >= MAX_DEFER_SECONDS
+            overdue = now - since >= (MAX_HOLD_SECONDS if starting else MAX_DEFER_SECONDS)
             if slack is not None and cost > slack and not overdue:
                 break
             self._deferred.pop(0)
@@ -173,9 +178,12 @@ def _deliver(items: list[Item], decoded: list[np.ndarray]) -> None:
             failed(error)
 
 
-# A bulk window waits at most this long for the streams to spare the time to decode it, and a
-# round's time is estimated at this pace (seconds a step) until rounds have been timed.
+# A bulk window waits at most this long for the streams to spare the time to decode it (at
+# most MAX_HOLD_SECONDS while a stream waits for its first audio: streams start every few
+# seconds on a busy box, and bulk's audio must come), and a round's time is estimated at this
+# pace (seconds a step) until rounds have been timed.
 MAX_DEFER_SECONDS = 2.0
+MAX_HOLD_SECONDS = 6.0
 FIRST_DECODE_PACE_SECONDS = 0.0005
 
 

@@ -223,7 +223,8 @@ class Scheduler:
                     # audio when the streams can spare the time; streams' chunks within the
                     # stall budget while rows step
                     budget = self._stall_budget if len(self._batch) else None
-                    self.decodes.run(self._decode_slack(), budget)
+                    slacks = self._stream_slacks()
+                    self.decodes.run(self._decode_slack(slacks), budget, None in slacks)
             except Exception:  # pragma: no cover - a bug: fail what is running, keep serving
                 log.exception("scheduler iteration failed; failing the running jobs")
                 self._fail_all(RuntimeError("internal error in the scheduler"))
@@ -261,15 +262,16 @@ class Scheduler:
         rounds from the first."""
         return any(slack is not None for slack in self._stream_slacks())
 
-    def _decode_slack(self) -> float | None:
+    def _decode_slack(self, slacks: list[float | None]) -> float | None:
         """The seconds a decode round may take beyond what the streams ask for: the least
-        audio a stream holds beyond its low water (``job.slack``); 0 while streams wait for
-        their first audio only; None (no bound) where no stream generates."""
-        slacks = self._stream_slacks()
+        audio a stream holds beyond its low water (``job.slack``, of ``slacks``); 0 while a
+        stream waits for its first audio (the round would add its time to that wait); None
+        (no bound) where no stream generates."""
         if not slacks:
             return None
-        playing = [slack for slack in slacks if slack is not None]
-        return max(0.0, min(playing)) if playing else 0.0
+        if None in slacks:
+            return 0.0
+        return max(0.0, min(slack for slack in slacks if slack is not None))
 
     @property
     def _stall_budget(self) -> float:
