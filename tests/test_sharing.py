@@ -298,6 +298,49 @@ def test_bulk_gives_up_rows_while_a_stream_waits_for_its_first_audio(tiny_endles
     assert playing and max(playing) == 3  # every row the stream left
 
 
+def test_bulk_gives_up_rows_while_a_streams_listener_runs_short(tiny_endless_model_dir):
+    """A stream whose listener holds less than its low water by ``SHORT_SECONDS`` (here: its
+    listener made to have played everything, as on a box too busy for it) gets the rows a
+    starting stream gets: bulk holds at most ``bulk_rows_while_starting`` until the stream's
+    next chunk, then takes its rows back."""
+    from chattts_service.inference.scheduler import SHORT_SECONDS
+
+    with engine_on(
+        tiny_endless_model_dir, max_batch=4, max_segment_chars=40, bulk_rows_while_starting=1
+    ) as engine:
+        scheduler = engine.scheduler
+        seen: list[tuple[bool, int]] = []
+
+        def observe(rows, seconds):
+            jobs = [scheduler._owners[sequence] for sequence in scheduler.batch.active]
+            slack = stream_job.slack()
+            if stream_job in jobs and slack is not None:  # the steps the stream plays through
+                bulk = sum(scheduler._shares[job].priority == BULK for job in jobs)
+                seen.append((slack < -SHORT_SECONDS, bulk))
+
+        def run_dry():
+            stream_job._runs_out = time.monotonic() - 5.0
+
+        bulk_run = engine.start(SynthesisRequest(LONG_TEXT, seed=5), fixed_steps=300, priority=BULK)
+        deadline = time.monotonic() + 30
+        while len(scheduler.batch) < 4 and time.monotonic() < deadline:
+            time.sleep(0.005)
+        stream = engine.start(SynthesisRequest("你好。", seed=9), fixed_steps=200, stream=True)
+        stream_job = stream.jobs[0]
+        scheduler._on_step = observe
+        chunks = stream.chunks(timeout=60)
+        next(chunks)  # its first audio: bulk has its rows back
+        while not any(bulk == 3 for _, bulk in seen) and time.monotonic() < deadline:
+            time.sleep(0.005)
+        scheduler.call(run_dry).result(10)
+        list(chunks)
+        bulk_run.result(120)
+    short = [bulk for is_short, bulk in seen if is_short]
+    healthy = [bulk for is_short, bulk in seen if not is_short]
+    assert short and max(short) == 1
+    assert healthy and max(healthy) == 3
+
+
 def test_a_stream_a_segment_at_a_time_sends_each_segments_whole_audio(tiny_model_dir):
     """``CHATTTS_DEFAULT_STREAM=segments``: a stream nobody asked for gets one piece per
     segment, each the whole answer's segment."""

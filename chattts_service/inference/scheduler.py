@@ -56,6 +56,10 @@ log = logging.getLogger(__name__)
 # position) until pieces have been timed.
 MIN_PIECE = 16
 FIRST_PACE_SECONDS = 0.001
+# A stream whose listener holds less than its low water by this much is short: bulk gives rows
+# up for it as for a stream starting (its chunks come a low water ahead, so a healthy stream
+# dips below its low water only until its next chunk)
+SHORT_SECONDS = 0.3
 
 
 class QueueFull(Exception):
@@ -405,20 +409,18 @@ class Scheduler:
 
     def _bulk_cap(self) -> int | None:
         """The rows bulk may hold now: ``bulk_rows_while_starting`` (at least its floor) while
-        an interactive stream waits for its first audio, whose steps more rows would slow;
-        else no cap (None)."""
+        an interactive stream waits for its first audio, or its listener holds less than its
+        low water by ``SHORT_SECONDS``: more rows would slow its steps; else no cap (None)."""
         batch = self._batch
         with self._submit_lock:
             queued = list(self._queued)
         jobs = [*queued, *(self._owners[s] for s in (*batch.active, *batch.filling))]
         jobs += [job for job, sequence in self._waiting if sequence.cache is None]
         for job in jobs:
-            if (
-                _is_stream(job)
-                and self._shares[job].priority == INTERACTIVE
-                and job.slack() is None
-            ):
-                return max(self.policy.bulk_min_rows, self.policy.bulk_rows_while_starting)
+            if _is_stream(job) and self._shares[job].priority == INTERACTIVE:
+                slack = job.slack()
+                if slack is None or slack < -SHORT_SECONDS:
+                    return max(self.policy.bulk_min_rows, self.policy.bulk_rows_while_starting)
         return None
 
     def _admitted(self, job: Job) -> None:
