@@ -952,6 +952,39 @@ def test_a_round_of_chunks_runs_a_stage_an_iteration_within_its_budget(engine):
             assert len(wanted) and np.array_equal(samples, wanted)
 
 
+@pytest.mark.parametrize("which", ["engine", "fp32_decoder_engine"])
+def test_windows_decode_in_parts_within_a_budget_and_give_decode_manys_samples(request, which):
+    """Whole answers' windows run as rounds too: with a budget of nothing a part an iteration
+    (a stage of a batch in bf16, a window in fp32 and int8), delivered together at the round's
+    end with ``decode_many``'s samples; without a budget in one ``run``."""
+    from chattts_service.inference.decode_queue import DecodeQueue
+
+    engine = request.getfixturevalue(which)
+    decoder = engine.model.decoder
+    items = _windows(engine, 13)[:4]
+
+    def queued(budget):
+        queue = DecodeQueue(decoder)
+        got: list[tuple[int, np.ndarray]] = []
+        for item in items:
+            queue.submit(*item, lambda samples: got.append((calls, samples)), pytest.fail)
+        calls = 0
+        while queue.pending or len(queue):
+            calls += 1
+            queue.run(budget=budget)
+            assert calls <= 200
+        return got, calls
+
+    expected, (sliced, calls), (whole, one_call) = engine.scheduler.call(
+        lambda: (decoder.decode_many(items), queued(0.0), queued(None))
+    ).result()
+    assert calls >= len(items) and one_call == 1
+    assert {call for call, _ in sliced} == {calls}
+    for got in (sliced, whole):
+        for (_, samples), wanted in zip(got, expected, strict=True):
+            assert len(wanted) and np.array_equal(samples, wanted)
+
+
 def test_a_bulk_window_waits_for_the_streams_slack_and_longer_while_one_starts(engine, monkeypatch):
     """A bulk segment's whole audio waits while the streams cannot spare its time; once it has
     waited ``MAX_DEFER_SECONDS`` it goes anyway, unless a stream waits for its first audio:

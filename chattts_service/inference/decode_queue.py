@@ -32,32 +32,34 @@ class DecodeQueue:
     Each window is decoded whole, as when nobody listens: the same samples.
 
     Streams' chunks are decoded together as a ``Round``, every chunk waiting at the start of
-    one in one batch a stage. With a ``budget`` (seconds: the scheduler's stall budget while
-    rows step) a round runs a stage at a time, as many stages an iteration as fit the budget at
-    the pace of the last one, one at least: its batch and its samples are the same, its
-    chunks arrive some steps later, and the rows wait no longer than the budget (where one
-    round of many chunks held them hundreds of ms). Chunks asked for while a round runs wait
-    for the next one, a stream's next chunk after its last."""
+    one in one batch a stage, and windows as rounds of their own (``decode_many``'s batches).
+    With a ``budget`` (seconds: the scheduler's stall budget while rows step) rounds run a
+    stage at a time, chunks' first, as many stages an iteration as fit the budget at the pace
+    of the last one: their batches and samples are the same, their audio comes some steps
+    later, and the rows wait no longer than the budget (where one round of many chunks, or a
+    long window, held them hundreds of ms). Chunks run one stage an iteration at least;
+    windows too once they have had none for ``MAX_DEFER_SECONDS``. Work asked for while a
+    round of its kind runs waits for the next one, a stream's next chunk after its last."""
 
     def __init__(self, decoder: AudioDecoder, on_run=None):
         self.decoder = decoder
         self.on_run = on_run  # on_run(items, seconds): the time spent decoding
         self._items: list[Item] = []
-        self._chunks: list[Item] = []  # streams' chunks waiting for the next round
-        self._round: tuple[Round, list[Item]] | None = None  # a round under way
+        self._chunks = _Rounds(self._chunk_round)  # streams' chunks
+        self._windows = _Rounds(self._window_round, self._windows_timed)  # whole windows
         self._deferred: list[tuple[float, Item]] = []  # (since, item): bulk windows waiting
         self._seconds_per_step = FIRST_DECODE_PACE_SECONDS  # recent pace of a window, a step
 
     def __len__(self) -> int:
-        """Items asked for and not yet decoding (a decode runs this iteration, or the chunks
-        wait for the next round)."""
-        return len(self._items) + len(self._chunks)
+        """Items asked for and not yet decoding (a decode runs this iteration, or they wait
+        for the next round of their kind)."""
+        return len(self._items) + len(self._chunks.waiting) + len(self._windows.waiting)
 
     @property
     def pending(self) -> bool:
         """Work left for a later iteration: bulk windows waiting for streams to have time to
-        spare, a round under way, or chunks waiting for the next."""
-        return bool(self._deferred or self._round or self._chunks)
+        spare, a round under way, or work waiting for the next."""
+        return bool(self._deferred or self._chunks or self._windows)
 
     def submit(
         self, hiddens, first: int, last: int | None, done, failed, deferrable: bool = False
@@ -77,13 +79,12 @@ class DecodeQueue:
     def run(
         self, slack: float | None = None, budget: float | None = None, starting: bool = False
     ) -> None:
-        """Decode what was asked for, the deferred windows that ``slack`` allows (all of them
-        with None; ``starting``: a stream waits for its first audio), and streams' chunks:
-        with a ``budget``, stages of rounds until it is spent (at least one); without, every
-        round to its end."""
+        """Decode what was asked for and the deferred windows that ``slack`` allows (all of
+        them with None; ``starting``: a stream waits for its first audio): with a ``budget``,
+        stages of rounds until it is spent (see the class); without, every round to its end."""
         started = time.perf_counter()
         items, self._items = self._items, []
-        self._chunks += [item for item in items if isinstance(item[0], Advance)]
+        self._chunks.waiting += [item for item in items if isinstance(item[0], Advance)]
         windows = [item for item in items if not isinstance(item[0], Advance)]
         now = time.monotonic()
         while self._deferred:
@@ -98,75 +99,95 @@ class DecodeQueue:
                 slack -= cost
                 if overdue:
                     slack = min(slack, 0.0)  # one overdue window a round
-        delivered, rounds = len(windows), self._round is not None or bool(self._chunks)
-        if windows:
-            self._decode_windows(windows)
-        if rounds:
-            delivered += self._run_rounds(None if budget is None else started + budget)
-        if (windows or rounds) and self.on_run is not None:
+        self._windows.waiting += windows
+        deadline = None if budget is None else started + budget
+        chunks, ran = bool(self._chunks), bool(self._chunks or self._windows)
+        delivered = self._chunks.run(deadline, at_least_one=True) if chunks else 0
+        if self._windows:
+            starved = self._windows.since_stage(time.perf_counter()) >= MAX_DEFER_SECONDS
+            delivered += self._windows.run(deadline, at_least_one=starved or not chunks)
+        if ran and self.on_run is not None:
             self.on_run(delivered, time.perf_counter() - started)
 
-    def _decode_windows(self, items: list[Item]) -> None:
-        """Windows, decoded at once (``decode_many``)."""
-        started = time.perf_counter()
-        try:
-            decoded = self.decoder.decode_many(
-                [work for work, _, _ in items if not isinstance(work, Advance)]
-            )
-        except Exception as error:  # every item of the batch fails; the thread goes on
-            for _, _, failed in items:
-                failed(error)
-            return
-        steps = sum(_steps(work) for work, _, _ in items)
-        if steps:
-            seconds = time.perf_counter() - started
-            self._seconds_per_step = 0.8 * self._seconds_per_step + 0.2 * seconds / steps
-        _deliver(items, decoded)
-
-    def _run_rounds(self, deadline: float | None) -> int:
-        """Stages of the round under way, then of new ones, until ``deadline`` would pass
-        (None: to the end of every chunk waiting); the chunks delivered."""
-        delivered = 0
-        while True:
-            if self._round is None:
-                if not self._chunks:
-                    return delivered
-                self._round = self._next_round()
-            work, items = self._round
-            began = time.perf_counter()
-            try:
-                finished = work.run_stage()
-            except Exception as error:  # the round's chunks fail; the thread goes on
-                self._round = None
-                for _, _, failed in items:
-                    failed(error)
-                continue
-            if finished:
-                self._round = None
-                _deliver(items, work.results)
-                delivered += len(items)
-            end = time.perf_counter()
-            if deadline is not None and end + (end - began) > deadline:
-                return delivered
-
-    def _next_round(self) -> tuple[Round, list[Item]]:
-        """A round of the chunks waiting, in order, one a stream: a stream's later chunk
-        waits for the round after its earlier one."""
+    def _chunk_round(self, waiting: list[Item]) -> tuple[Round, list[Item], list[Item]]:
+        """A round of the chunks waiting, in order, one a stream (a stream's later chunk waits
+        for the round after its earlier one): the round, its items, those left waiting."""
         taken: list[Item] = []
         left: list[Item] = []
         states: set[int] = set()
         advances: list[Advance] = []
-        for item in self._chunks:
+        for item in waiting:
             work = item[0]
-            assert isinstance(work, Advance)  # only streams' chunks wait for a round
+            assert isinstance(work, Advance)  # only streams' chunks
             if id(work.state) in states:
                 left.append(item)
             else:
                 taken.append(item)
                 advances.append(work)
             states.add(id(work.state))
-        self._chunks = left
-        return self.decoder.advancing(advances), taken
+        return self.decoder.advancing(advances), taken, left
+
+    def _window_round(self, waiting: list[Item]) -> tuple[Round, list[Item], list[Item]]:
+        """A round of every window waiting (``decode_many``'s batches)."""
+        spans = [work for work, _, _ in waiting if not isinstance(work, Advance)]
+        return self.decoder.decoding(spans), waiting, []
+
+    def _windows_timed(self, items: list[Item], seconds: float) -> None:
+        steps = sum(_steps(work) for work, _, _ in items)
+        if steps:
+            self._seconds_per_step = 0.8 * self._seconds_per_step + 0.2 * seconds / steps
+
+
+class _Rounds:
+    """One kind of decoding as rounds, one under way at a time: ``waiting`` items go into the
+    next round ``start(waiting)`` makes; ``timed(items, seconds)`` when a round has ended."""
+
+    def __init__(self, start, timed=None):
+        self.waiting: list[Item] = []
+        self._start, self._timed = start, timed
+        self._under_way: tuple[Round, list[Item]] | None = None
+        self._spent = 0.0  # seconds the round under way has taken so far
+        self._last_stage = time.perf_counter()
+
+    def __bool__(self) -> bool:
+        return bool(self.waiting or self._under_way)
+
+    def since_stage(self, now: float) -> float:
+        return now - self._last_stage
+
+    def run(self, deadline: float | None, at_least_one: bool) -> int:
+        """Stages of the round under way, then of new ones, until ``deadline`` would pass
+        (None: to the end of everything waiting; ``at_least_one``: a stage even past it); the
+        items delivered."""
+        delivered = 0
+        while True:
+            began = time.perf_counter()
+            if deadline is not None and began >= deadline and not at_least_one:
+                return delivered
+            at_least_one = False
+            if self._under_way is None:
+                if not self.waiting:
+                    return delivered
+                work, items, self.waiting = self._start(self.waiting)
+                self._under_way, self._spent = (work, items), 0.0
+            work, items = self._under_way
+            try:
+                finished = work.run_stage()
+            except Exception as error:  # the round's items fail; the thread goes on
+                self._under_way = None
+                for _, _, failed in items:
+                    failed(error)
+                continue
+            end = self._last_stage = time.perf_counter()
+            self._spent += end - began
+            if finished:
+                self._under_way = None
+                if self._timed is not None:
+                    self._timed(items, self._spent)
+                _deliver(items, work.results)
+                delivered += len(items)
+            if deadline is not None and end + (end - began) > deadline:
+                return delivered
 
 
 def _deliver(items: list[Item], decoded: list[np.ndarray]) -> None:

@@ -188,6 +188,11 @@ class AudioDecoder:
         shapes, and the same ones call after call. Fewer, larger convolutions take much less
         time than one call per window in bf16. (In bf16 a batch of one and a batch of several
         round differently, each about as far from fp32 as the other: a test bounds it.)"""
+        return _finish(self._spans_stages(items))
+
+    def _spans_stages(self, items: list[Span]):
+        """``spans`` as a generator that yields before each stage and the heads and returns
+        the samples; its torch modes are entered and left within each part."""
         rows = [_Row(hiddens, first, last) for hiddens, first, last in items]
         reach = self._context_reach()
         anchor = max(row.left(reach) for row in rows)  # canvas column of a row's keep_lo
@@ -201,19 +206,25 @@ class AudioDecoder:
                 x[index, :, anchor - (row.keep_lo - lo) : anchor + (hi - row.keep_lo)] = frames[
                     0, :, lo:hi
                 ]
-            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=self.dtype == "bf16"):
-                offset = 0  # the canvas column x starts at
-                for stage, radius in self._stages:
-                    lo = anchor - max(row.left(reach) for row in rows)
-                    hi = anchor + max(row.right(reach) for row in rows)
-                    if x.shape[-1] - bucket(hi - lo) >= CROP_FRAMES:  # few widths: kernels reused
-                        x = x[..., lo - offset : lo - offset + bucket(hi - lo)]
-                        offset = lo
-                    if radius:
-                        x = x * _mask(rows, reach, anchor, offset, x.shape[-1]).to(x.dtype)
-                    x = stage(x)
-                    reach -= radius
-            results = []
+        offset = 0  # the canvas column x starts at
+        for stage, radius in self._stages:
+            yield
+            with (
+                torch.inference_mode(),
+                torch.autocast("cpu", dtype=torch.bfloat16, enabled=self.dtype == "bf16"),
+            ):
+                lo = anchor - max(row.left(reach) for row in rows)
+                hi = anchor + max(row.right(reach) for row in rows)
+                if x.shape[-1] - bucket(hi - lo) >= CROP_FRAMES:  # few widths: kernels reused
+                    x = x[..., lo - offset : lo - offset + bucket(hi - lo)]
+                    offset = lo
+                if radius:
+                    x = x * _mask(rows, reach, anchor, offset, x.shape[-1]).to(x.dtype)
+                x = stage(x)
+                reach -= radius
+        yield
+        results = []
+        with torch.inference_mode():
             for index, row in enumerate(rows):
                 lo, hi = max(0, row.keep_lo - reach), min(row.total, row.keep_hi + reach)
                 columns = slice(
@@ -244,10 +255,8 @@ class AudioDecoder:
         widths (fp32: 1e-6; tested). The windows of the rows that compute at a stage lie side
         by side in one row, its width rounded to few (``bucket``): oneDNN keeps 256 kernels.
         All at once: ``advancing`` gives the same work a stage at a time."""
-        work = self.advancing(items)
-        while not work.run_stage():
-            pass
-        return work.results
+        assert self._stages is not None, "a decoder of another shape streams with span"
+        return _finish(self._advance_stages(items))
 
     def advancing(self, items: list[Advance]) -> Round:
         """``advance_many``'s work on ``items`` as a ``Round`` run a stage at a time: other work
@@ -364,15 +373,25 @@ class AudioDecoder:
         """Each item's ``span`` (a whole window: ``self(hiddens)``). In bf16 through
         ``spans``, windows of similar widths as one batch; in fp32 and int8 one by one
         (upstream's computation in fp32), as batching saves little there and costs as much on
-        long windows."""
+        long windows. All at once: ``decoding`` gives the same work in parts."""
+        return _finish(self._windows_stages(items))
+
+    def decoding(self, items: list[Span]) -> Round:
+        """``decode_many``'s work on ``items`` as a ``Round``: in bf16 a stage of a batch at a
+        time, else a window at a time; the samples are ``decode_many``'s."""
+        return Round(self._windows_stages(items))
+
+    def _windows_stages(self, items: list[Span]):
         if self.dtype != "bf16" or self._stages is None:
-            return [
-                self(hiddens) if first == 0 and last is None else self.span(hiddens, first, last)
-                for hiddens, first, last in items
-            ]
+            whole = []
+            for hiddens, first, last in items:
+                yield
+                alone = first == 0 and last is None
+                whole.append(self(hiddens) if alone else self.span(hiddens, first, last))
+            return whole
         results: list[np.ndarray | None] = [None] * len(items)
         for group in _groups([_Row(*item).width(self._context_reach()) for item in items]):
-            decoded = self.spans([items[index] for index in group])
+            decoded = yield from self._spans_stages([items[index] for index in group])
             for index, samples in zip(group, decoded, strict=True):
                 results[index] = samples
         return every_one(results)
@@ -442,6 +461,14 @@ class Round:
             except StopIteration as end:
                 self.results, self.done = end.value, True
         return self.done
+
+
+def _finish(work) -> list[np.ndarray]:
+    """A decode's generator (``Round``'s work) run to its end: its samples."""
+    whole = Round(work)
+    while not whole.run_stage():
+        pass
+    return whole.results
 
 
 class Advance:
