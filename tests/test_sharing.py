@@ -267,31 +267,50 @@ def test_requests_mark_bulk_by_field_or_header_and_the_metrics_say_per_class(
     assert marked_whole.headers["Content-Type"].startswith("audio/wav")
 
 
-def test_bulk_gives_up_rows_while_a_stream_waits_for_its_first_audio(tiny_endless_model_dir):
-    """While a stream waits for its first audio, bulk holds at most
-    ``bulk_rows_while_starting`` rows (its steps are slower with every row); once the stream
-    has sent audio, bulk takes its rows back."""
+def _bulk_rows_beside_a_stream(model_dir, mark, listen, bulk_steps: int, stream_steps: int):
+    """Bulk filling 4 rows (``bulk_rows_while_starting`` 1), then a stream: at every step the
+    stream takes, ``(mark(stream_job), bulk rows)`` where ``mark`` gives something (not
+    None); ``listen(scheduler, stream_job, chunks, seen)`` reads the stream's chunks."""
     with engine_on(
-        tiny_endless_model_dir, max_batch=4, max_segment_chars=40, bulk_rows_while_starting=1
+        model_dir, max_batch=4, max_segment_chars=40, bulk_rows_while_starting=1
     ) as engine:
         scheduler = engine.scheduler
         seen: list[tuple[bool, int]] = []
 
         def observe(rows, seconds):
             jobs = [scheduler._owners[sequence] for sequence in scheduler.batch.active]
-            if stream_job in jobs:  # the steps the stream takes
+            marked = mark(stream_job)
+            if stream_job in jobs and marked is not None:
                 bulk = sum(scheduler._shares[job].priority == BULK for job in jobs)
-                seen.append((stream_job.slack() is None, bulk))
+                seen.append((marked, bulk))
 
-        bulk_run = engine.start(SynthesisRequest(LONG_TEXT, seed=5), fixed_steps=200, priority=BULK)
+        bulk_run = engine.start(
+            SynthesisRequest(LONG_TEXT, seed=5), fixed_steps=bulk_steps, priority=BULK
+        )
         deadline = time.monotonic() + 30
         while len(scheduler.batch) < 4 and time.monotonic() < deadline:
             time.sleep(0.005)
-        stream = engine.start(SynthesisRequest("你好。", seed=9), fixed_steps=150, stream=True)
+        stream = engine.start(
+            SynthesisRequest("你好。", seed=9), fixed_steps=stream_steps, stream=True
+        )
         stream_job = stream.jobs[0]
         scheduler._on_step = observe
-        list(stream.chunks(timeout=60))
+        listen(scheduler, stream_job, stream.chunks(timeout=60), seen)
         bulk_run.result(120)
+    return seen
+
+
+def test_bulk_gives_up_rows_while_a_stream_waits_for_its_first_audio(tiny_endless_model_dir):
+    """While a stream waits for its first audio, bulk holds at most
+    ``bulk_rows_while_starting`` rows (its steps are slower with every row); once the stream
+    has sent audio, bulk takes its rows back."""
+    seen = _bulk_rows_beside_a_stream(
+        tiny_endless_model_dir,
+        lambda job: job.slack() is None,
+        lambda scheduler, job, chunks, seen: list(chunks),
+        bulk_steps=200,
+        stream_steps=150,
+    )
     starting = [bulk for waiting, bulk in seen if waiting]
     playing = [bulk for waiting, bulk in seen if not waiting]
     assert starting and max(starting) == 1
@@ -305,39 +324,27 @@ def test_bulk_gives_up_rows_while_a_streams_listener_runs_short(tiny_endless_mod
     next chunk, then takes its rows back."""
     from chattts_service.inference.scheduler import SHORT_SECONDS
 
-    with engine_on(
-        tiny_endless_model_dir, max_batch=4, max_segment_chars=40, bulk_rows_while_starting=1
-    ) as engine:
-        scheduler = engine.scheduler
-        seen: list[tuple[bool, int]] = []
+    def short(job):  # None before its first audio: the steps it plays through
+        slack = job.slack()
+        return None if slack is None else slack < -SHORT_SECONDS
 
-        def observe(rows, seconds):
-            jobs = [scheduler._owners[sequence] for sequence in scheduler.batch.active]
-            slack = stream_job.slack()
-            if stream_job in jobs and slack is not None:  # the steps the stream plays through
-                bulk = sum(scheduler._shares[job].priority == BULK for job in jobs)
-                seen.append((slack < -SHORT_SECONDS, bulk))
-
+    def listen(scheduler, job, chunks, seen):
         def run_dry():
-            stream_job._runs_out = time.monotonic() - 5.0
+            job._runs_out = time.monotonic() - 5.0
 
-        bulk_run = engine.start(SynthesisRequest(LONG_TEXT, seed=5), fixed_steps=300, priority=BULK)
-        deadline = time.monotonic() + 30
-        while len(scheduler.batch) < 4 and time.monotonic() < deadline:
-            time.sleep(0.005)
-        stream = engine.start(SynthesisRequest("你好。", seed=9), fixed_steps=200, stream=True)
-        stream_job = stream.jobs[0]
-        scheduler._on_step = observe
-        chunks = stream.chunks(timeout=60)
         next(chunks)  # its first audio: bulk has its rows back
+        deadline = time.monotonic() + 30
         while not any(bulk == 3 for _, bulk in seen) and time.monotonic() < deadline:
             time.sleep(0.005)
         scheduler.call(run_dry).result(10)
         list(chunks)
-        bulk_run.result(120)
-    short = [bulk for is_short, bulk in seen if is_short]
+
+    seen = _bulk_rows_beside_a_stream(
+        tiny_endless_model_dir, short, listen, bulk_steps=300, stream_steps=200
+    )
+    running_short = [bulk for is_short, bulk in seen if is_short]
     healthy = [bulk for is_short, bulk in seen if not is_short]
-    assert short and max(short) == 1
+    assert running_short and max(running_short) == 1
     assert healthy and max(healthy) == 3
 
 
