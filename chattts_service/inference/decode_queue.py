@@ -1,6 +1,7 @@
 """The decode queue: the audio decoding a scheduler iteration asked for, gathered and done
-together on the model's thread, streams' chunks a stage at a time within the stall budget while
-rows wait, with bulk segments' windows decoded in the streams' slack."""
+together on the model's thread, in rounds run a stage at a time within the stall budget while
+rows wait (streams' chunks first, then windows), with bulk segments' windows decoded in the
+streams' slack."""
 
 from __future__ import annotations
 
