@@ -159,10 +159,10 @@ def test_bulk_keeps_its_floor_and_finishes_under_a_steady_flow_of_streams(tiny_e
 
 
 def test_a_long_prompt_is_prefilled_in_pieces_between_steps(tiny_endless_model_dir, monkeypatch):
-    """A prompt that arrives while a stream that has sent audio generates is prefilled a piece
-    at a time, never more positions than its piece's limit (the stall budget at the measured
-    pace), with steps of the running row between the pieces; alone, a prompt is prefilled
-    whole."""
+    """A prompt that arrives while rows step (here a whole answer's: nobody listens to it,
+    yet it waits) is prefilled a piece at a time, never more positions than its piece's limit
+    (the stall budget at the measured pace), with steps of the running row between the
+    pieces; with no rows stepping, a prompt is prefilled whole."""
     monkeypatch.setattr(scheduler_module, "MIN_PIECE", 4)
     with engine_on(
         tiny_endless_model_dir, max_batch=2, max_segment_chars=500, stall_budget_ms=5
@@ -182,9 +182,10 @@ def test_a_long_prompt_is_prefilled_in_pieces_between_steps(tiny_endless_model_d
 
         monkeypatch.setattr(batch, "fill", recording_fill)
         engine.scheduler._on_step = lambda rows, seconds: events.append(("step", rows))
-        running = engine.start(SynthesisRequest("你好。", seed=1), fixed_steps=400, stream=True)
-        listening = running.chunks(timeout=60)
-        next(listening)  # it plays: a long prefill now would hold its listener's audio
+        running = engine.start(SynthesisRequest("你好。", seed=1), fixed_steps=400)
+        deadline = time.monotonic() + 60
+        while not any(event[0] == "step" for event in events) and time.monotonic() < deadline:
+            time.sleep(0.01)
         long = engine.start(SynthesisRequest(LONG_TEXT * 2, seed=3), fixed_steps=4)
         assert len(long.jobs) == 1
         long.result(60)

@@ -14,9 +14,10 @@ cache does not fit waits in the queue rather than letting memory grow past the b
 Which job gets a row, and when a waiting one takes a running one's row, is ``fairness``'s
 policy (classes, shares per key and request, the bulk floor). A sequence that gives its row up
 is paused with its KV cache and resumes where it was. Nothing holds the running rows for much
-longer than the policy's ``stall_budget_ms`` between two steps: prompts are prefilled a piece at
-a time (where the kernels run the layers), as many positions as fit the budget at the measured
-pace; the gaps between steps are timed (``on_stall``).
+longer than the policy's ``stall_budget_ms`` between two steps: while rows step, prompts are
+prefilled a piece at a time (where the kernels run the layers), as many positions as fit what
+the decode round before them left of the budget at the measured pace; the gaps between steps
+are timed (``on_stall``).
 
 A job is a small state machine supplied by the engine: ``start()`` gives its first sequence,
 ``advance(sequence)`` either gives the next one (text refinement, then speech) or finishes the
@@ -136,6 +137,7 @@ class Scheduler:
         self._prefilling: dict[Sequence, float] = {}  # seconds each prompt's pieces took so far
         self._seconds_per_position: float | None = None  # the recent pace of prefill pieces
         self._last_step_end: float | None = None
+        self._pieces = 0  # prefill pieces in this iteration
         self.preempted = 0  # rows taken back so far
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="scheduler", daemon=True)
@@ -225,8 +227,11 @@ class Scheduler:
                 if self.decodes is not None:
                     # what the jobs asked for in this iteration, together; bulk segments'
                     # audio when the streams can spare the time; streams' chunks within the
-                    # stall budget while rows step
-                    budget = self._stall_budget if len(self._batch) else None
+                    # stall budget while rows step, half of it while a prefill is under way
+                    # (its next piece comes before the next step, within the same budget)
+                    budget = None
+                    if len(self._batch):
+                        budget = self._stall_budget / (2 if self._batch.filling else 1)
                     slacks = self._stream_slacks()
                     self.decodes.run(self._decode_slack(slacks), budget, None in slacks)
             except Exception:  # pragma: no cover - a bug: fail what is running, keep serving
@@ -257,14 +262,6 @@ class Scheduler:
         """``job.slack()`` of every stream generating (None: before its first audio)."""
         jobs = (self._owners[sequence] for sequence in self._batch.active)
         return [job.slack() for job in jobs if _is_stream(job)]
-
-    def _someone_playing(self) -> bool:
-        """Whether a stream that has sent audio is generating: its listener could run dry
-        while the rows wait, so prefills go a piece at a time within the stall budget. Else
-        (whole answers, streams before their first audio) every prompt is prefilled whole and
-        at once: nobody hears the wait, and streams that start together share their decode
-        rounds from the first."""
-        return any(slack is not None for slack in self._stream_slacks())
 
     def _decode_slack(self, slacks: list[float | None]) -> float | None:
         """The seconds a decode round may take beyond what the streams ask for: the least
@@ -304,16 +301,18 @@ class Scheduler:
 
     def _admit(self) -> None:
         """Give rows to waiting work in the policy's order, taking rows back where it says so,
-        and prefill: while a stream that has sent audio generates, pieces until the stall
-        budget is spent; else every prompt whole (``_someone_playing``)."""
+        and prefill: while rows step, pieces until the stall budget is spent; with none
+        stepping, every prompt whole (nobody waits on it, and work that arrives together
+        starts together: streams then share their decode rounds from the first)."""
         batch = self._batch
         bulk_cap = self._bulk_cap()
         if bulk_cap is not None:
             while self._take_row_for(None, bulk_cap):
                 pass
         deadline = None
-        if self._someone_playing():
-            deadline = time.perf_counter() + self._stall_budget
+        if len(batch):  # the rows have waited since their last step, decode rounds included
+            deadline = (self._last_step_end or time.perf_counter()) + self._stall_budget
+        self._pieces = 0
         for sequence in list(batch.filling):  # prefills under way hold their rows: go on first
             if not self._fill(sequence, deadline):
                 return
@@ -453,10 +452,19 @@ class Scheduler:
         """Prefill ``sequence``'s prompt: all of it with no ``deadline``, else piece by piece
         until it is in or the deadline passes; whether time is left for more work."""
         while sequence.filling is not None:
+            if deadline is not None and self._pieces and not self._time_for_a_piece(deadline):
+                return False
             self._fill_piece(sequence, deadline)
+            self._pieces += 1
             if deadline is not None and time.perf_counter() >= deadline:
                 return False
         return True
+
+    def _time_for_a_piece(self, deadline: float) -> bool:
+        """Whether ``MIN_PIECE`` positions fit before ``deadline`` at the recent pace (one
+        piece an iteration goes regardless: prefills never starve)."""
+        pace = self._seconds_per_position or FIRST_PACE_SECONDS
+        return time.perf_counter() + MIN_PIECE * pace <= deadline
 
     def _fill_piece(self, sequence: Sequence, deadline: float | None) -> None:
         """One piece: as many positions as the time left allows at the recent pace (at least
