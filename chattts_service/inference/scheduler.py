@@ -57,6 +57,9 @@ log = logging.getLogger(__name__)
 # position) until pieces have been timed.
 MIN_PIECE = 16
 FIRST_PACE_SECONDS = 0.001
+# A piece aims at this share of the time left: a piece's pace varies by a tenth or two from the
+# last one's (a recorded voice's sample grows slower as the pieces reach further in).
+PIECE_MARGIN = 0.85
 # A stream whose listener holds less than its low water by this much is short: bulk gives rows
 # up for it as for a stream starting (its chunks come a low water ahead, so a healthy stream
 # dips below its low water only until its next chunk)
@@ -135,6 +138,8 @@ class Scheduler:
         self._on_admitted = on_admitted  # on_admitted(priority, seconds queued): a first row
         self._on_taken_back = on_taken_back  # on_taken_back(priority): the taker's class
         self._prefilling: dict[Sequence, float] = {}  # seconds each prompt's pieces took so far
+        self._paces: dict[Sequence, float] = {}  # each prompt's last piece: seconds a position
+        self._passed_over: set[Sequence] = set()  # prompts given no piece last iteration
         self._seconds_per_position: float | None = None  # the recent pace of prefill pieces
         self._last_step_end: float | None = None
         self._pieces = 0  # prefill pieces in this iteration
@@ -313,6 +318,7 @@ class Scheduler:
         if len(batch):  # the rows have waited since their last step, decode rounds included
             deadline = (self._last_step_end or time.perf_counter()) + self._stall_budget
         self._pieces = 0
+        self._passed_over &= set(batch.filling)
         for sequence in list(batch.filling):  # prefills under way hold their rows: go on first
             if not self._fill(sequence, deadline):
                 return
@@ -452,27 +458,37 @@ class Scheduler:
         """Prefill ``sequence``'s prompt: all of it with no ``deadline``, else piece by piece
         until it is in or the deadline passes; whether time is left for more work."""
         while sequence.filling is not None:
-            if deadline is not None and self._pieces and not self._time_for_a_piece(deadline):
+            if deadline is not None and not self._piece_goes(sequence, deadline):
+                self._passed_over.add(sequence)
                 return False
+            self._passed_over.discard(sequence)
             self._fill_piece(sequence, deadline)
             self._pieces += 1
             if deadline is not None and time.perf_counter() >= deadline:
                 return False
         return True
 
-    def _time_for_a_piece(self, deadline: float) -> bool:
-        """Whether ``MIN_PIECE`` positions fit before ``deadline`` at the recent pace (one
-        piece an iteration goes regardless: prefills never starve)."""
-        pace = self._seconds_per_position or FIRST_PACE_SECONDS
-        return time.perf_counter() + MIN_PIECE * pace <= deadline
+    def _piece_goes(self, sequence: Sequence, deadline: float) -> bool:
+        """Whether ``sequence`` gets a piece now: ``MIN_PIECE`` of its positions fit before
+        ``deadline``, or it is the first prompt this iteration and was passed over in the
+        last one (a prefill never starves behind decode rounds that spend the budget)."""
+        if time.perf_counter() + MIN_PIECE * self._pace(sequence) <= deadline:
+            return True
+        return not self._pieces and sequence in self._passed_over
+
+    def _pace(self, sequence: Sequence) -> float:
+        """Seconds a position of ``sequence``'s next piece: its last piece's (a recorded
+        voice's sample grows slower as the piece reaches further in), else the recent pace."""
+        return self._paces.get(sequence) or self._seconds_per_position or FIRST_PACE_SECONDS
 
     def _fill_piece(self, sequence: Sequence, deadline: float | None) -> None:
-        """One piece: as many positions as the time left allows at the recent pace (at least
-        ``MIN_PIECE``; all of them with no ``deadline``); a failure fails its job alone."""
+        """One piece: as many positions as the time left allows at the prompt's pace (at
+        least ``MIN_PIECE``; all of them with no ``deadline``); a failure fails its job
+        alone."""
         limit = None
         if deadline is not None and self._batch.transformer.prefills_in_pieces:
-            pace = self._seconds_per_position or FIRST_PACE_SECONDS
-            limit = max(MIN_PIECE, int((deadline - time.perf_counter()) / pace))
+            left = PIECE_MARGIN * (deadline - time.perf_counter())
+            limit = max(MIN_PIECE, int(left / self._pace(sequence)))
         started = time.perf_counter()
         try:
             positions = self._batch.fill(sequence, limit)
@@ -480,6 +496,7 @@ class Scheduler:
             log.exception("prefill failed")
             self._batch.remove([sequence])
             self._prefilling.pop(sequence, None)
+            self._paces.pop(sequence, None)
             job = self._owners.pop(sequence)
             self._forget(job)
             job.future.set_exception(error)
@@ -490,8 +507,10 @@ class Scheduler:
             previous = self._seconds_per_position
             self._seconds_per_position = pace if previous is None else 0.7 * previous + 0.3 * pace
         spent = self._prefilling.pop(sequence, 0.0) + seconds
+        last_pace = self._paces.pop(sequence, None)
         if sequence.filling is not None:  # more pieces to come
             self._prefilling[sequence] = spent
+            self._paces[sequence] = seconds / positions if positions else last_pace or 0.0
             return
         if self._on_prefill is not None:
             self._on_prefill(sequence.prompt.shape[0], spent)
@@ -551,6 +570,7 @@ class Scheduler:
         ]
         for sequence in batch.remove(leaving):
             self._prefilling.pop(sequence, None)
+            self._paces.pop(sequence, None)
             self._advance(sequence)
         gone = [entry for entry in self._waiting if entry[0].future.stop_requested]
         for entry in gone:
@@ -589,6 +609,7 @@ class Scheduler:
             return
         for sequence in batch.remove([*batch.active, *batch.filling]):
             self._prefilling.pop(sequence, None)
+            self._paces.pop(sequence, None)
             job = self._owners.pop(sequence)
             self._forget(job)
             if not job.future.done():
