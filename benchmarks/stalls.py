@@ -2,7 +2,8 @@
 recording joining a running batch.
 
     python benchmarks/stalls.py [--model-dir DIR] [--streams 8] [--sampled 4] [--steps 300]
-                                [--sample-seconds 10] [--apart 0.25] [--rounds 2] [--json]
+                                [--sample-seconds 10] [--apart 0.25] [--rounds 2]
+                                [--bulk 0] [--repeat 5] [--json]
 
 Starts ``--streams`` streamed requests in the engine (no HTTP), one every ``--apart`` seconds,
 ``--sampled`` of them in a voice made from a ``--sample-seconds`` recording (its codes are a
@@ -11,7 +12,10 @@ the engine's step observer it takes every gap between the end of one step and th
 the next while rows were stepping (prefills, decode rounds, work handed to the model thread):
 the longest, the 99th percentile and how many passed 50 ms; the decode rounds among them (the
 engine's decode observer); and how far each stream fell behind a listener who started at its
-first chunk. It reads only the step observer, which
+first chunk. With ``--bulk N``, N long texts (``bench.py --mix``'s, whole answers marked bulk,
+``--steps`` a segment) start with each round and every stream's client sends its request
+again, a second after the last one's audio ended, while they run (``--repeat`` times at most):
+then the streams' first audio is reported too. It reads only the step observer, which
 every revision of the engine has, so the same script measures an older checkout copied beside
 it (run it from that checkout's ``benchmarks/``). Without ``--model-dir`` the full-size
 random-weight model whose speech never ends is used (``models/full-endless``).
@@ -45,6 +49,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sample-seconds", type=float, default=10.0)
     parser.add_argument("--apart", type=float, default=0.25)
     parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--bulk", type=int, default=0, help="long texts beside the streams")
+    parser.add_argument("--repeat", type=int, default=5, help="with --bulk: requests a client")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args(argv)
 
@@ -54,8 +60,9 @@ def main(argv: list[str] | None = None) -> int:
     import numpy as np
     import torch
 
+    from benchmarks.mix import BULK_TEXT
     from chattts_service.config import Settings
-    from chattts_service.domain.speech import SynthesisRequest
+    from chattts_service.domain.speech import BULK, SynthesisRequest
     from chattts_service.domain.voices import SpeakerSample, Voice
     from chattts_service.inference.engine import Engine
 
@@ -92,25 +99,47 @@ def main(argv: list[str] | None = None) -> int:
     for number in range(args.rounds):
         steps.clear()
         decodes.clear()
-        arrivals: list[list[tuple[float, float]]] = [[] for _ in range(args.streams)]
+        arrivals: list[list[tuple[float, float]]] = []
+        firsts: list[float] = []
+        bulk = [
+            engine.start(
+                SynthesisRequest(BULK_TEXT, seed=1000 * number + index),
+                fixed_steps=args.steps,
+                priority=BULK,
+            )
+            for index in range(args.bulk)
+        ]
 
-        def listen(index: int, seed: int, heard: list) -> None:
+        def listen(index: int, seed: int, bulk: list, arrivals: list, firsts: list) -> None:
             voice = sampled if index < args.sampled else None
-            request = SynthesisRequest("你好，欢迎收听。", seed=seed, voice=voice)
-            run = engine.start(request, fixed_steps=args.steps, stream=True)
-            for chunk in run.chunks(timeout=600):
-                heard.append((time.perf_counter(), len(chunk) / 24_000))
+            for again in range(args.repeat if bulk else 1):
+                if again and all(job.future.done() for run in bulk for job in run.jobs):
+                    return  # the long texts are done
+                if again:
+                    time.sleep(1.0)
+                seed += 10_000 * bool(again)
+                request = SynthesisRequest("你好，欢迎收听。", seed=seed, voice=voice)
+                asked = time.perf_counter()
+                run = engine.start(request, fixed_steps=args.steps, stream=True)
+                heard: list[tuple[float, float]] = []
+                arrivals.append(heard)
+                for chunk in run.chunks(timeout=600):
+                    heard.append((time.perf_counter(), len(chunk) / 24_000))
+                if heard:
+                    firsts.append(heard[0][0] - asked)
 
         threads = []
         for index in range(args.streams):
             thread = threading.Thread(
-                target=listen, args=(index, 100 * number + index, arrivals[index])
+                target=listen, args=(index, 100 * number + index, bulk, arrivals, firsts)
             )
             thread.start()
             threads.append(thread)
             time.sleep(args.apart)
         for thread in threads:
             thread.join()
+        for run in bulk:
+            run.result(3600)
         gaps = [
             later[0] - earlier[1]
             for earlier, later in zip(steps, steps[1:], strict=False)
@@ -135,6 +164,9 @@ def main(argv: list[str] | None = None) -> int:
                 "decode_rounds_over_50ms": sum(1 for seconds in decodes if seconds > STALL_SECONDS),
                 "decode_seconds": sum(decodes),
                 "wall_seconds": steps[-1][1] - steps[0][0] if steps else 0.0,
+                "streams_run": len(firsts),
+                "first_audio_median": statistics.median(firsts) if firsts else None,
+                "first_audio_max": max(firsts, default=None),
             }
         )
     engine.close()
@@ -154,6 +186,7 @@ def main(argv: list[str] | None = None) -> int:
             f"{args.streams} streams {args.apart:g} s apart, {args.sampled} in a voice from a "
             f"{args.sample_seconds:g} s recording ({result['prompt_code_positions']} code "
             f"positions in its prompt), {args.steps} steps each"
+            + (f", beside {args.bulk} long texts" if args.bulk else "")
         )
         for index, one in enumerate(rounds):
             print(
@@ -162,7 +195,9 @@ def main(argv: list[str] | None = None) -> int:
                 f"{one['gaps_over_50ms']} of {one['gaps']} over 50 ms; streams behind at most "
                 f"{one['behind_max']:.3f} s; decode rounds: longest "
                 f"{1000 * one['longest_decode_round']:.1f} ms, {one['decode_rounds_over_50ms']} "
-                f"over 50 ms, {one['decode_seconds']:.2f} s of {one['wall_seconds']:.2f} s"
+                f"over 50 ms, {one['decode_seconds']:.2f} s of {one['wall_seconds']:.2f} s; "
+                f"{one['streams_run']} streams, first audio median "
+                f"{one['first_audio_median']:.2f} s, longest {one['first_audio_max']:.2f} s"
             )
     return 0
 

@@ -231,13 +231,17 @@ class Scheduler:
                     self._last_step_end = None  # no rows wait on what comes next
                 if self.decodes is not None:
                     # what the jobs asked for in this iteration, together; bulk segments'
-                    # audio when the streams can spare the time; streams' chunks within the
-                    # stall budget while rows step, half of it while a prefill is under way
-                    # (its next piece comes before the next step, within the same budget)
-                    budget = None
-                    if len(self._batch):
-                        budget = self._stall_budget / (2 if self._batch.filling else 1)
+                    # audio when the streams can spare the time; within the stall budget
+                    # while rows step or work waits for a row, half of it while a prefill is
+                    # under way (its next piece comes before the next step, in the same budget)
+                    # unless a listener holds less than its low water
                     slacks = self._stream_slacks()
+                    budget = None
+                    if len(self._batch) or self._waiting or self._queued:
+                        budget = self._stall_budget
+                        low = any(slack is not None and slack < 0 for slack in slacks)
+                        if self._batch.filling and not low:
+                            budget /= 2
                     self.decodes.run(self._decode_slack(slacks), budget, None in slacks)
             except Exception:  # pragma: no cover - a bug: fail what is running, keep serving
                 log.exception("scheduler iteration failed; failing the running jobs")
@@ -267,6 +271,10 @@ class Scheduler:
         """``job.slack()`` of every stream generating (None: before its first audio)."""
         jobs = (self._owners[sequence] for sequence in self._batch.active)
         return [job.slack() for job in jobs if _is_stream(job)]
+
+    def _paused(self) -> bool:
+        """Whether a sequence waits paused (its row taken back, its KV cache kept)."""
+        return any(sequence.cache is not None for _, sequence in self._waiting)
 
     def _decode_slack(self, slacks: list[float | None]) -> float | None:
         """The seconds a decode round may take beyond what the streams ask for: the least
@@ -315,7 +323,7 @@ class Scheduler:
             while self._take_row_for(None, bulk_cap):
                 pass
         deadline = None
-        if len(batch):  # the rows have waited since their last step, decode rounds included
+        if len(batch) or self._paused():  # they waited since the last step, decoding included
             deadline = (self._last_step_end or time.perf_counter()) + self._stall_budget
         self._pieces = 0
         self._passed_over &= set(batch.filling)
@@ -541,7 +549,8 @@ class Scheduler:
         if self.decodes is not None and len(self.decodes):  # e.g. streams' chunks worth joining
             for sequence in not_yet:
                 self._progress(sequence, joining=True)
-        self._last_step_end = time.perf_counter() if len(self._batch) else None
+        # rows paused for others wait for the next step too
+        self._last_step_end = time.perf_counter() if len(self._batch) or self._paused() else None
 
     def _progress(self, sequence: Sequence, joining: bool) -> bool:
         """The job's ``progress`` (e.g. a stream asks for its next chunk); whether it asked
