@@ -137,8 +137,9 @@ class Scheduler:
         self._on_stall = on_stall  # on_stall(seconds): a gap between two steps of a batch
         self._on_admitted = on_admitted  # on_admitted(priority, seconds queued): a first row
         self._on_taken_back = on_taken_back  # on_taken_back(priority): the taker's class
-        self._prefilling: dict[Sequence, float] = {}  # seconds each prompt's pieces took so far
-        self._paces: dict[Sequence, float] = {}  # each prompt's last piece: seconds a position
+        # each prompt part-way in: the seconds its pieces took so far, its last piece's pace
+        # (seconds a position; None if it took no position)
+        self._prefilling: dict[Sequence, tuple[float, float | None]] = {}
         self._passed_over: set[Sequence] = set()  # prompts given no piece last iteration
         self._seconds_per_position: float | None = None  # the recent pace of prefill pieces
         self._last_step_end: float | None = None
@@ -487,7 +488,8 @@ class Scheduler:
     def _pace(self, sequence: Sequence) -> float:
         """Seconds a position of ``sequence``'s next piece: its last piece's (a recorded
         voice's sample grows slower as the piece reaches further in), else the recent pace."""
-        return self._paces.get(sequence) or self._seconds_per_position or FIRST_PACE_SECONDS
+        _, pace = self._prefilling.get(sequence, (0.0, None))
+        return pace or self._seconds_per_position or FIRST_PACE_SECONDS
 
     def _fill_piece(self, sequence: Sequence, deadline: float | None) -> None:
         """One piece: as many positions as the time left allows at the prompt's pace (at
@@ -504,7 +506,6 @@ class Scheduler:
             log.exception("prefill failed")
             self._batch.remove([sequence])
             self._prefilling.pop(sequence, None)
-            self._paces.pop(sequence, None)
             job = self._owners.pop(sequence)
             self._forget(job)
             job.future.set_exception(error)
@@ -514,11 +515,10 @@ class Scheduler:
             pace = seconds / positions
             previous = self._seconds_per_position
             self._seconds_per_position = pace if previous is None else 0.7 * previous + 0.3 * pace
-        spent = self._prefilling.pop(sequence, 0.0) + seconds
-        last_pace = self._paces.pop(sequence, None)
+        spent, last_pace = self._prefilling.pop(sequence, (0.0, None))
+        spent += seconds
         if sequence.filling is not None:  # more pieces to come
-            self._prefilling[sequence] = spent
-            self._paces[sequence] = seconds / positions if positions else last_pace or 0.0
+            self._prefilling[sequence] = (spent, seconds / positions if positions else last_pace)
             return
         if self._on_prefill is not None:
             self._on_prefill(sequence.prompt.shape[0], spent)
@@ -579,7 +579,6 @@ class Scheduler:
         ]
         for sequence in batch.remove(leaving):
             self._prefilling.pop(sequence, None)
-            self._paces.pop(sequence, None)
             self._advance(sequence)
         gone = [entry for entry in self._waiting if entry[0].future.stop_requested]
         for entry in gone:
@@ -618,7 +617,6 @@ class Scheduler:
             return
         for sequence in batch.remove([*batch.active, *batch.filling]):
             self._prefilling.pop(sequence, None)
-            self._paces.pop(sequence, None)
             job = self._owners.pop(sequence)
             self._forget(job)
             if not job.future.done():
