@@ -954,9 +954,11 @@ def test_a_round_of_chunks_runs_a_stage_an_iteration_within_its_budget(engine):
 
 @pytest.mark.parametrize("which", ["engine", "fp32_decoder_engine"])
 def test_windows_decode_in_parts_within_a_budget_and_give_decode_manys_samples(request, which):
-    """Whole answers' windows run as rounds too: with a budget of nothing a part an iteration
-    (a stage of a batch in bf16, a window in fp32 and int8), delivered together at the round's
-    end with ``decode_many``'s samples; without a budget in one ``run``."""
+    """Whole answers' windows run as rounds too, a round's longest stage kept within half the
+    budget at the measured pace: with a budget of nothing each window is a round of its own,
+    run a part an iteration (a stage in bf16, the window in fp32 and int8) and delivered at its
+    round's end with ``decode_many``'s samples of it alone; with a budget that fits them all,
+    and without one, the windows go as one round (``decode_many``'s batches) in one ``run``."""
     from chattts_service.inference.decode_queue import DecodeQueue
 
     engine = request.getfixturevalue(which)
@@ -975,13 +977,19 @@ def test_windows_decode_in_parts_within_a_budget_and_give_decode_manys_samples(r
             assert calls <= 200
         return got, calls
 
-    expected, (sliced, calls), (whole, one_call) = engine.scheduler.call(
-        lambda: (decoder.decode_many(items), queued(0.0), queued(None))
-    ).result()
-    assert calls >= len(items) and one_call == 1
-    assert {call for call, _ in sliced} == {calls}
-    for got in (sliced, whole):
-        for (_, samples), wanted in zip(got, expected, strict=True):
+    def expected():
+        return decoder.decode_many(items), [decoder.decode_many([item])[0] for item in items]
+
+    (together, alone), (sliced, calls), (roomy, roomy_calls), (whole, one_call) = (
+        engine.scheduler.call(
+            lambda: (expected(), queued(0.0), queued(1000.0), queued(None))
+        ).result()
+    )
+    assert calls >= len(items) and roomy_calls == one_call == 1
+    delivered = [call for call, _ in sliced]
+    assert delivered == sorted(set(delivered)) and delivered[-1] == calls  # one a round
+    for got, wanted_samples in ((sliced, alone), (roomy, together), (whole, together)):
+        for (_, samples), wanted in zip(got, wanted_samples, strict=True):
             assert len(wanted) and np.array_equal(samples, wanted)
 
 

@@ -33,7 +33,9 @@ class DecodeQueue:
     Each window is decoded whole, as when nobody listens: the same samples.
 
     Streams' chunks are decoded together as a ``Round``, every chunk waiting at the start of
-    one in one batch a stage, and windows as rounds of their own (``decode_many``'s batches).
+    one in one batch a stage, and windows as rounds of their own (``decode_many``'s batches),
+    with a budget as many windows a round as keep its longest stage within ``STAGE_SHARE`` of
+    it at the measured pace (several bulk segments ending together made stages of 40-50 ms).
     With a ``budget`` (seconds: the scheduler's stall budget while rows step) rounds run a
     stage at a time, chunks' first, as many stages an iteration as fit the budget at the pace
     of the last one: their batches and samples are the same, their audio comes some steps
@@ -50,6 +52,10 @@ class DecodeQueue:
         self._windows = _Rounds(self._window_round, self._windows_timed)  # whole windows
         self._deferred: list[tuple[float, Item]] = []  # (since, item): bulk windows waiting
         self._seconds_per_step = FIRST_DECODE_PACE_SECONDS  # recent pace of a window, a step
+        # recent pace of a window round's longest stage, a step of its windows; and the most a
+        # stage of the next window round may take (None: no bound)
+        self._stage_seconds_per_step = FIRST_DECODE_PACE_SECONDS
+        self._stage_bound: float | None = None
 
     def __len__(self) -> int:
         """Items asked for and not yet decoding (a decode runs this iteration, or they wait
@@ -102,6 +108,7 @@ class DecodeQueue:
                     slack = min(slack, 0.0)  # one overdue window a round
         self._windows.waiting += windows
         deadline = None if budget is None else started + budget
+        self._stage_bound = None if budget is None else STAGE_SHARE * budget
         chunks, ran = bool(self._chunks), bool(self._chunks or self._windows)
         delivered = self._chunks.run(deadline, at_least_one=True) if chunks else 0
         if self._windows:
@@ -129,25 +136,38 @@ class DecodeQueue:
         return self.decoder.advancing(advances), taken, left
 
     def _window_round(self, waiting: list[Item]) -> tuple[Round, list[Item], list[Item]]:
-        """A round of every window waiting (``decode_many``'s batches)."""
-        spans = [work for work, _, _ in waiting if not isinstance(work, Advance)]
-        return self.decoder.decoding(spans), waiting, []
+        """A round of the windows waiting, in order (``decode_many``'s batches): as many as
+        keep its longest stage, at the measured pace, within the stage bound (one at least),
+        so a stage of many windows ending together does not hold the rows for tens of ms."""
+        taken, steps = 0, 0
+        for work, _, _ in waiting:
+            steps += _steps(work)
+            bound = self._stage_bound
+            if taken and bound is not None and steps * self._stage_seconds_per_step > bound:
+                break
+            taken += 1
+        spans = [work for work, _, _ in waiting[:taken] if not isinstance(work, Advance)]
+        return self.decoder.decoding(spans), waiting[:taken], waiting[taken:]
 
-    def _windows_timed(self, items: list[Item], seconds: float) -> None:
+    def _windows_timed(self, items: list[Item], seconds: float, longest: float) -> None:
         steps = sum(_steps(work) for work, _, _ in items)
         if steps:
             self._seconds_per_step = 0.8 * self._seconds_per_step + 0.2 * seconds / steps
+            pace = self._stage_seconds_per_step
+            self._stage_seconds_per_step = 0.8 * pace + 0.2 * longest / steps
 
 
 class _Rounds:
     """One kind of decoding as rounds, one under way at a time: ``waiting`` items go into the
-    next round ``start(waiting)`` makes; ``timed(items, seconds)`` when a round has ended."""
+    next round ``start(waiting)`` makes; ``timed(items, seconds, longest)`` when a round has
+    ended (its time in all, and its longest stage's)."""
 
     def __init__(self, start, timed=None):
         self.waiting: list[Item] = []
         self._start, self._timed = start, timed
         self._under_way: tuple[Round, list[Item]] | None = None
         self._spent = 0.0  # seconds the round under way has taken so far
+        self._longest = 0.0  # and its longest stage
         self._last_stage = time.perf_counter()
 
     def __bool__(self) -> bool:
@@ -170,7 +190,7 @@ class _Rounds:
                 if not self.waiting:
                     return delivered
                 work, items, self.waiting = self._start(self.waiting)
-                self._under_way, self._spent = (work, items), 0.0
+                self._under_way, self._spent, self._longest = (work, items), 0.0, 0.0
             work, items = self._under_way
             try:
                 finished = work.run_stage()
@@ -181,10 +201,11 @@ class _Rounds:
                 continue
             end = self._last_stage = time.perf_counter()
             self._spent += end - began
+            self._longest = max(self._longest, end - began)
             if finished:
                 self._under_way = None
                 if self._timed is not None:
-                    self._timed(items, self._spent)
+                    self._timed(items, self._spent, self._longest)
                 _deliver(items, work.results)
                 delivered += len(items)
             if deadline is not None and end + (end - began) > deadline:
@@ -207,6 +228,9 @@ def _deliver(items: list[Item], decoded: list[np.ndarray]) -> None:
 MAX_DEFER_SECONDS = 2.0
 MAX_HOLD_SECONDS = 6.0
 FIRST_DECODE_PACE_SECONDS = 0.0005
+# With a budget, a stage of a window round aims at this share of it: a prefill piece may come
+# after it in the same gap between steps.
+STAGE_SHARE = 0.5
 
 
 def _steps(work) -> int:
