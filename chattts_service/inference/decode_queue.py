@@ -139,10 +139,9 @@ class DecodeQueue:
         """A round of the windows waiting, in order (``decode_many``'s batches): as many as
         keep its longest stage, at the measured pace, within the stage bound (one at least),
         so a stage of many windows ending together does not hold the rows for tens of ms."""
-        taken, steps = 0, 0
+        taken, steps, bound = 0, 0, self._stage_bound
         for work, _, _ in waiting:
             steps += _steps(work)
-            bound = self._stage_bound
             if taken and bound is not None and steps * self._stage_seconds_per_step > bound:
                 break
             taken += 1

@@ -511,14 +511,14 @@ class Scheduler:
             job.future.set_exception(error)
             return
         seconds = time.perf_counter() - started
+        spent, pace = self._prefilling.pop(sequence, (0.0, None))
+        spent += seconds
         if positions:
             pace = seconds / positions
             previous = self._seconds_per_position
             self._seconds_per_position = pace if previous is None else 0.7 * previous + 0.3 * pace
-        spent, last_pace = self._prefilling.pop(sequence, (0.0, None))
-        spent += seconds
         if sequence.filling is not None:  # more pieces to come
-            self._prefilling[sequence] = (spent, seconds / positions if positions else last_pace)
+            self._prefilling[sequence] = (spent, pace)  # a piece of no position: the last pace
             return
         if self._on_prefill is not None:
             self._on_prefill(sequence.prompt.shape[0], spent)
