@@ -201,6 +201,62 @@ def test_a_long_prompt_is_prefilled_in_pieces_between_steps(tiny_endless_model_d
     assert any(event[0] == "step" for event in events[at[0] : at[-1]])
 
 
+def test_rows_paused_for_a_starting_stream_resume_once_no_row_steps(
+    tiny_endless_model_dir, monkeypatch
+):
+    """Bulk holds 3 rows when a stream with a long prompt starts: bulk keeps one
+    (``bulk_rows_while_starting``), the others paused, while the prompt goes in pieces. When
+    that row's segment ends before the prompt is in, a paused row resumes at once (resuming
+    costs nothing) rather than wait through the prompt's pieces with nothing stepping."""
+    monkeypatch.setattr(scheduler_module, "MIN_PIECE", 4)
+    with engine_on(
+        tiny_endless_model_dir,
+        max_batch=4,
+        max_segment_chars=400,
+        stall_budget_ms=5,
+        bulk_rows_while_starting=1,
+    ) as engine:
+        scheduler = engine.scheduler
+        batch = scheduler.batch
+        pieces: list[tuple[int, int]] = []  # (rows stepping, rows paused) at every piece
+        steps = [0]
+        midway = threading.Event()
+        fill, step = batch.fill, batch.step
+
+        def slow_fill(sequence, limit=None):
+            positions = fill(sequence, limit)
+            time.sleep(0.001 * positions)  # slower than a full-size model: many pieces
+            if limit is not None:
+                paused = sum(other.cache is not None for _, other in scheduler._waiting)
+                pieces.append((len(batch.active), paused))
+            return positions
+
+        def slow_step():
+            time.sleep(0.002)
+            steps[0] += len(batch.active) == 3
+            if steps[0] == 40:
+                midway.set()
+            return step()
+
+        monkeypatch.setattr(batch, "fill", slow_fill)
+        monkeypatch.setattr(batch, "step", slow_step)
+        bulk_run = engine.start(
+            SynthesisRequest(LONG_TEXT * 6, seed=5), fixed_steps=100, priority=BULK
+        )
+        assert len(bulk_run.jobs) == 3
+        assert midway.wait(60)  # bulk's 3 rows have 60 steps to go
+        stream = engine.start(SynthesisRequest(LONG_TEXT * 2, seed=9), fixed_steps=20, stream=True)
+        assert len(stream.jobs) == 1
+        list(stream.chunks(timeout=60))
+        bulk_run.result(120)
+
+    gave_up = [i for i, (_, paused) in enumerate(pieces) if paused == 2]
+    assert gave_up, pieces  # bulk gave 2 rows up for the stream
+    # the row bulk kept ended while the prompt went in: the paused ones took their turns
+    assert any(paused < 2 for _, paused in pieces[gave_up[0] :]), pieces
+    assert not [piece for piece in pieces if piece[0] == 0 and piece[1]], pieces
+
+
 @pytest.mark.parametrize("priority", [None, BULK])
 def test_queue_wait_is_observed_per_class(tiny_model_dir, priority):
     """Unmarked, a whole answer of two segments is interactive and a longer one bulk, all its

@@ -228,7 +228,7 @@ class Scheduler:
                 self._admit()
                 if len(self._batch):
                     self._step()
-                else:
+                elif not self._paused():
                     self._last_step_end = None  # no rows wait on what comes next
                 if self.decodes is not None:
                     # what the jobs asked for in this iteration, together; bulk segments'
@@ -323,16 +323,28 @@ class Scheduler:
         if bulk_cap is not None:
             while self._take_row_for(None, bulk_cap):
                 pass
+        if not len(batch) and self._paused():
+            # every stepping row has ended while others wait paused: they resume first (no
+            # prefill), rather than wait with nothing stepping while a prompt goes in pieces
+            self._give_rows(bulk_cap, None, time_left=False)
         deadline = None
-        if len(batch) or self._paused():  # they waited since the last step, decoding included
+        if len(batch):  # the rows waited since the last step, decoding included
             deadline = (self._last_step_end or time.perf_counter()) + self._stall_budget
+        elif self._paused():  # paused rows wait, but nothing steps that a piece would stall
+            deadline = time.perf_counter() + self._stall_budget
         self._pieces = 0
         self._passed_over &= set(batch.filling)
-        for sequence in list(batch.filling):  # prefills under way hold their rows: go on first
-            if not self._fill(sequence, deadline):
-                return
+        # prefills under way hold their rows: they go on first
+        time_left = all(self._fill(sequence, deadline) for sequence in list(batch.filling))
+        self._give_rows(bulk_cap, deadline, time_left)
+
+    def _give_rows(self, bulk_cap: int | None, deadline: float | None, time_left: bool) -> None:
+        """Rows to the waiting work in the policy's order, prefilling what starts (pieces
+        until ``deadline``); once no time is left, only paused rows resume (no prefill: it
+        costs the rows nothing)."""
+        batch = self._batch
         while True:
-            chosen = self._choose()
+            chosen = self._choose(paused_only=not time_left)
             if chosen is None:
                 return
             job, sequence = chosen
@@ -356,16 +368,20 @@ class Scheduler:
                 del self._owners[sequence]
                 job.future.set_exception(error)
                 continue
-            if not self._fill(sequence, deadline):
-                return
+            time_left = self._fill(sequence, deadline)
 
-    def _choose(self) -> tuple[Job, Sequence] | None:
+    def _choose(self, paused_only: bool = False) -> tuple[Job, Sequence] | None:
         """The waiting work that gets the next row, started if it was only queued (its prompt
-        built: what it needs of the KV cache is known then)."""
+        built: what it needs of the KV cache is known then); ``paused_only``: of the paused."""
         while True:
             with self._submit_lock:
-                queued = list(self._queued)
-            candidates = [(job, None) for job in queued] + list(self._waiting)
+                queued = [] if paused_only else list(self._queued)
+            waiting = self._waiting
+            if paused_only:
+                waiting = [
+                    (job, sequence) for job, sequence in waiting if sequence.cache is not None
+                ]
+            candidates = [(job, None) for job in queued] + list(waiting)
             running = self._running_shares(self._batch.active + self._batch.filling)
             batch = self._batch
             free = min(batch.free_rows, self.policy.max_batch - len(batch) - len(batch.filling))
