@@ -993,6 +993,48 @@ def test_windows_decode_in_parts_within_a_budget_and_give_decode_manys_samples(r
             assert len(wanted) and np.array_equal(samples, wanted)
 
 
+def test_windows_start_no_stage_past_the_budget_before_a_prefill_piece(engine, monkeypatch):
+    """With a prefill piece to follow (``piece_follows``: it goes whatever time is left) and
+    no chunks, windows start no stage their measured pace says would pass the budget (with
+    none to follow, one stage goes anyway); once they have had no stage for
+    ``MAX_DEFER_SECONDS`` they go, and their samples are ``decode_many``'s."""
+    from chattts_service.inference import decode_queue, decoding
+
+    decoder = engine.model.decoder
+    items = _windows(engine, 13)[:2]
+    stages = []
+    run_stage = decoding.Round.run_stage
+
+    def counted(self):
+        stages.append(self)
+        return run_stage(self)
+
+    monkeypatch.setattr(decoding.Round, "run_stage", counted)
+
+    def run():
+        queue = decode_queue.DecodeQueue(decoder)
+        got: list[np.ndarray] = []
+        for item in items:
+            queue.submit(*item, got.append, pytest.fail)
+        queue.run(budget=0.0)
+        for _ in range(5):
+            queue.run(budget=0.0, piece_follows=True)
+        held = (len(stages), queue.pending)
+        monkeypatch.setattr(decode_queue, "MAX_DEFER_SECONDS", 0.0)
+        calls = 0
+        while queue.pending or len(queue):
+            calls += 1
+            queue.run(budget=0.0, piece_follows=True)
+            assert calls <= 200
+        return held, got, calls, decoder.decode_many([items[0]]) + decoder.decode_many([items[1]])
+
+    (started, pending), got, calls, wanted = engine.scheduler.call(run).result()
+    assert started == 1 and pending  # the stage with no piece to follow, then none
+    assert calls >= 2 and len(got) == len(wanted) == 2
+    for samples, expected in zip(got, wanted, strict=True):
+        assert len(expected) and np.array_equal(samples, expected)
+
+
 def test_a_bulk_window_waits_for_the_streams_slack_and_longer_while_one_starts(engine, monkeypatch):
     """A bulk segment's whole audio waits while the streams cannot spare its time; once it has
     waited ``MAX_DEFER_SECONDS`` it goes anyway, unless a stream waits for its first audio:

@@ -49,7 +49,7 @@ class DecodeQueue:
         self.on_run = on_run  # on_run(items, seconds): the time spent decoding
         self._items: list[Item] = []
         self._chunks = _Rounds(self._chunk_round)  # streams' chunks
-        self._windows = _Rounds(self._window_round, self._windows_timed)  # whole windows
+        self._windows = _Rounds(self._window_round, self._windows_timed, self._window_stage)
         self._deferred: list[tuple[float, Item]] = []  # (since, item): bulk windows waiting
         self._seconds_per_step = FIRST_DECODE_PACE_SECONDS  # recent pace of a window, a step
         # recent pace of a window round's longest stage, a step of its windows; and the most a
@@ -84,11 +84,18 @@ class DecodeQueue:
         self._items.append((Advance(state, hiddens, until, final), done, failed))
 
     def run(
-        self, slack: float | None = None, budget: float | None = None, starting: bool = False
+        self,
+        slack: float | None = None,
+        budget: float | None = None,
+        starting: bool = False,
+        piece_follows: bool = False,
     ) -> None:
         """Decode what was asked for and the deferred windows that ``slack`` allows (all of
         them with None; ``starting``: a stream waits for its first audio): with a ``budget``,
-        stages of rounds until it is spent (see the class); without, every round to its end."""
+        stages of rounds until it is spent (see the class); without, every round to its end.
+        ``piece_follows``: a prefill piece comes after this round whatever time it leaves (the
+        budget is what the piece leaves): windows then start no stage past the budget unless
+        they have had none for ``MAX_DEFER_SECONDS``."""
         started = time.perf_counter()
         items, self._items = self._items, []
         self._chunks.waiting += [item for item in items if isinstance(item[0], Advance)]
@@ -113,7 +120,8 @@ class DecodeQueue:
         delivered = self._chunks.run(deadline, at_least_one=True) if chunks else 0
         if self._windows:
             starved = self._windows.since_stage(time.perf_counter()) >= MAX_DEFER_SECONDS
-            delivered += self._windows.run(deadline, at_least_one=starved or not chunks)
+            forced = starved or not (chunks or piece_follows)
+            delivered += self._windows.run(deadline, at_least_one=forced)
         if ran and self.on_run is not None:
             self.on_run(delivered, time.perf_counter() - started)
 
@@ -148,6 +156,11 @@ class DecodeQueue:
         spans = [work for work, _, _ in waiting[:taken] if not isinstance(work, Advance)]
         return self.decoder.decoding(spans), waiting[:taken], waiting[taken:]
 
+    def _window_stage(self, items: list[Item]) -> float:
+        """The seconds a stage of a window round of ``items`` may take: its longest, at the
+        measured pace."""
+        return self._stage_seconds_per_step * sum(_steps(work) for work, _, _ in items)
+
     def _windows_timed(self, items: list[Item], seconds: float, longest: float) -> None:
         steps = sum(_steps(work) for work, _, _ in items)
         if steps:
@@ -159,11 +172,12 @@ class DecodeQueue:
 class _Rounds:
     """One kind of decoding as rounds, one under way at a time: ``waiting`` items go into the
     next round ``start(waiting)`` makes; ``timed(items, seconds, longest)`` when a round has
-    ended (its time in all, and its longest stage's)."""
+    ended (its time in all, and its longest stage's); ``estimate(items)``, if given, the
+    seconds a stage of a round of ``items`` may take (a stage starts only if that fits)."""
 
-    def __init__(self, start, timed=None):
+    def __init__(self, start, timed=None, estimate=None):
         self.waiting: list[Item] = []
-        self._start, self._timed = start, timed
+        self._start, self._timed, self._estimate = start, timed, estimate
         self._under_way: tuple[Round, list[Item]] | None = None
         self._spent = 0.0  # seconds the round under way has taken so far
         self._longest = 0.0  # and its longest stage
@@ -182,7 +196,7 @@ class _Rounds:
         delivered = 0
         while True:
             began = time.perf_counter()
-            if deadline is not None and began >= deadline and not at_least_one:
+            if deadline is not None and not at_least_one and began + self._next() >= deadline:
                 return delivered
             at_least_one = False
             if self._under_way is None:
@@ -209,6 +223,15 @@ class _Rounds:
                 delivered += len(items)
             if deadline is not None and end + (end - began) > deadline:
                 return delivered
+
+    def _next(self) -> float:
+        """The seconds the next stage may take (0 where unknown): of the round under way, or
+        of one with the first item waiting."""
+        if self._estimate is None:
+            return 0.0
+        if self._under_way is not None:
+            return self._estimate(self._under_way[1])
+        return self._estimate(self.waiting[:1]) if self.waiting else 0.0
 
 
 def _deliver(items: list[Item], decoded: list[np.ndarray]) -> None:

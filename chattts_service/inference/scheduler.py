@@ -236,14 +236,18 @@ class Scheduler:
                     # while rows step or work waits for a row, half of it while a prefill is
                     # under way (its next piece comes before the next step, in the same budget)
                     # unless a listener holds less than its low water
+                    # less what a prompt passed over will take in its piece after it
                     slacks = self._stream_slacks()
                     budget = None
+                    piece = self._passed_over_piece()
                     if len(self._batch) or self._waiting or self._queued:
                         budget = self._stall_budget
                         low = any(slack is not None and slack < 0 for slack in slacks)
                         if self._batch.filling and not low:
                             budget /= 2
-                    self.decodes.run(self._decode_slack(slacks), budget, None in slacks)
+                        budget = max(0.0, min(budget, self._stall_budget - piece))
+                    starting = None in slacks
+                    self.decodes.run(self._decode_slack(slacks), budget, starting, piece > 0)
             except Exception:  # pragma: no cover - a bug: fail what is running, keep serving
                 log.exception("scheduler iteration failed; failing the running jobs")
                 self._fail_all(RuntimeError("internal error in the scheduler"))
@@ -500,6 +504,12 @@ class Scheduler:
         if time.perf_counter() + MIN_PIECE * self._pace(sequence) <= deadline:
             return True
         return not self._pieces and sequence in self._passed_over
+
+    def _passed_over_piece(self) -> float:
+        """The seconds the piece of a prompt passed over (it goes first in the next iteration,
+        whatever time is left) will take at its pace; 0 if none was."""
+        waiting = [sequence for sequence in self._batch.filling if sequence in self._passed_over]
+        return MIN_PIECE * self._pace(waiting[0]) / PIECE_MARGIN if waiting else 0.0
 
     def _pace(self, sequence: Sequence) -> float:
         """Seconds a position of ``sequence``'s next piece: its last piece's (a recorded
