@@ -159,10 +159,10 @@ class DecodeQueue:
     def _window_stage(self, items: list[Item]) -> float:
         """The seconds a stage of a window round of ``items`` may take: its longest, at the
         measured pace."""
-        return self._stage_seconds_per_step * sum(_steps(work) for work, _, _ in items)
+        return self._stage_seconds_per_step * _all_steps(items)
 
     def _windows_timed(self, items: list[Item], seconds: float, longest: float) -> None:
-        steps = sum(_steps(work) for work, _, _ in items)
+        steps = _all_steps(items)
         if steps:
             self._seconds_per_step = 0.8 * self._seconds_per_step + 0.2 * seconds / steps
             pace = self._stage_seconds_per_step
@@ -258,3 +258,8 @@ STAGE_SHARE = 0.5
 def _steps(work) -> int:
     """The steps a window's decode reads: all of them."""
     return work[0].shape[0]
+
+
+def _all_steps(items: list[Item]) -> int:
+    """The steps the windows of ``items`` read together."""
+    return sum(_steps(work) for work, _, _ in items)

@@ -279,7 +279,11 @@ class Scheduler:
 
     def _paused(self) -> bool:
         """Whether a sequence waits paused (its row taken back, its KV cache kept)."""
-        return any(sequence.cache is not None for _, sequence in self._waiting)
+        return bool(self._paused_work())
+
+    def _paused_work(self) -> list[tuple[Job, Sequence]]:
+        """The waiting work that is paused (its KV cache kept), in waiting order."""
+        return [(job, sequence) for job, sequence in self._waiting if sequence.cache is not None]
 
     def _decode_slack(self, slacks: list[float | None]) -> float | None:
         """The seconds a decode round may take beyond what the streams ask for: the least
@@ -380,12 +384,8 @@ class Scheduler:
         while True:
             with self._submit_lock:
                 queued = [] if paused_only else list(self._queued)
-            waiting = self._waiting
-            if paused_only:
-                waiting = [
-                    (job, sequence) for job, sequence in waiting if sequence.cache is not None
-                ]
-            candidates = [(job, None) for job in queued] + list(waiting)
+            waiting = self._paused_work() if paused_only else list(self._waiting)
+            candidates = [(job, None) for job in queued] + waiting
             running = self._running_shares(self._batch.active + self._batch.filling)
             batch = self._batch
             free = min(batch.free_rows, self.policy.max_batch - len(batch) - len(batch.filling))
