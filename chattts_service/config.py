@@ -331,7 +331,7 @@ class Settings:
     )
     bulk_rows_while_starting: int = _env_field(
         "BULK_ROWS_WHILE_STARTING",
-        2,
+        1,
         "rows bulk work may hold while a stream waits for its first audio or runs short of "
         "audio (every row makes each step slower); at least CHATTTS_BULK_MIN_ROWS",
         low=0,

@@ -372,7 +372,7 @@ def test_batching_can_be_tuned_on_a_running_server(keyed):
         "max_queue": 5,
         "max_wait_s": 120,
         "bulk_min_rows": 1,
-        "bulk_rows_while_starting": 2,
+        "bulk_rows_while_starting": 1,
         "stall_budget_ms": 25,
     }
     assert metric(keyed, "chatts_config", 'setting="stall_budget_ms"') == 25

@@ -49,7 +49,7 @@ class BatchingPolicy:
         limits: dict[str, Bounds],
         bulk_min_rows: int = 1,
         stall_budget_ms: int = 40,
-        bulk_rows_while_starting: int = 2,
+        bulk_rows_while_starting: int = 1,
     ):
         self._lock = threading.Lock()
         self._limits = dict(limits)
