@@ -47,9 +47,9 @@ class BatchingPolicy:
         max_queue: int,
         max_wait_s: int,
         limits: dict[str, Bounds],
-        bulk_min_rows: int = 1,
-        stall_budget_ms: int = 40,
-        bulk_rows_while_starting: int = 1,
+        bulk_min_rows: int,
+        stall_budget_ms: int,
+        bulk_rows_while_starting: int,
     ):
         self._lock = threading.Lock()
         self._limits = dict(limits)
