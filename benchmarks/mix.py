@@ -32,6 +32,7 @@ from benchmarks.loadtest import (
     percentile,
     send,
 )
+from chattts_service.domain.text import split_sentences
 from chattts_service.runtime.cpu import StealMeter, cpu_model
 
 # a nightly batch's document: 60 sentences (27 segments at the default 100 characters)
@@ -62,12 +63,15 @@ def add_arguments(parser) -> None:
     )
 
 
-def _streamer(load: Load, interval: float, limit: int, stop: threading.Event, out: list):
+def _streamer(
+    load: Load, interval: float, limit: int, stop: threading.Event, out: list, started: float
+):
     session = requests.Session()
     for _ in range(limit):
         if stop.is_set():
             return
-        out.append(send(session, load, load.timeout))
+        sent = time.perf_counter() - started
+        out.append((sent, send(session, load, load.timeout)))
         if stop.wait(interval):
             return
 
@@ -85,7 +89,7 @@ def _phase(bulk: Load | None, stream: Load | None, args, until_bulk_ends: bool) 
     (alone) or when the bulk work ends (the mix)."""
     deadline = time.monotonic() + args.max_seconds
     stop = threading.Event()
-    streams: list[Outcome] = []
+    streams: list[tuple[float, Outcome]] = []  # (sent, seconds into the phase; its outcome)
     bulk_outcomes: list[Outcome] = []
     threads = []
     steal, server = StealMeter(), ServerTime(args.url)
@@ -95,7 +99,9 @@ def _phase(bulk: Load | None, stream: Load | None, args, until_bulk_ends: bool) 
         for index in range(args.interactive):
             load = replace(stream, first_seed=stream.first_seed + 1000 * index)
             thread = threading.Thread(
-                target=_streamer, args=(load, args.interval, limit, stop, streams), daemon=True
+                target=_streamer,
+                args=(load, args.interval, limit, stop, streams, started),
+                daemon=True,
             )
             threads.append(thread)
     bulk_threads = []
@@ -119,7 +125,7 @@ def _phase(bulk: Load | None, stream: Load | None, args, until_bulk_ends: bool) 
     for thread in threads:
         thread.join(max(0.0, deadline - time.monotonic()) + 60)
     stop.set()
-    ok_streams = [o for o in streams if o.status == 200]
+    ok_streams = [o for _, o in streams if o.status == 200]
     firsts = [o.first_audio for o in ok_streams]
     behind = [o.behind for o in ok_streams]
     ok_bulk = [o for o in bulk_outcomes if o.status == 200]
@@ -128,13 +134,22 @@ def _phase(bulk: Load | None, stream: Load | None, args, until_bulk_ends: bool) 
         "streams_ok": len(ok_streams),
         "first_audio_p50": statistics.median(firsts) if firsts else float("nan"),
         "first_audio_p95": percentile(firsts, 0.95),
+        # each stream: when it was sent (seconds into the phase) and its first audio
+        "first_audio_each": [
+            [round(sent, 3), None if o.first_audio is None else round(o.first_audio, 3)]
+            for sent, o in sorted(streams, key=lambda pair: pair[0])
+        ],
         "behind_max": max(behind) if behind else float("nan"),
         "streams_behind": sum(1 for b in behind if b > args.tolerance),
         "bulk_requests": len(bulk_outcomes),
         "bulk_ok": len(ok_bulk),
         "bulk_audio_seconds": sum(o.audio_seconds for o in ok_bulk),
         "errors": sorted(
-            {f"{o.status} {o.error[:80]}" for o in [*streams, *bulk_outcomes] if o.status != 200}
+            {
+                f"{o.status} {o.error[:80]}"
+                for o in [*(o for _, o in streams), *bulk_outcomes]
+                if o.status != 200
+            }
         ),
         "steal_share": steal.share(),
         "server_time": server.shares(),
@@ -149,7 +164,7 @@ def run_mix(args) -> dict:
     stream = Load(
         args.url, args.endpoint, args.text or DEFAULT_TEXT, True, args.timeout, False, args.seed
     )
-    bulk = Load(
+    bulk: Load = _Documents(
         args.url, "synthesize", args.bulk_text, False, args.timeout, False, args.seed + 500_000
     )
     if args.mark_bulk:
@@ -181,7 +196,21 @@ def run_mix(args) -> dict:
 _LOAD_FIELDS = ("url", "endpoint", "text", "stream", "timeout", "repeat_seed", "first_seed")
 
 
-class _MarkedBulk(Load):
+class _Documents(Load):
+    """The long text as a new document each time: its sentences rotated by the request's
+    seed (the same sentences, so the same work, but no text the server has seen: a nightly
+    batch's documents differ, and what the server keeps of a text it has read must not
+    flatter the measurement)."""
+
+    def body(self) -> dict:
+        body = super().body()
+        sentences = split_sentences(body["text"])
+        turn = body["seed"] % len(sentences)
+        joiner = " " if body["text"].isascii() else ""
+        return {**body, "text": joiner.join(sentences[turn:] + sentences[:turn])}
+
+
+class _MarkedBulk(_Documents):
     """A long text sent with ``"priority": "bulk"``."""
 
     def body(self) -> dict:
