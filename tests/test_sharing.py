@@ -182,11 +182,15 @@ def test_a_long_prompt_is_prefilled_in_pieces_between_steps(tiny_endless_model_d
 
         monkeypatch.setattr(batch, "fill", recording_fill)
         engine.scheduler._on_step = lambda rows, seconds: events.append(("step", rows))
+        # its text normalised first (by the normalising worker, which may still be starting;
+        # the segments are kept): the running row must not end while it waits for them
+        long_request = SynthesisRequest(LONG_TEXT * 2, seed=3)
+        engine.segments(long_request)
         running = engine.start(SynthesisRequest("你好。", seed=1), fixed_steps=400)
         deadline = time.monotonic() + 60
         while not any(event[0] == "step" for event in events) and time.monotonic() < deadline:
             time.sleep(0.01)
-        long = engine.start(SynthesisRequest(LONG_TEXT * 2, seed=3), fixed_steps=4)
+        long = engine.start(long_request, fixed_steps=4)
         assert len(long.jobs) == 1
         long.result(60)
         running.cancel()

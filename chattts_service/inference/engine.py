@@ -31,12 +31,12 @@ from chattts_service.domain.speech import (
     SynthesisRequest,
     TooManySegments,
 )
-from chattts_service.domain.text import NORMALISER
 from chattts_service.domain.voice_store import VoiceStore
 from chattts_service.domain.voices import SpeakerSample
 from chattts_service.inference.admission import Admission
 from chattts_service.inference.fairness import segment_priority
 from chattts_service.inference.job import SynthesisJob
+from chattts_service.inference.normalising import NormaliserProcess
 from chattts_service.inference.policy import BatchingPolicy
 from chattts_service.inference.run import Run
 from chattts_service.inference.scheduler import QueueFull, Scheduler
@@ -93,7 +93,7 @@ class Engine:
         self.voices: VoiceStore | None = None
         self.sample_encoder: SampleEncoder | None = None
         self.sample_rate = SAMPLE_RATE
-        self.text_normaliser = NORMALISER
+        self.text_normaliser = NormaliserProcess()  # wetext beside the model, not in its way
         self._normaliser_ready: threading.Thread | None = None
 
     # -- loading -------------------------------------------------------------------------------
@@ -386,3 +386,4 @@ class Engine:
 
     def close(self) -> None:
         self.scheduler.stop()
+        self.text_normaliser.close()

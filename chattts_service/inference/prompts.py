@@ -7,6 +7,10 @@ thread (``segments`` also on request threads: it touches no torch state).
 
 from __future__ import annotations
 
+import threading
+from collections import OrderedDict
+from typing import Protocol
+
 import torch
 
 from chattts_service.config import Settings
@@ -16,12 +20,21 @@ from chattts_service.domain.speech import (
     NothingToSay,
     SynthesisRequest,
 )
-from chattts_service.domain.text import Normaliser, pack, speakable, split_sentences
+from chattts_service.domain.text import pack, speakable, split_sentences
 from chattts_service.domain.voices import SpeakerSample
 from chattts_service.inference.generation import Heads, Sequence, TextSequence
 
 BASE_STEPS = 150  # headroom of the per-request step cap
+SPLITS_KEPT = 32  # texts whose segments are kept (a request asks for them two or three times)
 REFINE_MAX_STEPS = 384  # ChatTTS's default for text refinement
+
+
+class TextNormaliser(Protocol):
+    """wetext's normalisation (``domain.text.Normaliser``, or ``normalising``'s process)."""
+
+    def __call__(self, text: str, language: str | None = None) -> str: ...
+
+    def many(self, texts: list[str], language: str | None = None) -> list[str]: ...
 
 
 class Prompts:
@@ -31,12 +44,15 @@ class Prompts:
         heads: Heads,
         max_positions: int,
         settings: Settings,
-        text_normaliser: Normaliser,
+        text_normaliser: TextNormaliser,
     ):
         self.chat, self.heads, self.max_positions = chat, heads, max_positions
         self.settings = settings
         self.text_normaliser = text_normaliser
         self._prefix_ids: dict[int, torch.Tensor] = {}  # speed -> its prompts' first tokens
+        self._splits: OrderedDict[tuple, tuple[list[str], list[tuple[str, int]] | None]]
+        self._splits = OrderedDict()
+        self._splits_lock = threading.Lock()
 
     def speaker_embedding(self, seed: int) -> torch.Tensor:
         return voice_for_seed(self.chat.speaker, seed)
@@ -52,6 +68,9 @@ class Prompts:
         nothing speakable is left."""
         if normalize:
             text = self.text_normaliser(text, language)
+        return self._chattts_normalised(text, language)
+
+    def _chattts_normalised(self, text: str, language: str | None) -> str:
         normalised = self.chat.normalizer(
             text, do_text_normalization=True, do_homophone_replacement=True, lang=language
         )
@@ -64,9 +83,14 @@ class Prompts:
         one, so each gets its own language); "" for a sentence with nothing to say
         (punctuation or symbols alone)."""
         sentences = []
-        for sentence in split_sentences(request.text):
+        written = split_sentences(request.text)
+        # wetext's part for every sentence in one call (another process: see ``normalising``)
+        expanded = (
+            self.text_normaliser.many(written, request.language) if request.normalize else written
+        )
+        for sentence, text in zip(written, expanded, strict=True):
             try:
-                spoken = self.normalise(sentence, request.normalize, request.language)
+                spoken = self._chattts_normalised(text, request.language)
                 sentences.append((sentence, spoken))
             except NothingToSay:
                 sentences.append((sentence, ""))
@@ -91,7 +115,28 @@ class Prompts:
         """The segments: normalised sentences packed into segments of at most the configured
         length; with ``sentence_segments``, every sentence its own segment(s), so each one's
         place in the audio is known to the sample, and then also the layout: each sentence as
-        written with how many of the segments (in order) speak it."""
+        written with how many of the segments (in order) speak it.
+
+        The last few texts' answers are kept: a request asks for its segments when it is
+        admitted, when it starts and for its usage, and normalising holds the interpreter
+        (wetext's search does not let it go), so every time it is done again it stalls the
+        scheduler's thread beside it (a 60-sentence text: ~0.16 s of it)."""
+        limit = self.settings.max_segment_chars
+        key = (request.text, request.normalize, request.language, request.sentence_segments, limit)
+        with self._splits_lock:
+            kept = self._splits.get(key)
+            if kept is not None:
+                self._splits.move_to_end(key)
+        if kept is None:
+            kept = self._split(request)
+            with self._splits_lock:
+                self._splits[key] = kept
+                while len(self._splits) > SPLITS_KEPT:
+                    self._splits.popitem(last=False)
+        segments, layout = kept
+        return list(segments), None if layout is None else list(layout)
+
+    def _split(self, request: SynthesisRequest) -> tuple[list[str], list[tuple[str, int]] | None]:
         sentences = self.sentences(request)
         limit = self.settings.max_segment_chars
         if not request.sentence_segments:

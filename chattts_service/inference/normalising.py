@@ -1,0 +1,125 @@
+"""wetext's normalisation in a process of its own.
+
+wetext searches its grammars in C++ that keeps the interpreter's lock for the whole search
+(~2.5 ms a sentence), so a request thread normalising a long text in the service's process
+takes the lock from the scheduler's thread between every two of its tensor operations:
+measured, two threads normalising made a thread's small matrix products 9x slower (Zen 4, two
+cores), and a stream's first audio waited ~0.25 s behind two long texts arriving with it. In a
+process of its own the search costs a core's time and nothing else.
+
+One worker process (spawned: the service's process has torch's threads running), its grammars
+loaded by ``warm_up``; calls from any thread, each waiting without the lock. A worker that
+dies (killed, out of memory) is replaced at the next call, which is tried again once; where
+no worker can be started the texts are normalised here, as before, and the log says so.
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing
+import threading
+from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
+
+from chattts_service.domain import text as texts
+
+log = logging.getLogger(__name__)
+
+HERE_AT_MOST = 4  # sentences normalised on the caller's thread (~2.5 ms each)
+BATCH = 8  # sentences per call to the worker: one caller's long text never holds it long
+WORKER_NICENESS = 10  # the worker yields the cores to the model's threads
+
+
+class NormaliserProcess:
+    """``domain.text.Normaliser``'s calls, run by a worker process."""
+
+    def __init__(self) -> None:
+        self._pool: ProcessPoolExecutor | None = None
+        self._lock = threading.Lock()  # one pool at a time, (re)started by one thread
+        self._in_process = False  # no worker could be started: normalise here
+        self.restarts = 0
+
+    def __call__(self, text: str, language: str | None = None) -> str:
+        return self.many([text], language)[0]
+
+    def many(self, items: list[str], language: str | None = None) -> list[str]:
+        """Each text normalised (``Normaliser.__call__``): a few here (a few milliseconds,
+        sooner than the worker would get a core), more by the worker, ``BATCH`` at a time."""
+        if len(items) <= HERE_AT_MOST:
+            return texts.normalise_many(items, language)
+        out: list[str] = []
+        for start in range(0, len(items), BATCH):
+            out += self._by_worker(items[start : start + BATCH], language)
+        return out
+
+    def _by_worker(self, items: list[str], language: str | None) -> list[str]:
+        for attempt in range(2):
+            pool = self._running_pool()
+            if pool is None:
+                return texts.normalise_many(items, language)
+            try:
+                return pool.submit(texts.normalise_many, items, language).result()
+            except BrokenProcessPool:
+                self._replace(pool, attempt)
+            except OSError as error:  # the worker could not be started
+                self._give_up(error)
+        return texts.normalise_many(items, language)  # pragma: no cover - two workers died
+
+    def warm_up(self) -> None:
+        """Load the grammars here (short texts) and in the worker, started for it, at once."""
+        for attempt in range(2):
+            pool = self._running_pool()
+            if pool is None:
+                break
+            try:
+                loaded = pool.submit(texts.warm_up)
+                texts.warm_up()
+                loaded.result()
+                return
+            except BrokenProcessPool:
+                self._replace(pool, attempt)
+            except OSError as error:
+                self._give_up(error)
+        texts.warm_up()
+
+    def worker_pid(self) -> int | None:
+        """The worker's process id, once it runs (None before, or when normalising here)."""
+        pool = self._pool
+        processes = getattr(pool, "_processes", None) or {}
+        return next(iter(processes), None)
+
+    def close(self) -> None:
+        with self._lock:
+            pool, self._pool = self._pool, None
+        if pool is not None:
+            pool.shutdown(wait=True, cancel_futures=True)
+
+    def _running_pool(self) -> ProcessPoolExecutor | None:
+        with self._lock:
+            if self._pool is None and not self._in_process:
+                try:
+                    self._pool = ProcessPoolExecutor(
+                        max_workers=1,
+                        mp_context=multiprocessing.get_context("spawn"),
+                        initializer=texts.lower_priority,
+                        initargs=(WORKER_NICENESS,),
+                    )
+                except OSError as error:
+                    log.warning("no normalising process (%s): normalising in this one", error)
+                    self._in_process = True
+            return self._pool
+
+    def _give_up(self, error: OSError) -> None:
+        log.warning("no normalising process (%s): normalising in this one", error)
+        with self._lock:
+            pool, self._pool, self._in_process = self._pool, None, True
+        if pool is not None:
+            pool.shutdown(wait=False, cancel_futures=True)
+
+    def _replace(self, broken: ProcessPoolExecutor, attempt: int) -> None:
+        with self._lock:
+            if self._pool is broken:
+                self._pool = None
+                self.restarts += 1
+        broken.shutdown(wait=False, cancel_futures=True)
+        log.warning("the normalising process died; starting another (try %d)", attempt + 2)
