@@ -325,7 +325,8 @@ class Scheduler:
         """Give rows to waiting work in the policy's order, taking rows back where it says so,
         and prefill: while rows step, pieces until the stall budget is spent; with none
         stepping, every prompt whole (nobody waits on it, and work that arrives together
-        starts together: streams then share their decode rounds from the first)."""
+        starts together: streams then share their decode rounds from the first), but bulk
+        prompts in pieces once an interactive row is ready (it waits on them)."""
         batch = self._batch
         bulk_cap = self._bulk_cap()
         if bulk_cap is not None:
@@ -356,6 +357,12 @@ class Scheduler:
             if chosen is None:
                 return
             job, sequence = chosen
+            if _is_stream(job) and bulk_cap is None:  # it may have come since the cap was set
+                bulk_cap = self._bulk_cap()
+            if self._shares[job].priority == BULK and deadline is None and self._ready_waits():
+                # nothing stepped yet, but a row someone waits on can: a bulk prompt beside it
+                # goes in pieces, as it would beside stepping rows
+                deadline = time.perf_counter() + self._stall_budget
             if bulk_cap is not None and self._shares[job].priority == BULK:
                 held = Holdings(self._running_shares(batch.active + batch.filling))
                 if held.by_priority[BULK] >= bulk_cap:
@@ -377,6 +384,13 @@ class Scheduler:
                 job.future.set_exception(error)
                 continue
             time_left = self._fill(sequence, deadline)
+
+    def _ready_waits(self) -> bool:
+        """Whether an interactive row is ready to step (its prompt in)."""
+        return any(
+            self._shares[self._owners[sequence]].priority == INTERACTIVE
+            for sequence in self._batch.active
+        )
 
     def _choose(self, paused_only: bool = False) -> tuple[Job, Sequence] | None:
         """The waiting work that gets the next row, started if it was only queued (its prompt
