@@ -205,6 +205,64 @@ def test_a_long_prompt_is_prefilled_in_pieces_between_steps(tiny_endless_model_d
     assert any(event[0] == "step" for event in events[at[0] : at[-1]])
 
 
+def test_a_stream_arriving_with_a_long_text_steps_before_bulk_prompts_go_in_whole(
+    tiny_endless_model_dir, monkeypatch
+):
+    """A long text's segments and a stream come in one admission with nothing stepping: the
+    stream's prompt goes in first and whole; once its row can step, the bulk prompts beside
+    it go in pieces (the stream waits on them), and bulk holds no more rows at the stream's
+    first step than ``bulk_rows_while_starting``, though it arrived first."""
+    monkeypatch.setattr(scheduler_module, "MIN_PIECE", 4)
+    with engine_on(
+        tiny_endless_model_dir,
+        max_batch=8,
+        max_segment_chars=60,
+        stall_budget_ms=5,
+        batch_wait_ms=500,  # both arrive before the scheduler admits either
+        bulk_rows_while_starting=1,
+    ) as engine:
+        scheduler = engine.scheduler
+        batch = scheduler.batch
+        fills: list[tuple[str, int | None, bool]] = []  # (class, limit, a stream row ready)
+        first_step: list[int] = []  # bulk's rows (stepping or filling) at the stream's first
+        fill = batch.fill
+
+        def slow_fill(sequence, limit=None):
+            ready = any(_is_stream_row(scheduler, other) for other in batch.active)
+            positions = fill(sequence, limit)
+            time.sleep(0.0005 * positions)  # a full-size model's pace: the budget holds few
+            fills.append((scheduler._shares[scheduler._owners[sequence]].priority, limit, ready))
+            return positions
+
+        def observe(rows, seconds):
+            jobs = [scheduler._owners[sequence] for sequence in batch.active]
+            if stream_jobs and stream_jobs[0] in jobs and not first_step:
+                holding = [scheduler._owners[s] for s in (*batch.active, *batch.filling)]
+                first_step.append(sum(scheduler._shares[job].priority == BULK for job in holding))
+
+        stream_jobs: list = []
+        monkeypatch.setattr(batch, "fill", slow_fill)
+        scheduler._on_step = observe
+        long_request = SynthesisRequest(LONG_TEXT, seed=5)
+        assert len(engine.segments(long_request)) >= 3  # normalised (and kept) beforehand
+        bulk_run = engine.start(long_request, fixed_steps=30, priority=BULK)
+        stream = engine.start(SynthesisRequest("你好。", seed=9), fixed_steps=30, stream=True)
+        stream_jobs.append(stream.jobs[0])
+        list(stream.chunks(timeout=60))
+        bulk_run.result(60)
+
+    assert fills[0][:2] == (INTERACTIVE, None), fills  # the stream's prompt first, whole
+    beside = [(limit, ready) for priority, limit, ready in fills if priority == BULK and ready]
+    assert beside, fills
+    assert all(limit is not None for limit, _ in beside), fills
+    assert first_step == [1], first_step
+
+
+def _is_stream_row(scheduler, sequence) -> bool:
+    job = scheduler._owners.get(sequence)
+    return job is not None and scheduler._shares[job].priority == INTERACTIVE
+
+
 def test_rows_paused_for_a_starting_stream_resume_once_no_row_steps(
     tiny_endless_model_dir, monkeypatch
 ):
