@@ -5,7 +5,10 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -73,3 +76,31 @@ def _alive(pid: int) -> bool:
             return stat.read().split(")")[-1].split()[0] != "Z"
     except FileNotFoundError:
         return False
+
+
+def test_the_worker_leaves_when_the_service_is_killed(tmp_path):
+    """Killed (SIGKILL: nothing runs to stop the worker), the service's process leaves no
+    worker waiting for calls for ever."""
+    code = (
+        "import time\n"
+        "from chattts_service.inference.normalising import NormaliserProcess\n"
+        "worker = NormaliserProcess()\n"
+        "worker.warm_up()\n"
+        "print(worker.worker_pid(), flush=True)\n"
+        "time.sleep(120)\n"
+    )
+    root = Path(__file__).resolve().parent.parent
+    service = subprocess.Popen(
+        [sys.executable, "-c", code], stdout=subprocess.PIPE, text=True, cwd=root
+    )
+    try:
+        pid = int(service.stdout.readline())
+    finally:
+        service.kill()
+        service.wait()
+    deadline = time.monotonic() + 15
+    while time.monotonic() < deadline and _alive(pid):
+        time.sleep(0.1)
+    if _alive(pid):
+        os.kill(pid, signal.SIGKILL)
+        raise AssertionError("the worker outlived the service's process")

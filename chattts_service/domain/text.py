@@ -13,7 +13,6 @@ boundary, then at a space, and only as a last resort in the middle of a run of c
 from __future__ import annotations
 
 import logging
-import os
 import re
 import threading
 import unicodedata
@@ -228,18 +227,3 @@ class Normaliser:
 
 # the process's one normaliser: the engine's, and SSML's say-as dates and times
 NORMALISER = Normaliser()
-
-
-def normalise_many(texts: list[str], language: str | None = None) -> list[str]:
-    """``NORMALISER`` on each text, in order: what a normalising process runs per call."""
-    return NORMALISER.many(texts, language)
-
-
-def warm_up() -> None:
-    """Load ``NORMALISER``'s grammars (a normalising process's first call)."""
-    NORMALISER.warm_up()
-
-
-def lower_priority(niceness: int) -> None:
-    """Raise this process's niceness by ``niceness`` (a normalising worker's first act)."""
-    os.nice(niceness)

@@ -17,11 +17,13 @@ from __future__ import annotations
 
 import logging
 import multiprocessing
+import os
 import threading
+import time
 from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 
-from chattts_service.domain import text as texts
+from chattts_service.domain.text import NORMALISER
 
 log = logging.getLogger(__name__)
 
@@ -46,7 +48,7 @@ class NormaliserProcess:
         """Each text normalised (``Normaliser.__call__``): a few here (a few milliseconds,
         sooner than the worker would get a core), more by the worker, ``BATCH`` at a time."""
         if len(items) <= HERE_AT_MOST:
-            return texts.normalise_many(items, language)
+            return _normalise_many(items, language)
         out: list[str] = []
         for start in range(0, len(items), BATCH):
             out += self._by_worker(items[start : start + BATCH], language)
@@ -56,14 +58,14 @@ class NormaliserProcess:
         for attempt in range(2):
             pool = self._running_pool()
             if pool is None:
-                return texts.normalise_many(items, language)
+                return _normalise_many(items, language)
             try:
-                return pool.submit(texts.normalise_many, items, language).result()
+                return pool.submit(_normalise_many, items, language).result()
             except BrokenProcessPool:
                 self._replace(pool, attempt)
             except OSError as error:  # the worker could not be started
                 self._give_up(error)
-        return texts.normalise_many(items, language)  # pragma: no cover - two workers died
+        return _normalise_many(items, language)  # pragma: no cover - two workers died
 
     def warm_up(self) -> None:
         """Load the grammars here (short texts) and in the worker, started for it, at once."""
@@ -72,15 +74,15 @@ class NormaliserProcess:
             if pool is None:
                 break
             try:
-                loaded = pool.submit(texts.warm_up)
-                texts.warm_up()
+                loaded = pool.submit(_warm_up)
+                _warm_up()
                 loaded.result()
                 return
             except BrokenProcessPool:
                 self._replace(pool, attempt)
             except OSError as error:
                 self._give_up(error)
-        texts.warm_up()
+        _warm_up()
 
     def worker_pid(self) -> int | None:
         """The worker's process id, once it runs (None before, or when normalising here)."""
@@ -101,7 +103,7 @@ class NormaliserProcess:
                     self._pool = ProcessPoolExecutor(
                         max_workers=1,
                         mp_context=multiprocessing.get_context("spawn"),
-                        initializer=texts.lower_priority,
+                        initializer=_worker_started,
                         initargs=(WORKER_NICENESS,),
                     )
                 except OSError as error:
@@ -123,3 +125,28 @@ class NormaliserProcess:
                 self.restarts += 1
         broken.shutdown(wait=False, cancel_futures=True)
         log.warning("the normalising process died; starting another (try %d)", attempt + 2)
+
+
+# -- in the worker -------------------------------------------------------------------------------
+
+
+def _normalise_many(items: list[str], language: str | None) -> list[str]:
+    return NORMALISER.many(items, language)
+
+
+def _warm_up() -> None:
+    NORMALISER.warm_up()
+
+
+def _worker_started(niceness: int) -> None:
+    """Yield the cores (``niceness``), and leave when the service's process has gone (killed:
+    nothing told the worker, which would wait for calls for ever)."""
+    os.nice(niceness)
+    parent = os.getppid()
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(1.0)
+        os._exit(0)
+
+    threading.Thread(target=watch, name="parent-watch", daemon=True).start()
