@@ -29,7 +29,7 @@ log = logging.getLogger(__name__)
 
 HERE_AT_MOST = 4  # sentences normalised on the caller's thread (~2.5 ms each)
 BATCH = 8  # sentences per call to the worker: one caller's long text never holds it long
-WORKER_NICENESS = 10  # the worker yields the cores to the model's threads
+WORKER_NICENESS = 5  # the worker yields the cores to the model's threads
 
 
 class NormaliserProcess:
