@@ -20,12 +20,15 @@ import multiprocessing
 import os
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
+from typing import Any, TypeVar
 
 from chattts_service.domain.text import NORMALISER
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 HERE_AT_MOST = 4  # sentences normalised on the caller's thread (~2.5 ms each)
 BATCH = 8  # sentences per call to the worker: one caller's long text never holds it long
@@ -51,38 +54,32 @@ class NormaliserProcess:
             return _normalise_many(items, language)
         out: list[str] = []
         for start in range(0, len(items), BATCH):
-            out += self._by_worker(items[start : start + BATCH], language)
+            out += self._run(_normalise_many, items[start : start + BATCH], language)
         return out
-
-    def _by_worker(self, items: list[str], language: str | None) -> list[str]:
-        for attempt in range(2):
-            pool = self._running_pool()
-            if pool is None:
-                return _normalise_many(items, language)
-            try:
-                return pool.submit(_normalise_many, items, language).result()
-            except BrokenProcessPool:
-                self._replace(pool, attempt)
-            except OSError as error:  # the worker could not be started
-                self._give_up(error)
-        return _normalise_many(items, language)  # pragma: no cover - two workers died
 
     def warm_up(self) -> None:
         """Load the grammars here (short texts) and in the worker, started for it, at once."""
+        self._run(_warm_up, meanwhile=_warm_up)
+
+    def _run(
+        self, function: Callable[..., T], *args: Any, meanwhile: Callable[[], object] | None = None
+    ) -> T:
+        """``function(*args)`` by the worker, ``meanwhile()`` here while it works; here instead
+        where no worker can be started, or when a worker and its replacement both died."""
         for attempt in range(2):
             pool = self._running_pool()
             if pool is None:
                 break
             try:
-                loaded = pool.submit(_warm_up)
-                _warm_up()
-                loaded.result()
-                return
+                future = pool.submit(function, *args)
+                if meanwhile is not None:
+                    meanwhile()
+                return future.result()
             except BrokenProcessPool:
                 self._replace(pool, attempt)
-            except OSError as error:
+            except OSError as error:  # no worker could be started
                 self._give_up(error)
-        _warm_up()
+        return function(*args)
 
     def worker_pid(self) -> int | None:
         """The worker's process id, once it runs (None before, or when normalising here)."""
@@ -97,6 +94,7 @@ class NormaliserProcess:
             pool.shutdown(wait=True, cancel_futures=True)
 
     def _running_pool(self) -> ProcessPoolExecutor | None:
+        """The worker's pool, made if there is none; None once normalising here."""
         with self._lock:
             if self._pool is None and not self._in_process:
                 try:
@@ -107,16 +105,20 @@ class NormaliserProcess:
                         initargs=(WORKER_NICENESS,),
                     )
                 except OSError as error:
-                    log.warning("no normalising process (%s): normalising in this one", error)
-                    self._in_process = True
+                    self._normalise_here(error)
             return self._pool
 
     def _give_up(self, error: OSError) -> None:
-        log.warning("no normalising process (%s): normalising in this one", error)
         with self._lock:
-            pool, self._pool, self._in_process = self._pool, None, True
+            pool, self._pool = self._pool, None
+            self._normalise_here(error)
         if pool is not None:
             pool.shutdown(wait=False, cancel_futures=True)
+
+    def _normalise_here(self, error: OSError) -> None:
+        """From now on, in this process (under ``_lock``)."""
+        log.warning("no normalising process (%s): normalising in this one", error)
+        self._in_process = True
 
     def _replace(self, broken: ProcessPoolExecutor, attempt: int) -> None:
         with self._lock:
