@@ -82,10 +82,15 @@ class NormaliserProcess:
         return function(*args)
 
     def worker_pid(self) -> int | None:
-        """The worker's process id, once it runs (None before, or when normalising here)."""
+        """The worker's process id, asked of it (None before a worker was started, when
+        normalising here, or when the worker has died)."""
         pool = self._pool
-        processes = getattr(pool, "_processes", None) or {}
-        return next(iter(processes), None)
+        if pool is None:
+            return None
+        try:
+            return pool.submit(os.getpid).result()
+        except BrokenProcessPool:
+            return None
 
     def close(self) -> None:
         with self._lock:
