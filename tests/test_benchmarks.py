@@ -575,3 +575,21 @@ def test_scripts_benchmark_smoke(tiny_endless_model_dir):
     assert audio["dialogue"] == pytest.approx(audio["one_by_one"], abs=0.002)
     assert audio["at_once"] == pytest.approx(audio["dialogue"], abs=0.002)
     assert 0 < data["streamed_dialogue_first_audio"][0] < 60
+
+
+def test_arrivals_benchmark_smoke(tiny_model_dir):
+    """benchmarks/arrivals.py against a real server on the tiny model: the stream's first audio
+    alone and as the long texts arrive, every round, and the texts answered."""
+    result = run_benchmark(
+        "benchmarks/arrivals.py",
+        "--model-dir",
+        str(tiny_model_dir),
+        "--rounds",
+        "2",
+        "--json",
+        timeout=600,
+    )
+    data = json.loads(result.stdout)
+    assert len(data["first_audio_alone"]) == len(data["first_audio_with_documents"]) == 2
+    assert all(0 < s < 60 for s in data["first_audio_alone"] + data["first_audio_with_documents"])
+    assert data["ratio"] > 0 and data["document_seconds_median"] > 0
