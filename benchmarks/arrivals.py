@@ -31,7 +31,7 @@ sys.path.insert(0, str(REPO))
 
 from benchmarks.loadtest import DEFAULT_TEXT  # noqa: E402
 from benchmarks.mix import BULK_TEXT  # noqa: E402
-from benchmarks.serverproc import Server  # noqa: E402
+from benchmarks.serverproc import Server, model_arguments  # noqa: E402
 from chattts_service.domain.text import split_sentences  # noqa: E402
 from chattts_service.runtime.cpu import cpu_model  # noqa: E402
 
@@ -85,17 +85,9 @@ def with_documents(url: str, seed: int, documents: list[str]) -> tuple[float, li
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model-dir", type=Path, default=REPO / "models" / "full-random")
-    parser.add_argument("--rounds", type=int, default=6)
     parser.add_argument("--documents", type=int, default=2)
     parser.add_argument("--seed", type=int, default=1, help="the stream's seed")
-    parser.add_argument("--json", action="store_true")
-    args = parser.parse_args()
-    if not (args.model_dir / "architecture.json").is_file():
-        parser.error(
-            f"no model in {args.model_dir}: python -m chattts_service.tools.testmodel "
-            f"{args.model_dir} --size full"
-        )
+    args = model_arguments(parser, rounds=6, endless=False)
     turns = random.Random().randrange(10_000)  # texts this server has not read
     server = Server(args.model_dir, Path("/tmp") / "arrivals-bench.log", CHATTTS_CACHE_SIZE="0")
     alone, beside, walls = [], [], []

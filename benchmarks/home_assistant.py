@@ -45,7 +45,7 @@ from wyoming.tts import (  # noqa: E402
     SynthesizeVoice,
 )
 
-from benchmarks.serverproc import Server, endless_model_arguments, free_port  # noqa: E402
+from benchmarks.serverproc import Server, free_port, model_arguments  # noqa: E402
 from chattts_service.domain.playback import Playback  # noqa: E402
 from chattts_service.runtime.cpu import cpu_model  # noqa: E402
 
@@ -145,7 +145,7 @@ async def streamed_answer(port: int) -> dict:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    args = endless_model_arguments(parser, rounds=5)
+    args = model_arguments(parser, rounds=5)
     port = free_port()
     log = Path("/tmp") / f"wyoming-bench-{port}.log"
     server = Server(

@@ -33,7 +33,7 @@ import requests
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from benchmarks.serverproc import Server, endless_model_arguments  # noqa: E402
+from benchmarks.serverproc import Server, model_arguments  # noqa: E402
 from chattts_service.api.validation import speech_request  # noqa: E402
 from chattts_service.config import Settings  # noqa: E402
 from chattts_service.domain.text import NORMALISER  # noqa: E402
@@ -136,7 +136,7 @@ def streamed_first_audio(url: str) -> float:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    args = endless_model_arguments(parser, rounds=3)
+    args = model_arguments(parser, rounds=3)
     result: dict = {"cpu": cpu_model(), "parse_seconds": parse_cost(Settings.from_env({}))}
     server = Server(
         args.model_dir,

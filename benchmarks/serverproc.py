@@ -21,19 +21,24 @@ MEMORY_CGROUP_ROOT = Path("/sys/fs/cgroup/memory")
 NGINX_CONFIG = REPO / "deploy" / "nginx" / "chattts.conf"
 
 
-def endless_model_arguments(parser: argparse.ArgumentParser, rounds: int) -> argparse.Namespace:
-    """``--model-dir`` (the full-size random model whose speech never ends, by default),
-    ``--rounds``, ``--max-new-tokens`` (each segment's steps) and ``--json``, parsed; an error
-    that says how to build the model when it is missing."""
-    parser.add_argument("--model-dir", type=Path, default=REPO / "models" / "full-endless")
+def model_arguments(
+    parser: argparse.ArgumentParser, rounds: int, endless: bool = True
+) -> argparse.Namespace:
+    """``--model-dir``, ``--rounds`` and ``--json`` (and for ``endless``, ``--max-new-tokens``:
+    each segment's steps), parsed. The model is by default the full-size random one whose
+    speech never ends (``endless``) or the one whose speech ends as a sentence's does; an error
+    says how to build it when it is missing."""
+    name = "full-endless" if endless else "full-random"
+    parser.add_argument("--model-dir", type=Path, default=REPO / "models" / name)
     parser.add_argument("--rounds", type=int, default=rounds)
-    parser.add_argument("--max-new-tokens", type=int, default=300)
+    if endless:
+        parser.add_argument("--max-new-tokens", type=int, default=300)
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
     if not (args.model_dir / "architecture.json").is_file():
         parser.error(
             f"no model in {args.model_dir}: python -m chattts_service.tools.testmodel "
-            f"{args.model_dir} --size full --endless"
+            f"{args.model_dir} --size full{' --endless' if endless else ''}"
         )
     return args
 
