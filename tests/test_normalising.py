@@ -7,7 +7,6 @@ import os
 import signal
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
@@ -64,53 +63,6 @@ def test_a_worker_that_dies_is_replaced_at_the_next_call(worker):
     assert worker.many(SENTENCES) == [NORMALISER(s) for s in SENTENCES]
     assert worker.restarts == 1
     assert worker.worker_pid() not in (None, first)
-
-
-def _in_background(call):
-    """``call()`` on a thread of its own: a function giving (whether it ended, its result)."""
-    out: list = []
-    thread = threading.Thread(target=lambda: out.append(call()), daemon=True)
-    thread.start()
-
-    def result(timeout: float):
-        thread.join(timeout)
-        return (bool(out), out[0] if out else None)
-
-    return result
-
-
-def test_a_held_worker_waits_before_its_next_sentence_until_let_go(worker):
-    worker.warm_up()
-    worker.hold(True)
-    result = _in_background(lambda: worker.many(SENTENCES))
-    assert result(0.3) == (False, None)  # held (for well under HOLD_SECONDS so far)
-    worker.hold(False)
-    assert result(30) == (True, [NORMALISER(s) for s in SENTENCES])
-    # a text short enough for the caller's thread is never held
-    worker.hold(True)
-    few = SENTENCES[: normalising.HERE_AT_MOST]
-    assert _in_background(lambda: worker.many(few))(5) == (True, [NORMALISER(s) for s in few])
-    worker.hold(False)
-
-
-def test_a_worker_is_held_at_most_hold_seconds_then_not_again_until_let_go(worker, monkeypatch):
-    """Held for ``HOLD_SECONDS`` (here 0.3 s, on this side) it goes on, and asking it to hold
-    again changes nothing until holding has been let go."""
-    monkeypatch.setattr(normalising, "HOLD_SECONDS", 0.3)
-    worker.warm_up()
-    started = time.monotonic()
-    worker.hold(True)
-    result = _in_background(lambda: worker.many(SENTENCES))
-    while not result(0.02)[0] and time.monotonic() - started < 30:
-        worker.hold(True)  # as the scheduler asks, every iteration
-    assert result(0)[0]
-    assert time.monotonic() - started >= 0.3
-    worker.hold(True)  # spent: not held again
-    assert _in_background(lambda: worker.many(SENTENCES))(30)[0]
-    worker.hold(False)
-    worker.hold(True)  # let go once: holds again
-    assert _in_background(lambda: worker.many(SENTENCES))(0.2) == (False, None)
-    worker.hold(False)
 
 
 def _alive(pid: int) -> bool:

@@ -467,35 +467,6 @@ def test_bulk_gives_up_rows_while_a_streams_listener_runs_short(tiny_endless_mod
     assert healthy and max(healthy) == 3
 
 
-def test_the_normalising_worker_is_held_while_a_stream_waits_for_its_first_audio(
-    tiny_endless_model_dir,
-):
-    """The scheduler asks the normalising worker to hold while a stream waits for its first
-    audio, and lets it go once the stream has sound and when nothing runs."""
-    with engine_on(tiny_endless_model_dir) as engine:
-        scheduler = engine.scheduler
-        asked: list[tuple[bool, bool]] = []  # (hold asked, the stream without audio yet)
-        hold = scheduler._on_starting
-
-        def observe(starting: bool) -> None:
-            asked.append((starting, stream_job is not None and stream_job.slack() is None))
-            hold(starting)
-
-        stream_job = None
-        scheduler._on_starting = observe
-        stream = engine.start(SynthesisRequest("你好。", seed=9), fixed_steps=120, stream=True)
-        stream_job = stream.jobs[0]
-        chunks = list(stream.chunks(timeout=60))
-        deadline = time.monotonic() + 10
-        while (not asked or asked[-1][0]) and time.monotonic() < deadline:
-            time.sleep(0.01)
-        scheduler._on_starting = hold
-    assert chunks
-    assert any(held and waiting for held, waiting in asked)  # held while it started
-    assert not any(held and not waiting for held, waiting in asked)  # never once it had sound
-    assert asked[-1] == (False, False)  # let go when nothing runs
-
-
 def test_a_stream_a_segment_at_a_time_sends_each_segments_whole_audio(tiny_model_dir):
     """``CHATTTS_DEFAULT_STREAM=segments``: a stream nobody asked for gets one piece per
     segment, each the whole answer's segment."""

@@ -85,8 +85,6 @@ class Engine:
             on_stall=stall_observer,
             on_admitted=admitted_observer,
             on_taken_back=taken_back_observer,
-            # the normalising worker waits while a stream waits for its first audio
-            on_starting=lambda starting: self.text_normaliser.hold(starting),
         )
         self._requests = itertools.count()  # each request's number in the scheduler's shares
         # once loaded: the model and what is built on it

@@ -11,13 +11,6 @@ One worker process (spawned: the service's process has torch's threads running),
 loaded by ``warm_up``; calls from any thread, each waiting without the lock. A worker that
 dies (killed, out of memory) is replaced at the next call, which is tried again once; where
 no worker can be started the texts are normalised here, as before, and the log says so.
-
-The scheduler holds the worker (``hold``) while a stream waits for its first audio: even at
-niceness +5 the worker took about a quarter of a core from the model's threads, whose steps
-wait for the slower one, so a stream sent as two long documents arrived began its audio after
-~0.7 s against ~0.5 s with the worker held (``benchmarks/arrivals.py``). It stops between two
-sentences, for at most ``HOLD_SECONDS`` at a time, and goes on at once when the stream has
-sound: a document's segments start a little later, its whole answer about as soon.
 """
 
 from __future__ import annotations
@@ -40,7 +33,6 @@ T = TypeVar("T")
 HERE_AT_MOST = 4  # sentences normalised on the caller's thread (~2.5 ms each)
 BATCH = 8  # sentences per call to the worker: one caller's long text never holds it long
 WORKER_NICENESS = 5  # the worker yields the cores to the model's threads
-HOLD_SECONDS = 1.0  # the longest the worker is held at a time (``NormaliserProcess.hold``)
 
 
 class NormaliserProcess:
@@ -51,11 +43,6 @@ class NormaliserProcess:
         self._lock = threading.Lock()  # one pool at a time, (re)started by one thread
         self._in_process = False  # no worker could be started: normalise here
         self.restarts = 0
-        # set: the worker goes on; clear: it waits before its next sentence (``hold``)
-        self._go = multiprocessing.get_context("spawn").Event()
-        self._go.set()
-        self._held_since: float | None = None
-        self._hold_spent = False  # held its longest since holding was last asked to end
 
     def __call__(self, text: str, language: str | None = None) -> str:
         return self.many([text], language)[0]
@@ -69,26 +56,6 @@ class NormaliserProcess:
         for start in range(0, len(items), BATCH):
             out += self._run(_normalise_many, items[start : start + BATCH], language)
         return out
-
-    def hold(self, holding: bool) -> None:
-        """Hold the worker before its next sentence while ``holding`` (called by one thread,
-        the scheduler's, every iteration), for at most ``HOLD_SECONDS``: after that it goes on,
-        and is held again only once ``holding`` has been false."""
-        if not holding:
-            self._hold_spent = False
-            self._release()
-        elif self._held_since is not None:
-            if time.monotonic() - self._held_since >= HOLD_SECONDS:
-                self._release()
-                self._hold_spent = True
-        elif not self._hold_spent:
-            self._go.clear()
-            self._held_since = time.monotonic()
-
-    def _release(self) -> None:
-        if self._held_since is not None:
-            self._held_since = None
-            self._go.set()
 
     def warm_up(self) -> None:
         """Load the grammars here (short texts) and in the worker, started for it, at once."""
@@ -126,7 +93,6 @@ class NormaliserProcess:
             return None
 
     def close(self) -> None:
-        self._release()
         with self._lock:
             pool, self._pool = self._pool, None
         if pool is not None:
@@ -141,7 +107,7 @@ class NormaliserProcess:
                         max_workers=1,
                         mp_context=multiprocessing.get_context("spawn"),
                         initializer=_worker_started,
-                        initargs=(WORKER_NICENESS, self._go),
+                        initargs=(WORKER_NICENESS,),
                     )
                 except OSError as error:
                     self._normalise_here(error)
@@ -171,32 +137,17 @@ class NormaliserProcess:
 # -- in the worker -------------------------------------------------------------------------------
 
 
-_GO: Any = None  # in the worker: the parent's ``_go`` event
-
-
 def _normalise_many(items: list[str], language: str | None) -> list[str]:
-    """Each text normalised; in the worker, each waiting while the parent holds it (at most
-    ``HOLD_SECONDS`` in all for the call, should the parent never let go)."""
-    if _GO is None:
-        return NORMALISER.many(items, language)
-    deadline = time.monotonic() + HOLD_SECONDS
-    out = []
-    for item in items:
-        _GO.wait(max(0.0, deadline - time.monotonic()))
-        out.append(NORMALISER(item, language))
-    return out
+    return NORMALISER.many(items, language)
 
 
 def _warm_up() -> None:
     NORMALISER.warm_up()
 
 
-def _worker_started(niceness: int, go: Any) -> None:
-    """Yield the cores (``niceness``), wait while ``go`` is clear (``_normalise_many``), and
-    leave when the service's process has gone (killed: nothing told the worker, which would
-    wait for calls for ever)."""
-    global _GO
-    _GO = go
+def _worker_started(niceness: int) -> None:
+    """Yield the cores (``niceness``), and leave when the service's process has gone (killed:
+    nothing told the worker, which would wait for calls for ever)."""
     os.nice(niceness)
     parent = os.getppid()
 

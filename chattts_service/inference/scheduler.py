@@ -114,7 +114,6 @@ class Scheduler:
         on_stall: Callable[[float], None] | None = None,
         on_admitted: Callable[[str, float], None] | None = None,
         on_taken_back: Callable[[str], None] | None = None,
-        on_starting: Callable[[bool], None] | None = None,
     ):
         self.batch: Batch | None = None  # attached from the model thread once loaded
         self.decodes: DecodeQueue | None = None
@@ -138,8 +137,6 @@ class Scheduler:
         self._on_stall = on_stall  # on_stall(seconds): a gap between two steps of a batch
         self._on_admitted = on_admitted  # on_admitted(priority, seconds queued): a first row
         self._on_taken_back = on_taken_back  # on_taken_back(priority): the taker's class
-        # on_starting(starting) every iteration: whether a stream waits for its first audio
-        self._on_starting = on_starting
         # each prompt part-way in: the seconds its pieces took so far, its last piece's pace
         # (seconds a position; None if it took no position)
         self._prefilling: dict[Sequence, tuple[float, float | None]] = {}
@@ -225,8 +222,6 @@ class Scheduler:
         while not self._stop.is_set():
             try:
                 self._run_calls()
-                if self._on_starting is not None:
-                    self._on_starting(self._stream_starting())
                 if self._idle() and not self._wait_for_work():
                     continue
                 self._drop_cancelled()
@@ -464,28 +459,17 @@ class Scheduler:
         """The rows bulk may hold now: ``bulk_rows_while_starting`` (at least its floor) while
         an interactive stream waits for its first audio, or its listener holds less than its
         low water by ``SHORT_SECONDS``: more rows would slow its steps; else no cap (None)."""
-        for job in self._interactive_streams():
-            slack = job.slack()
-            if slack is None or slack < -SHORT_SECONDS:
-                return max(self.policy.bulk_min_rows, self.policy.bulk_rows_while_starting)
-        return None
-
-    def _stream_starting(self) -> bool:
-        """Whether an interactive stream waits for its first audio."""
-        if self.batch is None:  # no model yet: nothing runs
-            return False
-        return any(job.slack() is None for job in self._interactive_streams())
-
-    def _interactive_streams(self) -> list[StreamJob]:
-        """The interactive streams not paused: queued, new, prefilling or stepping."""
         batch = self._batch
         with self._submit_lock:
             queued = list(self._queued)
         jobs = [*queued, *(self._owners[s] for s in (*batch.active, *batch.filling))]
         jobs += [job for job, sequence in self._waiting if sequence.cache is None]
-        return [
-            job for job in jobs if _is_stream(job) and self._shares[job].priority == INTERACTIVE
-        ]
+        for job in jobs:
+            if _is_stream(job) and self._shares[job].priority == INTERACTIVE:
+                slack = job.slack()
+                if slack is None or slack < -SHORT_SECONDS:
+                    return max(self.policy.bulk_min_rows, self.policy.bulk_rows_while_starting)
+        return None
 
     def _admitted(self, job: Job) -> None:
         submitted = self._submitted.pop(job, None)
